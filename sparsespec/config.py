@@ -1,0 +1,164 @@
+"""Frozen, validated configuration dataclasses.
+
+``ModelConfig`` is read from a Hugging Face ``config.json`` (Llama 2/3.x, Mistral, Qwen2/2.5);
+``SpecConfig`` holds the speculative-decoding knobs of a method; ``SamplingParams`` the decoding
+parameters. Invalid values raise ``ValueError`` naming the field.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder (shapes in the DESIGN.md letters)."""
+
+    model_type: str
+    vocab_size: int  # V
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int  # L
+    num_heads: int  # H
+    num_kv_heads: int  # H_kv
+    head_dim: int  # D
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None = None  # e.g. {"rope_type": "llama3", "factor": 8.0, ...}
+    attention_bias: bool = False  # Qwen2: q/k/v projections carry a bias
+    tie_word_embeddings: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {self.model_type!r} not supported; expected one of {SUPPORTED_MODEL_TYPES}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (GQA group, G = H / H_kv)."""
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
+        model_type = cfg.get("model_type", "llama")
+        num_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        # transformers 5.x writes "rope_parameters"; 4.x files have rope_theta + rope_scaling.
+        rope = dict(cfg.get("rope_parameters") or {})
+        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling = cfg.get("rope_scaling") or (rope if rope else None)
+        if scaling is not None:
+            scaling = dict(scaling)
+            rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+            if rope_type == "default":
+                scaling = None
+            elif rope_type != "llama3":
+                raise ValueError(f"rope scaling type {rope_type!r} is not supported (default, llama3)")
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            max_position_embeddings=cfg["max_position_embeddings"],
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> ModelConfig:
+        path = Path(folder) / "config.json"
+        try:
+            return cls.from_hf_config(json.loads(path.read_text()))
+        except (KeyError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: malformed model config ({e!r})") from None
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Knobs of a speculative method (all methods share the names).
+
+    Attributes:
+        k: draft length K (tokens proposed per step), >= 1.
+        budget_frac: sparse index budget as a fraction of the context (SparseSpec-L: 0.1).
+        min_budget / max_budget: floor and cap of the budget in tokens (per layer and KV head).
+        n_sink: first positions always kept (attention sinks).
+        n_recent: last positions always kept.
+        window: W, the number of most recent query positions whose attention mass scores a key.
+    """
+
+    k: int = 8
+    budget_frac: float = 0.1
+    min_budget: int = 128
+    max_budget: int = 8192
+    n_sink: int = 4
+    n_recent: int = 32
+    window: int = 16
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
+            raise ValueError(f"k must be an integer >= 1, got {self.k!r}")
+        if not (0.0 < self.budget_frac <= 1.0) or math.isnan(self.budget_frac):
+            raise ValueError(f"budget_frac must be in (0, 1], got {self.budget_frac!r}")
+        if self.n_sink < 0 or self.n_recent < 1 or self.window < 1:
+            raise ValueError("n_sink must be >= 0, n_recent >= 1 and window >= 1")
+        if self.min_budget < self.n_sink + self.n_recent:
+            raise ValueError(
+                f"min_budget ({self.min_budget}) must be >= n_sink + n_recent ({self.n_sink + self.n_recent})"
+            )
+        if self.max_budget < self.min_budget:
+            raise ValueError(f"max_budget ({self.max_budget}) must be >= min_budget ({self.min_budget})")
+
+    def budget(self, context_len: int) -> int:
+        """Index size N for a context of ``context_len`` tokens (capped at the context)."""
+        n = max(self.min_budget, min(self.max_budget, math.ceil(self.budget_frac * context_len)))
+        return min(n, context_len)
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any] | None) -> SpecConfig:
+        options = dict(options or {})
+        known = set(cls.__dataclass_fields__)
+        unknown = set(options) - known
+        if unknown:
+            raise ValueError(f"unknown method_options {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**options)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Decoding parameters. Only greedy (temperature 0) is implemented in this version."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    eos_token_ids: tuple[int, ...] = field(default=())
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if self.temperature != 0.0:
+            raise ValueError(
+                f"temperature={self.temperature!r}: only greedy decoding (temperature=0.0) is implemented so far"
+            )

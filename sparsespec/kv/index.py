@@ -1,0 +1,77 @@
+"""Sparse KV index for self-speculative drafting (SparseSpec-L).
+
+The draft forward attends, per layer and per KV head, to ``N`` cached positions: the first
+``n_sink`` (attention sinks), the last ``n_recent``, and the top ``N - n_sink - n_recent`` of the
+rest by importance. Importance of a key = attention probability it received from the last ``W``
+committed query positions, summed over the query heads of its KV group (GQA). The probabilities
+are recycled from the forwards that already computed full attention (prefill's last chunk and
+every verification); since attention is causal, an old query's row never changes as keys are
+appended, so a ring of the last ``W`` rows is exact. The index is rebuilt from scratch after every
+verification; the dense cache is never pruned, so a key dropped once can come back (recallable).
+"""
+from __future__ import annotations
+
+import torch
+
+
+class ImportanceWindow:
+    """Ring buffer of the attention rows of the last ``W`` committed query positions.
+
+    ``rows``: ``[L, B, H_kv, W, S_max]`` float32, row ``w`` holding the attention probability
+    (summed over the query heads of each KV head) that one query gave to every key; zero past
+    that query's own position.
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, window: int, capacity: int, device):
+        self.rows = torch.zeros(num_layers, batch_size, num_kv_heads, window, capacity, device=device)
+        self.window = window
+        self.count = 0  # rows written so far (valid rows = min(count, W))
+        self._next = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.numel() * self.rows.element_size()
+
+    def push(self, new_rows: torch.Tensor) -> None:
+        """Append query rows ``[L, B, H_kv, T, S]`` (oldest first); keeps the last ``W``."""
+        t, s = new_rows.shape[3], new_rows.shape[4]
+        if t > self.window:
+            new_rows, t = new_rows[:, :, :, -self.window :], self.window
+        slots = [(self._next + i) % self.window for i in range(t)]
+        slot_idx = torch.tensor(slots, device=self.rows.device)
+        self.rows[:, :, :, slot_idx, :s] = new_rows.float()
+        self.rows[:, :, :, slot_idx, s:] = 0.0
+        self._next = (self._next + t) % self.window
+        self.count += t
+
+    def scores(self, length: int) -> torch.Tensor:
+        """Importance of the first ``length`` keys: ``[L, B, H_kv, length]`` float32."""
+        return self.rows[..., :length].sum(dim=3)
+
+
+def build_index(scores: torch.Tensor, length: int, budget: int, n_sink: int, n_recent: int) -> torch.Tensor:
+    """Positions the draft attends to.
+
+    Args:
+        scores: ``[L, B, H_kv, length]`` float32 importance of each cached key.
+        length: number of cached positions S.
+        budget: index size N (``<= length``).
+        n_sink, n_recent: positions always kept at the start and the end.
+
+    Returns:
+        ``[L, B, H_kv, N]`` int64, sorted ascending, unique, in ``[0, length)``. When
+        ``budget >= length`` every position is kept.
+    """
+    lead = scores.shape[:-1]
+    device = scores.device
+    if budget >= length:
+        return torch.arange(length, device=device).expand(*lead, length).contiguous()
+    n_sink = min(n_sink, budget)
+    n_recent = min(n_recent, budget - n_sink)
+    n_top = budget - n_sink - n_recent
+    sink = torch.arange(n_sink, device=device).expand(*lead, n_sink)
+    recent = torch.arange(length - n_recent, length, device=device).expand(*lead, n_recent)
+    middle = scores[..., n_sink : length - n_recent]  # [L, B, H_kv, S - sink - recent]
+    top = torch.topk(middle, n_top, dim=-1, sorted=False).indices + n_sink
+    top, _ = torch.sort(top, dim=-1)
+    return torch.cat([sink, top, recent], dim=-1)  # [L, B, H_kv, N]

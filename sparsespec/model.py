@@ -1,0 +1,286 @@
+"""Llama-family decoder (Llama 2/3.x with llama3 RoPE scaling, Mistral, Qwen2/2.5) for decoding.
+
+Weights are loaded from a Hugging Face safetensors folder. The forward has three paths that
+share the same layers:
+
+* ``dense``: T new tokens attend causally to the whole dense cache (prefill chunks, AR decode and
+  verification). Optionally returns, for the last ``rows`` query positions, the attention
+  probabilities every key received, summed over the query heads of its KV group
+  (``[L, B, H_kv, rows, S]``), which SparseSpec-L recycles as importance.
+* ``draft``: one new token attends only to a compact buffer holding the gathered sparse index plus
+  the draft's own earlier tokens of this step (``DraftKV``).
+
+GQA is computed by grouping query heads under their KV head (``[B, H_kv, G*T, D] @ [B, H_kv, D, S]``),
+so repeated KV heads are never materialised.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from sparsespec.config import ModelConfig
+from sparsespec.kv.cache import KVCache
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse RoPE frequencies ``[D/2]`` float32, with Llama-3.x scaling when configured."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    sc = cfg.rope_scaling
+    if sc and sc.get("rope_type", sc.get("type")) == "llama3":
+        factor = float(sc["factor"])
+        low, high = float(sc.get("low_freq_factor", 1.0)), float(sc.get("high_freq_factor", 4.0))
+        old_ctx = float(sc["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = torch.where(is_medium, smoothed, scaled)
+    return inv.float()
+
+
+@dataclass
+class DraftKV:
+    """Compact KV of one draft phase: ``k``, ``v`` ``[L, B, H_kv, N + K_max, D]``.
+
+    Slots ``[0, n_index)`` hold the gathered sparse index; the draft tokens of the current step
+    append after it. ``length`` counts valid slots.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int
+
+
+class Transformer(torch.nn.Module):
+    """Llama-family causal LM; see the module docstring."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = torch.device(device)
+        H, Hkv, D, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+        kw = dict(dtype=dtype, device=self.device)
+        self.embed = torch.nn.Parameter(torch.empty(cfg.vocab_size, E, **kw), requires_grad=False)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else torch.nn.Parameter(
+            torch.empty(cfg.vocab_size, E, **kw), requires_grad=False
+        )
+        self.norm = torch.nn.Parameter(torch.empty(E, **kw), requires_grad=False)
+        self.layers = torch.nn.ModuleList()
+        for _ in range(cfg.num_layers):
+            layer = torch.nn.Module()
+            layer.ln_attn = torch.nn.Parameter(torch.empty(E, **kw), requires_grad=False)
+            layer.ln_mlp = torch.nn.Parameter(torch.empty(E, **kw), requires_grad=False)
+            layer.wqkv = torch.nn.Parameter(torch.empty((H + 2 * Hkv) * D, E, **kw), requires_grad=False)
+            layer.bqkv = (
+                torch.nn.Parameter(torch.empty((H + 2 * Hkv) * D, **kw), requires_grad=False)
+                if cfg.attention_bias else None
+            )
+            layer.wo = torch.nn.Parameter(torch.empty(E, H * D, **kw), requires_grad=False)
+            layer.w_gate_up = torch.nn.Parameter(torch.empty(2 * cfg.intermediate_size, E, **kw), requires_grad=False)
+            layer.w_down = torch.nn.Parameter(torch.empty(E, cfg.intermediate_size, **kw), requires_grad=False)
+            self.layers.append(layer)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg).to(self.device), persistent=False)
+        self.scale = 1.0 / math.sqrt(D)
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_folder(cls, folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> Transformer:
+        """Load config and safetensors weights from a Hugging Face folder.
+
+        Raises:
+            ValueError: missing or mis-shaped tensors, naming the tensor.
+        """
+        folder = Path(folder)
+        cfg = ModelConfig.from_folder(folder)
+        model = cls(cfg, dtype=dtype, device=device)
+        tensors: dict[str, torch.Tensor] = {}
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{folder}: no *.safetensors files")
+        for f in files:
+            with safe_open(str(f), framework="pt") as sf:
+                for name in sf.keys():
+                    tensors[name] = sf.get_tensor(name)
+
+        def take(name: str) -> torch.Tensor:
+            if name not in tensors:
+                raise ValueError(f"{folder}: tensor {name!r} missing from the checkpoint")
+            return tensors.pop(name)
+
+        def put(param: torch.nn.Parameter, value: torch.Tensor, name: str) -> None:
+            if tuple(param.shape) != tuple(value.shape):
+                raise ValueError(f"{folder}: {name} has shape {tuple(value.shape)}, expected {tuple(param.shape)}")
+            param.data.copy_(value.to(dtype))
+
+        put(model.embed, take("model.embed_tokens.weight"), "embed_tokens")
+        put(model.norm, take("model.norm.weight"), "model.norm")
+        if not cfg.tie_word_embeddings:
+            put(model.lm_head, take("lm_head.weight"), "lm_head")
+        else:
+            tensors.pop("lm_head.weight", None)
+        for i, layer in enumerate(model.layers):
+            p = f"model.layers.{i}."
+            put(layer.ln_attn, take(p + "input_layernorm.weight"), p + "input_layernorm")
+            put(layer.ln_mlp, take(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm")
+            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0)
+            put(layer.wqkv, qkv, p + "qkv")
+            if cfg.attention_bias:
+                put(layer.bqkv, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]), p + "qkv bias")
+            put(layer.wo, take(p + "self_attn.o_proj.weight"), p + "o_proj")
+            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0)
+            put(layer.w_gate_up, gate_up, p + "gate_up")
+            put(layer.w_down, take(p + "mlp.down_proj.weight"), p + "down_proj")
+        return model
+
+    # ------------------------------------------------------------------ pieces
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
+        return w * xf.to(x.dtype)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, D]`` for int positions ``[T]``."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    @staticmethod
+    def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    def _qkv(self, layer, h: torch.Tensor, cos, sin):
+        """Project and rotate: q ``[B, H, T, D]``, k, v ``[B, H_kv, T, D]``."""
+        cfg = self.cfg
+        B, T, _ = h.shape
+        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = F.linear(h, layer.wqkv, layer.bqkv)  # [B, T, (H + 2 H_kv) D]
+        q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q = q.view(B, T, H, D).transpose(1, 2)
+        k = k.view(B, T, Hkv, D).transpose(1, 2)
+        v = v.view(B, T, Hkv, D).transpose(1, 2)
+        return self._apply_rope(q, cos, sin), self._apply_rope(k, cos, sin), v
+
+    def _mlp(self, layer, h: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, layer.w_down)
+
+    def _grouped_attention(self, q, k, v, q_pos0: int | None, want_rows: int):
+        """Attention with query heads grouped by KV head.
+
+        q ``[B, H, T, D]``; k, v ``[B, H_kv, S, D]``. ``q_pos0``: absolute position of the first
+        query for the causal mask (None: every key visible). Returns out ``[B, H, T, D]`` and, if
+        ``want_rows``, rows ``[B, H_kv, want_rows, S]`` float32 (probabilities of the last
+        ``want_rows`` queries summed over each KV group).
+        """
+        B, H, T, D = q.shape
+        Hkv, S = k.shape[1], k.shape[2]
+        G = H // Hkv
+        qg = q.reshape(B, Hkv, G * T, D)  # heads h = kv*G + g are contiguous
+        scores = torch.matmul(qg, k.transpose(-1, -2)).float() * self.scale  # [B, H_kv, G*T, S]
+        if q_pos0 is not None and T > 1:
+            qpos = q_pos0 + torch.arange(T, device=q.device)
+            allowed = torch.arange(S, device=q.device)[None, :] <= qpos[:, None]  # [T, S]
+            scores = scores.view(B, Hkv, G, T, S).masked_fill(~allowed, float("-inf")).view(B, Hkv, G * T, S)
+        probs = torch.softmax(scores, dim=-1)  # [B, H_kv, G*T, S]
+        out = torch.matmul(probs.to(v.dtype), v).view(B, H, T, D)
+        rows = None
+        if want_rows:
+            rows = probs.view(B, Hkv, G, T, S)[:, :, :, T - want_rows :].sum(dim=2)  # [B, H_kv, W, S]
+        return out, rows
+
+    # ------------------------------------------------------------------ forwards
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, attend, logits_for: str):
+        """Shared layer loop; ``attend(i, layer, q, k, v)`` returns ``[B, H, T, D]``."""
+        B, T = input_ids.shape
+        h = F.embedding(input_ids, self.embed)  # [B, T, E]
+        cos, sin = self._rope(positions)
+        for i, layer in enumerate(self.layers):
+            x = self._rms(h, layer.ln_attn)
+            q, k, v = self._qkv(layer, x, cos, sin)
+            a = attend(i, q, k, v)  # [B, H, T, D]
+            h = h + F.linear(a.transpose(1, 2).reshape(B, T, -1), layer.wo)
+            h = h + self._mlp(layer, self._rms(h, layer.ln_mlp))
+        if logits_for == "last":
+            h = h[:, -1:]
+        h = self._rms(h, self.norm)
+        return F.linear(h, self.lm_head).float()  # [B, T or 1, V]
+
+    @torch.inference_mode()
+    def forward_dense(self, input_ids: torch.Tensor, cache: KVCache, want_rows: int = 0, logits_for: str = "all"):
+        """Append ``input_ids`` ``[B, T]`` at ``cache.length`` with full causal attention.
+
+        Returns logits ``[B, T, V]`` (or ``[B, 1, V]`` with ``logits_for="last"``) float32 and,
+        if ``want_rows``, importance rows ``[L, B, H_kv, want_rows, S]`` float32 for the last
+        ``want_rows`` queries (S = new cache length). Advances ``cache.length`` by T.
+        """
+        B, T = input_ids.shape
+        start = cache.length
+        cache.reserve(T)
+        S = start + T
+        positions = torch.arange(start, S, device=self.device)
+        all_rows = [] if want_rows else None
+
+        def attend(i, q, k, v):
+            cache.k[i, :, :, start:S] = k
+            cache.v[i, :, :, start:S] = v
+            keys, vals = cache.k[i, :, :, :S], cache.v[i, :, :, :S]  # [B, H_kv, S, D]
+            if T > 32:  # prefill chunk: fused SDPA, then (cheap) rows for the last queries only
+                mask = torch.arange(S, device=self.device)[None, :] <= positions[:, None]  # [T, S]
+                out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True)
+                if want_rows:
+                    _, rows = self._grouped_attention(q[:, :, -want_rows:], keys, vals, S - want_rows, want_rows)
+                    all_rows.append(rows)
+                return out
+            out, rows = self._grouped_attention(q, keys, vals, start, want_rows)
+            if want_rows:
+                all_rows.append(rows)
+            return out
+
+        logits = self._run(input_ids, positions, attend, logits_for)
+        cache.length = S
+        rows = torch.stack(all_rows) if want_rows else None  # [L, B, H_kv, W, S]
+        return logits, rows
+
+    def prefill(self, input_ids: torch.Tensor, cache: KVCache, chunk_size: int = 512, want_rows: int = 0):
+        """Chunked prefill of ``input_ids`` ``[B, P]``: attention memory is O(chunk * P).
+
+        Returns last-position logits ``[B, V]`` and rows of the last ``want_rows`` prompt queries.
+        """
+        P = input_ids.shape[1]
+        logits = rows = None
+        for s in range(0, P, chunk_size):
+            last = s + chunk_size >= P
+            chunk = input_ids[:, s : s + chunk_size]
+            w = min(want_rows, chunk.shape[1]) if last else 0
+            logits, rows = self.forward_dense(chunk, cache, want_rows=w, logits_for="last")
+        return logits[:, -1], rows
+
+    @torch.inference_mode()
+    def forward_draft(self, input_ids: torch.Tensor, position: int, dkv: DraftKV) -> torch.Tensor:
+        """One draft token ``[B, 1]`` at absolute ``position`` over the compact sparse KV.
+
+        Appends its KV to ``dkv`` and returns logits ``[B, V]`` float32.
+        """
+        slot = dkv.length
+        positions = torch.tensor([position], device=self.device)
+
+        def attend(i, q, k, v):
+            dkv.k[i, :, :, slot] = k[:, :, 0]
+            dkv.v[i, :, :, slot] = v[:, :, 0]
+            out, _ = self._grouped_attention(q, dkv.k[i, :, :, : slot + 1], dkv.v[i, :, :, : slot + 1], None, 0)
+            return out
+
+        logits = self._run(input_ids, positions, attend, "all")
+        dkv.length = slot + 1
+        return logits[:, -1]
