@@ -1,0 +1,295 @@
+"""Report: derive speedup, acceptance and quality from the raw counts in the store.
+
+One row per (benchmark, task, model, method). Definitions (docs/CONTRACTS.md, DESIGN.md section 4-5);
+every ratio is pooled over samples (sum of numerators / sum of denominators), never a mean of
+per-sample ratios, except the speedup, which is a median of paired per-sample ratios:
+
+    n             number of result rows (samples) in the group
+    score         mean per-sample score, in [0, 1] (the table prints it x100)
+    speedup       median over paired samples of TPOT_ar / TPOT_method, where
+                  TPOT = decode_s / (num_output_tokens - 1); a pair = same run, task, sample_id;
+                  samples with < 2 output tokens or no decode time are skipped. ar: 1.0
+    alpha         sum(num_accepted) / sum(num_drafted)                         (ar: None)
+    tau           sum(num_emitted) / sum(num_steps)                            (ar: 1.0)
+    mean_k        sum(num_drafted) / sum(steps that drafted)                   (ar: None)
+                  steps that drafted = sum of accept_hist counts with k > 0 (else num_steps)
+    gamma         (sum(draft_s) / sum(num_draft_forwards)) / (sum(verify_s) / sum(num_steps))  (ar: None)
+    lossless_rate fraction of paired samples whose output is token-identical to ar, over the
+                  conclusive ones (the stored ``lossless`` flag: None for sampling runs and for
+                  identical outputs that drafted nothing); None for ar or when none is conclusive
+
+Rows of several runs of the same (benchmark, task, model, method) are pooled; pass run ids to
+report a single configuration. ``extra_rows`` adds tokens/s, the total-time speedup and the ledger
+prediction; they are kept out of ``report_rows`` so its keys stay exactly ``REPORT_KEYS``.
+
+    python -m cluster.report --db sqlite:///results/sparsespec.db [--json] [--run RUN_ID ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from cluster.store import DEFAULT_DB_URL, StoreError, StoreNotFoundError, StoreURLError, open_store, safe_url
+
+AR = "ar"
+
+REPORT_KEYS = (
+    "benchmark", "task", "model", "method", "n", "score", "speedup",
+    "alpha", "tau", "mean_k", "gamma", "lossless_rate",
+)
+
+EXTRA_KEYS = (
+    "benchmark", "task", "model", "method", "n", "num_paired", "tokens_per_s", "tpot_s",
+    "speedup_total", "predicted_speedup", "ttft_s", "budget_frac",
+)
+
+
+# --------------------------------------------------------------------------- helpers
+def _num(stats: Mapping[str, Any], key: str) -> float:
+    v = stats.get(key)
+    if v is None:
+        return 0.0
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return 0.0
+    return f if math.isfinite(f) else 0.0
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den > 0 else None
+
+
+def tpot(stats: Mapping[str, Any]) -> float | None:
+    """Time per output token after the first: decode_s / (num_output_tokens - 1)."""
+    n = _num(stats, "num_output_tokens")
+    d = _num(stats, "decode_s")
+    if n < 2 or d <= 0:
+        return None
+    return d / (n - 1)
+
+
+def drafting_steps(stats: Mapping[str, Any]) -> float:
+    """Steps that drafted at least one token, from accept_hist ("k:accepted" -> count)."""
+    hist = stats.get("accept_hist") or {}
+    total = 0.0
+    found = False
+    for key, count in hist.items():
+        try:
+            k = int(str(key).split(":", 1)[0])
+        except ValueError:
+            continue
+        found = True
+        if k > 0:
+            total += float(count)
+    if found or _num(stats, "num_drafted") == 0:
+        return total
+    return _num(stats, "num_steps")  # no histogram: assume every step drafted
+
+
+def predicted_speedup(alpha: float | None, k: float | None, gamma: float | None) -> float | None:
+    """Ledger prediction S = (alpha*k + 1) / (k*gamma + 1)."""
+    if alpha is None or k is None or gamma is None:
+        return None
+    return (alpha * k + 1.0) / (k * gamma + 1.0)
+
+
+def _group_key(r: Mapping[str, Any]) -> tuple[str, str, str, str]:
+    return (r["benchmark"], r["task"], r["model"], r["method"])
+
+
+def _pair_key(r: Mapping[str, Any]) -> tuple[str, str, str, str, str]:
+    return (r["run_id"], r["benchmark"], r["task"], r["model"], str(r["sample_id"]))
+
+
+def _sort_key(k: tuple[str, str, str, str]) -> tuple:
+    b, t, m, meth = k
+    return (b, t, m, meth != AR, meth)
+
+
+def _grouped(rows: Iterable[Mapping[str, Any]]) -> tuple[dict, dict]:
+    groups: dict[tuple[str, str, str, str], list[Mapping[str, Any]]] = defaultdict(list)
+    ar_by_pair: dict[tuple, Mapping[str, Any]] = {}
+    for r in rows:
+        groups[_group_key(r)].append(r)
+        if r["method"] == AR:
+            ar_by_pair[_pair_key(r)] = r
+    return groups, ar_by_pair
+
+
+# --------------------------------------------------------------------------- the report
+def _pooled(rs: Sequence[Mapping[str, Any]]) -> dict[str, float | None]:
+    S = lambda key: sum(_num(r.get("stats") or {}, key) for r in rs)  # noqa: E731
+    drafted = S("num_drafted")
+    dsteps = sum(drafting_steps(r.get("stats") or {}) for r in rs)
+    per_draft = _ratio(S("draft_s"), S("num_draft_forwards"))
+    per_verify = _ratio(S("verify_s"), S("num_steps"))
+    return {
+        "alpha": _ratio(S("num_accepted"), drafted),
+        "tau": _ratio(S("num_emitted"), S("num_steps")),
+        "mean_k": _ratio(drafted, dsteps),
+        "gamma": (per_draft / per_verify) if (per_draft is not None and per_verify) else None,
+    }
+
+
+def compute_report(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Report rows (keys exactly ``REPORT_KEYS``) from result rows (dicts with the store's columns)."""
+    groups, ar_by_pair = _grouped(rows)
+    out = []
+    for key in sorted(groups, key=_sort_key):
+        rs = groups[key]
+        benchmark, task, model, method = key
+        scores = [float(r["score"]) for r in rs if r.get("score") is not None]
+        row: dict[str, Any] = {
+            "benchmark": benchmark, "task": task, "model": model, "method": method,
+            "n": len(rs),
+            "score": statistics.fmean(scores) if scores else None,
+        }
+        if method == AR:
+            row.update(speedup=1.0, alpha=None, tau=1.0, mean_k=None, gamma=None, lossless_rate=None)
+        else:
+            ratios = []
+            verdicts = []
+            for r in rs:
+                ar = ar_by_pair.get(_pair_key(r))
+                if ar is None:
+                    continue
+                if r.get("lossless") is not None:
+                    verdicts.append(bool(r["lossless"]))
+                t_ar, t_m = tpot(ar.get("stats") or {}), tpot(r.get("stats") or {})
+                if t_ar is not None and t_m is not None:
+                    ratios.append(t_ar / t_m)
+            row["speedup"] = statistics.median(ratios) if ratios else None
+            row.update(_pooled(rs))
+            row["lossless_rate"] = (sum(verdicts) / len(verdicts)) if verdicts else None
+        out.append({k: row[k] for k in REPORT_KEYS})
+    return out
+
+
+def compute_extras(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Extra per-group numbers (keys ``EXTRA_KEYS``): throughput and total-time speedup.
+
+    tokens_per_s      sum(num_output_tokens) / sum(total_s)   (never a mean of per-sample speeds)
+    tpot_s            sum(decode_s) / sum(num_output_tokens - 1)
+    speedup_total     over paired samples: pooled TPOT of ar / pooled TPOT of the method
+    predicted_speedup (alpha*mean_k + 1) / (mean_k*gamma + 1); ar: 1.0
+    ttft_s            mean prefill_s;  budget_frac  sum(budget_tokens_sum) / sum(context_tokens_sum)
+    """
+    rows = list(rows)
+    groups, ar_by_pair = _grouped(rows)
+    report = {(r["benchmark"], r["task"], r["model"], r["method"]): r for r in compute_report(rows)}
+    out = []
+    for key in sorted(groups, key=_sort_key):
+        rs = groups[key]
+        st = [r.get("stats") or {} for r in rs]
+        S = lambda key, st=st: sum(_num(s, key) for s in st)  # noqa: E731
+        dec_tokens = sum(max(0.0, _num(s, "num_output_tokens") - 1) for s in st)
+        rep = report[key]
+        paired = [(ar_by_pair[_pair_key(r)], r) for r in rs if _pair_key(r) in ar_by_pair]
+        num = [0.0, 0.0, 0.0, 0.0]  # ar decode_s, ar tokens-1, method decode_s, method tokens-1
+        for a, m in paired:
+            sa, sm = a.get("stats") or {}, m.get("stats") or {}
+            if tpot(sa) is None or tpot(sm) is None:
+                continue
+            num[0] += _num(sa, "decode_s"); num[1] += _num(sa, "num_output_tokens") - 1  # noqa: E702
+            num[2] += _num(sm, "decode_s"); num[3] += _num(sm, "num_output_tokens") - 1  # noqa: E702
+        tpot_ar, tpot_m = _ratio(num[0], num[1]), _ratio(num[2], num[3])
+        prefill = [_num(s, "prefill_s") for s in st if s.get("prefill_s") is not None]
+        method = key[3]
+        out.append({
+            "benchmark": key[0], "task": key[1], "model": key[2], "method": method,
+            "n": len(rs),
+            "num_paired": len(paired),
+            "tokens_per_s": _ratio(S("num_output_tokens"), S("total_s")),
+            "tpot_s": _ratio(S("decode_s"), dec_tokens),
+            "speedup_total": 1.0 if method == AR else (
+                tpot_ar / tpot_m if (tpot_ar is not None and tpot_m) else None),
+            "predicted_speedup": 1.0 if method == AR else predicted_speedup(rep["alpha"], rep["mean_k"], rep["gamma"]),
+            "ttft_s": statistics.fmean(prefill) if prefill else None,
+            "budget_frac": _ratio(S("budget_tokens_sum"), S("context_tokens_sum")),
+        })
+    return out
+
+
+def _load(db_url: str, run_ids: str | Iterable[str] | None) -> list[dict[str, Any]]:
+    with open_store(db_url, create=False) as store:
+        return store.results(run_ids=run_ids)
+
+
+def report_rows(db_url: str, run_ids: str | Iterable[str] | None = None) -> list[dict[str, Any]]:
+    """One dict per (benchmark, task, model, method) with exactly ``REPORT_KEYS``.
+
+    Raises StoreNotFoundError (missing SQLite file) / StoreURLError (bad URL); an empty store
+    gives an empty list.
+    """
+    return compute_report(_load(db_url, run_ids))
+
+
+def extra_rows(db_url: str, run_ids: str | Iterable[str] | None = None) -> list[dict[str, Any]]:
+    """Throughput, total-time speedup and ledger prediction per group (keys ``EXTRA_KEYS``)."""
+    return compute_extras(_load(db_url, run_ids))
+
+
+# --------------------------------------------------------------------------- printing
+def _fmt(v: Any, digits: int = 3) -> Any:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return v
+
+
+def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Plain-text table of report rows; score printed x100 (0-100), ratios to 3 decimals."""
+    from tabulate import tabulate
+
+    headers = ["benchmark", "task", "model", "method", "n", "score (x100)", "speedup (median)",
+               "alpha", "tau", "mean_k", "gamma", "lossless_rate"]
+    body = []
+    for r in rows:
+        score = None if r["score"] is None else 100.0 * r["score"]
+        body.append([r["benchmark"], r["task"], r["model"], r["method"], r["n"], _fmt(score, 1),
+                     _fmt(r["speedup"]), _fmt(r["alpha"]), _fmt(r["tau"]), _fmt(r["mean_k"], 2),
+                     _fmt(r["gamma"]), _fmt(r["lossless_rate"])])
+    return tabulate(body, headers=headers, tablefmt="github", disable_numparse=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cluster.report",
+                                description="Per (benchmark, task, model, method) report of stored results.")
+    p.add_argument("--db", default=DEFAULT_DB_URL, help=f"database URL (default {DEFAULT_DB_URL})")
+    p.add_argument("--json", action="store_true", help="print a JSON list with exactly the report keys")
+    p.add_argument("--run", action="append", dest="runs", metavar="RUN_ID",
+                   help="only this run (repeatable); default: all runs, pooled")
+    args = p.parse_args(argv)
+    try:
+        rows = report_rows(args.db, args.runs)
+    except StoreURLError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except StoreNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except StoreError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if not rows:
+        what = f"run(s) {', '.join(args.runs)}" if args.runs else "any run"
+        print(f"error: no results for {what} in {safe_url(args.db)}; run a benchmark first "
+              f"(e.g. python evals/ruler.py --db ...)", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,458 @@
+"""Result store: SQLAlchemy 2.x ORM over SQLite or PostgreSQL.
+
+Two tables:
+
+``runs``
+    One row per resolved configuration. ``run_id`` is a deterministic hash of that configuration
+    (see :func:`cluster.coordinator.compute_run_id`), so rerunning the same configuration resumes
+    the same run instead of starting a new one.
+
+``results``
+    One row per (run, task, sample, method) generation, carrying raw counts and seconds
+    (``stats``), never derived ratios: those are computed when read (``cluster.report``).
+    ``UNIQUE(run_id, task, sample_id, method)`` makes writes idempotent.
+
+The same code runs against ``sqlite:///path.db`` and ``postgresql+psycopg://user@host/db``.
+Only this module and its callers import SQLAlchemy; ``sparsespec`` and ``evals`` never do.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    DateTime,
+    Engine,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    create_engine,
+    event,
+    func,
+    inspect,
+    select,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError, SQLAlchemyError
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DB_URL = "sqlite:///results/sparsespec.db"
+
+# JSON on SQLite, JSONB on PostgreSQL (indexable, compact).
+JSONType = JSON().with_variant(JSONB(), "postgresql")
+
+#: Column names of ``results`` that a caller supplies (``id`` and ``created_at`` are filled in).
+RESULT_FIELDS = (
+    "run_id",
+    "benchmark",
+    "task",
+    "model",
+    "method",
+    "sample_id",
+    "prediction",
+    "token_ids",
+    "score",
+    "stats",
+    "lossless",
+    "first_divergence",
+    "num_input_tokens_raw",
+    "num_input_tokens",
+    "references",
+)
+
+
+class StoreError(RuntimeError):
+    """Any failure to open or use the result store, with the (password-masked) URL in the text."""
+
+
+class StoreURLError(StoreError, ValueError):
+    """The database URL cannot be parsed or names a driver that is not installed."""
+
+
+class StoreNotFoundError(StoreError):
+    """Opened for reading, but the SQLite file does not exist."""
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Run(Base):
+    __tablename__ = "runs"
+
+    run_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    benchmark: Mapped[str] = mapped_column(String(64), index=True)
+    model: Mapped[str] = mapped_column(String(256))
+    methods: Mapped[list] = mapped_column(JSONType)  # ["ar", "sparsespec-l", ...]
+    config: Mapped[dict] = mapped_column(JSONType)  # the resolved configuration that was hashed
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    status: Mapped[str] = mapped_column(String(16), default="running")  # running|finished|failed|interrupted
+    host: Mapped[dict | None] = mapped_column(JSONType, nullable=True)  # driver + worker host info
+    events: Mapped[list | None] = mapped_column(JSONType, nullable=True)  # worker deaths, retries, errors
+
+
+class Result(Base):
+    __tablename__ = "results"
+    __table_args__ = (
+        UniqueConstraint("run_id", "task", "sample_id", "method", name="uq_results_run_task_sample_method"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(64), ForeignKey("runs.run_id", ondelete="CASCADE"), index=True)
+    benchmark: Mapped[str] = mapped_column(String(64))
+    task: Mapped[str] = mapped_column(String(128))
+    model: Mapped[str] = mapped_column(String(256))
+    method: Mapped[str] = mapped_column(String(64))
+    sample_id: Mapped[str] = mapped_column(String(256))
+    prediction: Mapped[str] = mapped_column(Text, default="")
+    token_ids: Mapped[list] = mapped_column(JSONType)
+    score: Mapped[float | None] = mapped_column(Float, nullable=True)
+    stats: Mapped[dict] = mapped_column(JSONType)
+    # None = not applicable (the AR row itself, sampling runs) or inconclusive (zero drafted tokens)
+    lossless: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
+    first_divergence: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    num_input_tokens_raw: Mapped[int] = mapped_column(Integer)
+    num_input_tokens: Mapped[int] = mapped_column(Integer)
+    # "references" is an SQL keyword; SQLAlchemy quotes it on every dialect.
+    references: Mapped[list] = mapped_column("references", JSONType)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+def _result_to_dict(r: Result) -> dict[str, Any]:
+    d = {name: getattr(r, name) for name in RESULT_FIELDS}
+    d["id"] = r.id
+    d["created_at"] = r.created_at
+    return d
+
+
+def _run_to_dict(r: Run) -> dict[str, Any]:
+    return {
+        "run_id": r.run_id,
+        "benchmark": r.benchmark,
+        "model": r.model,
+        "methods": list(r.methods or []),
+        "config": dict(r.config or {}),
+        "created_at": r.created_at,
+        "finished_at": r.finished_at,
+        "status": r.status,
+        "host": r.host,
+        "events": list(r.events or []),
+    }
+
+
+def safe_url(url: str | URL) -> str:
+    """The URL as text with any password masked (for messages and logs)."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - only used for messages
+        return "<unparseable database URL>"
+
+
+def _parse_url(url: str | URL) -> URL:
+    if not isinstance(url, URL) and (not isinstance(url, str) or not url.strip()):
+        raise StoreURLError(
+            f"database URL must be a non-empty string, got {url!r}; expected e.g. "
+            f"sqlite:///results/sparsespec.db or postgresql+psycopg://user:password@host:5432/dbname"
+        )
+    try:
+        parsed = make_url(url)
+    except ArgumentError as e:
+        hint = ""
+        if isinstance(url, str) and "://" not in url:
+            hint = f" (did you mean sqlite:///{url} ?)"
+        raise StoreURLError(
+            f"cannot parse database URL {url!r}{hint}; expected e.g. sqlite:///results/sparsespec.db "
+            f"or postgresql+psycopg://user:password@host:5432/dbname"
+        ) from e
+    return parsed
+
+
+def _sqlite_path(url: URL) -> Path | None:
+    """Filesystem path of a file-backed SQLite URL, else None (memory DB, other dialects)."""
+    if url.get_backend_name() != "sqlite":
+        return None
+    db = url.database
+    if not db or db == ":memory:" or db.startswith("file:"):
+        return None
+    return Path(db)
+
+
+class Store:
+    """Handle on one database: runs and results, idempotent writes, plain-dict reads."""
+
+    def __init__(self, engine: Engine, *, has_tables: bool = True) -> None:
+        self.engine = engine
+        self._session = sessionmaker(engine, expire_on_commit=False)
+        self._has_tables = has_tables
+
+    @property
+    def url(self) -> str:
+        return safe_url(self.engine.url)
+
+    @property
+    def has_tables(self) -> bool:
+        return self._has_tables
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- runs
+    def start_run(
+        self,
+        run_id: str,
+        *,
+        benchmark: str,
+        model: str,
+        methods: Sequence[str],
+        config: Mapping[str, Any],
+        host: Mapping[str, Any] | None = None,
+    ) -> bool:
+        """Create the run row, or mark an existing one as running again (resume).
+
+        Returns True if the run is new. ``created_at`` of a resumed run is kept.
+        """
+        with self._session.begin() as s:
+            run = s.get(Run, run_id)
+            if run is None:
+                s.add(
+                    Run(
+                        run_id=run_id,
+                        benchmark=benchmark,
+                        model=model,
+                        methods=list(methods),
+                        config=dict(config),
+                        status="running",
+                        host=dict(host) if host else None,
+                        events=[],
+                    )
+                )
+                return True
+            run.status = "running"
+            run.finished_at = None
+            if host:
+                run.host = dict(host)
+            return False
+
+    def update_run(self, run_id: str, **fields: Any) -> None:
+        """Set columns of a run (``status``, ``finished_at``, ``host``)."""
+        allowed = {"status", "finished_at", "host"}
+        bad = set(fields) - allowed
+        if bad:
+            raise ValueError(f"update_run: cannot set {sorted(bad)}; allowed: {sorted(allowed)}")
+        with self._session.begin() as s:
+            run = s.get(Run, run_id)
+            if run is None:
+                raise StoreError(f"no run {run_id!r} in {self.url}")
+            for k, v in fields.items():
+                setattr(run, k, v)
+
+    def finish_run(self, run_id: str, status: str = "finished") -> None:
+        self.update_run(run_id, status=status, finished_at=utcnow())
+
+    def record_event(self, run_id: str, message: str, **extra: Any) -> None:
+        """Append an event (worker death, retry, failure) to the run's ``events`` list."""
+        entry = {"at": utcnow().isoformat(), "message": message, **extra}
+        with self._session.begin() as s:
+            run = s.get(Run, run_id)
+            if run is None:
+                raise StoreError(f"no run {run_id!r} in {self.url}")
+            run.events = [*(run.events or []), entry]  # reassign: JSON columns do not track mutation
+
+    def get_run(self, run_id: str) -> dict[str, Any] | None:
+        if not self._has_tables:
+            return None
+        with self._session() as s:
+            run = s.get(Run, run_id)
+            return _run_to_dict(run) if run else None
+
+    def runs(self) -> list[dict[str, Any]]:
+        """All runs, newest first, each with ``num_results``."""
+        if not self._has_tables:
+            return []
+        with self._session() as s:
+            counts = dict(s.execute(select(Result.run_id, func.count(Result.id)).group_by(Result.run_id)).all())
+            rows = s.scalars(select(Run).order_by(Run.created_at.desc(), Run.run_id)).all()
+            out = []
+            for r in rows:
+                d = _run_to_dict(r)
+                d["num_results"] = int(counts.get(r.run_id, 0))
+                out.append(d)
+            return out
+
+    # -------------------------------------------------------------- results
+    def add_results(self, rows: Iterable[Mapping[str, Any]]) -> int:
+        """Insert result rows in one transaction; rows whose unique key exists are ignored.
+
+        Returns the number of rows actually inserted.
+        """
+        clean = [self._clean_result(r) for r in rows]
+        if not clean:
+            return 0
+        dialect = self.engine.dialect.name
+        key = ["run_id", "task", "sample_id", "method"]
+        inserted = 0
+        with self._session.begin() as s:
+            if dialect in ("sqlite", "postgresql"):
+                ins = sqlite_insert if dialect == "sqlite" else pg_insert
+                for row in clean:
+                    table = Result.__table__
+                    stmt = (ins(table).values(**row).on_conflict_do_nothing(index_elements=key)
+                            .returning(table.c.id))  # rowcount is -1 on psycopg 3: count RETURNING rows
+                    inserted += len(s.execute(stmt).all())
+            else:  # any other dialect: check-then-insert inside the transaction
+                for row in clean:
+                    exists = s.scalar(
+                        select(Result.id).where(*(getattr(Result, k) == row[k] for k in key)).limit(1)
+                    )
+                    if exists is None:
+                        s.add(Result(**row))
+                        inserted += 1
+        return inserted
+
+    @staticmethod
+    def _clean_result(row: Mapping[str, Any]) -> dict[str, Any]:
+        missing = [k for k in ("run_id", "benchmark", "task", "model", "method", "sample_id") if row.get(k) is None]
+        if missing:
+            raise ValueError(f"result row lacks {missing}: {dict(row)!r:.300}")
+        out = {k: row.get(k) for k in RESULT_FIELDS}
+        out["sample_id"] = str(out["sample_id"])
+        out["prediction"] = out["prediction"] or ""
+        out["token_ids"] = [int(t) for t in (out["token_ids"] or [])]
+        out["stats"] = dict(out["stats"] or {})
+        out["references"] = list(out["references"] or [])
+        out["num_input_tokens_raw"] = int(out["num_input_tokens_raw"] or 0)
+        out["num_input_tokens"] = int(out["num_input_tokens"] or 0)
+        if out["score"] is not None:
+            out["score"] = float(out["score"])
+        if out["lossless"] is not None:
+            out["lossless"] = bool(out["lossless"])
+        if out["first_divergence"] is not None:
+            out["first_divergence"] = int(out["first_divergence"])
+        out["created_at"] = utcnow()
+        return out
+
+    def done_keys(self, run_id: str) -> set[tuple[str, str, str]]:
+        """(task, sample_id, method) already stored for this run."""
+        if not self._has_tables:
+            return set()
+        with self._session() as s:
+            rows = s.execute(
+                select(Result.task, Result.sample_id, Result.method).where(Result.run_id == run_id)
+            ).all()
+            return {(t, sid, m) for t, sid, m in rows}
+
+    def results(
+        self,
+        run_ids: str | Iterable[str] | None = None,
+        *,
+        method: str | None = None,
+        task: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """Result rows as plain dicts (all columns), optionally filtered, in insertion order."""
+        if not self._has_tables:
+            return []
+        stmt = select(Result).order_by(Result.id)
+        if run_ids is not None:
+            ids = [run_ids] if isinstance(run_ids, str) else list(run_ids)
+            stmt = stmt.where(Result.run_id.in_(ids))
+        if method is not None:
+            stmt = stmt.where(Result.method == method)
+        if task is not None:
+            stmt = stmt.where(Result.task == task)
+        with self._session() as s:
+            return [_result_to_dict(r) for r in s.scalars(stmt).all()]
+
+    def token_ids(self, run_id: str, method: str) -> dict[tuple[str, str], list[int]]:
+        """{(task, sample_id): token_ids} of one method in one run (used to check losslessness)."""
+        if not self._has_tables:
+            return {}
+        with self._session() as s:
+            rows = s.execute(
+                select(Result.task, Result.sample_id, Result.token_ids).where(
+                    Result.run_id == run_id, Result.method == method
+                )
+            ).all()
+            return {(t, sid): list(tok) for t, sid, tok in rows}
+
+
+def open_store(url: str | URL = DEFAULT_DB_URL, *, create: bool = True, echo: bool = False) -> Store:
+    """Open (and by default create) the result store at ``url``.
+
+    create=True: creates the parent folder of a SQLite file and any missing tables.
+    create=False (readers: report, dashboard): a missing SQLite file raises StoreNotFoundError and
+    missing tables read as empty; nothing is written.
+
+    Raises StoreURLError for an unparseable URL or a missing driver, StoreError when the
+    server cannot be reached.
+    """
+    parsed = _parse_url(url)
+    shown = safe_url(parsed)
+    path = _sqlite_path(parsed)
+    if path is not None:
+        if create:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        elif not path.exists():
+            raise StoreNotFoundError(
+                f"no database at {path} (from {shown}); run a benchmark first or pass the right --db URL"
+            )
+    kwargs: dict[str, Any] = {"echo": echo}
+    if parsed.get_backend_name() == "sqlite":
+        kwargs["connect_args"] = {"timeout": 30}
+    else:
+        kwargs["pool_pre_ping"] = True
+    try:
+        engine = create_engine(parsed, **kwargs)
+    except (NoSuchModuleError, ModuleNotFoundError, ImportError) as e:
+        raise StoreURLError(
+            f"database URL {shown}: unknown dialect or driver not installed ({e}); "
+            f"supported: sqlite:///path.db, postgresql+psycopg://..."
+        ) from e
+    except ArgumentError as e:
+        raise StoreURLError(f"bad database URL {shown}: {e}") from e
+
+    if engine.dialect.name == "sqlite":
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.close()
+
+    try:
+        if create:
+            Base.metadata.create_all(engine)
+            has_tables = True
+        else:
+            insp = inspect(engine)
+            has_tables = insp.has_table("runs") and insp.has_table("results")
+    except OperationalError as e:
+        engine.dispose()
+        raise StoreError(f"cannot open database {shown}: {e.orig}") from e
+    except SQLAlchemyError as e:
+        engine.dispose()
+        raise StoreError(f"cannot open database {shown}: {e}") from e
+    return Store(engine, has_tables=has_tables)

@@ -1,0 +1,1 @@
+"""Streamlit dashboard (``app.py``) over pure query functions (``queries.py``)."""

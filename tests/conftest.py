@@ -1,0 +1,23 @@
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for the whole test session (2 CPUs, no dashboard, small object store).
+
+    Uses an already initialised Ray as is; shuts down only the Ray it started (never `ray stop`).
+    """
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    started = False
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=500 * 1024**2,
+                 log_to_driver=False)
+        started = True
+    yield ray
+    if started:
+        ray.shutdown()

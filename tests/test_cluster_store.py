@@ -1,0 +1,131 @@
+"""Result store round trip on SQLite (and PostgreSQL when SPARSESPEC_TEST_PG_URL is set)."""
+import os
+
+import pytest
+from sqlalchemy.exc import IntegrityError
+
+from cluster.store import (
+    RESULT_FIELDS,
+    StoreNotFoundError,
+    StoreURLError,
+    open_store,
+)
+
+
+def _row(run_id="r1", task="t", sample_id="s1", method="ar", **kw):
+    row = dict(
+        run_id=run_id, benchmark="ruler", task=task, model="m", method=method, sample_id=sample_id,
+        prediction="the answer", token_ids=[5, 6, 7], score=0.5,
+        stats={"num_output_tokens": 3, "decode_s": 0.25, "accept_hist": {"4:2": 3}},
+        lossless=None, first_divergence=None, num_input_tokens_raw=120, num_input_tokens=100,
+        references=["answer", "other"],
+    )
+    row.update(kw)
+    return row
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request, tmp_path):
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path}/nested/dir/results.db"
+    else:
+        url = os.environ.get("SPARSESPEC_TEST_PG_URL")
+        if not url:
+            pytest.skip("set SPARSESPEC_TEST_PG_URL=postgresql+psycopg://... to test PostgreSQL")
+    s = open_store(url)
+    if request.param == "postgresql":  # start clean
+        from cluster.store import Base
+
+        Base.metadata.drop_all(s.engine)
+        Base.metadata.create_all(s.engine)
+    yield s
+    s.close()
+
+
+def test_open_creates_parent_dirs_and_tables(tmp_path):
+    db = tmp_path / "a" / "b" / "x.db"
+    with open_store(f"sqlite:///{db}") as s:
+        assert db.exists()
+        assert s.has_tables
+        assert s.runs() == []
+
+
+def test_round_trip_idempotent_and_done_keys(store):
+    assert store.start_run("r1", benchmark="ruler", model="m", methods=["ar", "sparsespec-l"],
+                           config={"k": 4, "nested": {"a": [1, 2]}}, host={"hostname": "h"})
+    rows = [
+        _row(),
+        _row(method="sparsespec-l", lossless=False, first_divergence=2, token_ids=[5, 6, 9], score=1.0),
+        _row(task="t2", sample_id="s9", score=None),
+    ]
+    assert store.add_results(rows) == 3
+    # re-insert: nothing new, even if the payload differs (first write wins)
+    assert store.add_results([_row(prediction="changed")] + rows) == 0
+    got = store.results("r1")
+    assert len(got) == 3
+    first = got[0]
+    for k in RESULT_FIELDS:
+        assert first[k] == rows[0][k], k
+    assert got[1]["lossless"] is False and got[1]["first_divergence"] == 2
+    assert got[2]["score"] is None and got[2]["lossless"] is None
+    assert store.done_keys("r1") == {("t", "s1", "ar"), ("t", "s1", "sparsespec-l"), ("t2", "s9", "ar")}
+    assert store.done_keys("other") == set()
+    assert [r["method"] for r in store.results("r1", method="sparsespec-l")] == ["sparsespec-l"]
+    assert store.token_ids("r1", "ar") == {("t", "s1"): [5, 6, 7], ("t2", "s9"): [5, 6, 7]}
+
+    run = store.get_run("r1")
+    assert run["methods"] == ["ar", "sparsespec-l"]
+    assert run["config"] == {"k": 4, "nested": {"a": [1, 2]}}
+    assert run["status"] == "running" and run["finished_at"] is None
+    store.record_event("r1", "worker died", shard=3)
+    store.finish_run("r1")
+    run = store.get_run("r1")
+    assert run["status"] == "finished" and run["finished_at"] is not None
+    assert run["events"][0]["message"] == "worker died" and run["events"][0]["shard"] == 3
+    # resuming keeps created_at and flips the status back
+    assert store.start_run("r1", benchmark="ruler", model="m", methods=["ar"], config={}) is False
+    again = store.get_run("r1")
+    assert again["created_at"] == run["created_at"] and again["status"] == "running"
+    (listed,) = store.runs()
+    assert listed["run_id"] == "r1" and listed["num_results"] == 3
+
+
+def test_result_needs_its_run(store):
+    with pytest.raises(IntegrityError):
+        store.add_results([_row(run_id="missing-run")])
+
+
+def test_rows_of_two_runs_do_not_collide(store):
+    for rid in ("a", "b"):
+        store.start_run(rid, benchmark="ruler", model="m", methods=["ar"], config={})
+        assert store.add_results([_row(run_id=rid)]) == 1
+    assert len(store.results()) == 2
+    assert len(store.results(["a"])) == 1
+
+
+@pytest.mark.parametrize("url", ["results.db", "", "nosuchdialect://x/y", "postgresql+asyncpg://u@h/db"])
+def test_bad_url_is_a_clear_error(url):
+    with pytest.raises(StoreURLError) as e:
+        open_store(url)
+    assert "sqlite:///" in str(e.value)
+
+
+def test_readers_do_not_create(tmp_path):
+    db = tmp_path / "none" / "x.db"
+    with pytest.raises(StoreNotFoundError, match="no database"):
+        open_store(f"sqlite:///{db}", create=False)
+    assert not db.parent.exists()
+    # an existing file without tables reads as empty
+    db.parent.mkdir()
+    db.touch()
+    with open_store(f"sqlite:///{db}", create=False) as s:
+        assert not s.has_tables
+        assert s.results() == [] and s.runs() == [] and s.done_keys("r") == set()
+
+
+def test_password_is_masked_in_errors():
+    from cluster.store import StoreError
+
+    with pytest.raises(StoreError) as e:
+        open_store("postgresql+psycopg://user:hunter2@127.0.0.1:1/db")
+    assert "hunter2" not in str(e.value)
