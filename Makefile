@@ -27,13 +27,13 @@ install: $(STAMP)
 provision: $(STAMP)
 	$(BIN)/python -m sparsespec provision smollm2-135m
 
-# The main job: RULER niah (3 tasks x 2 samples at 4096 tokens) and the shared LongBench samples
+# The main job: RULER niah (3 tasks x 1 sample at 4096 tokens) and the shared LongBench samples
 # (1 per task, middle-truncated to 2048 tokens for time), methods ar + sparsespec-l, local Ray,
 # SQLite; then the report.
 demo: provision
 	mkdir -p results
 	$(BIN)/python evals/ruler.py --model smollm2-135m --methods sparsespec-l --context-length 4096 \
-	    --num-samples 2 --db $(DB)
+	    --num-samples 1 --db $(DB)
 	$(BIN)/python evals/longbench.py --model smollm2-135m --methods sparsespec-l --num-samples 1 \
 	    --max-length 2048 --db $(DB)
 	$(BIN)/python -m cluster.report --db $(DB)
