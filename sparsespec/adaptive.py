@@ -1,0 +1,399 @@
+"""Draft-length policies: how many tokens to draft in each speculative step.
+
+The engine drives a policy once per step::
+
+    k_max = policy.start_step(budget)          # budget = tokens the request may still draft
+    entropies = []
+    while len(entropies) < k_max:
+        draft one token; entropies.append(H(q))  # one marked host sync per draft token
+        if not policy.should_continue(entropies):
+            break
+    verify len(entropies) drafts -> num_accepted (leading run)
+    policy.update(entropies, num_accepted)
+    policy.observe_costs(mean_draft_forward_s, verify_step_s)
+
+``FixedK`` is the null object (always ``min(k, budget)`` drafts). ``EntropyAdaptive`` is the
+SparseSpec-L controller of DESIGN.md section 1: EMA centroids of the draft-token entropy of
+accepted and of rejected tokens, a two-centroid soft classifier giving each draft token an
+acceptance probability ``p_i``, and the objective
+
+    E(k) = (1 + sum_{m<=k} prod_{i<=m} p_i) / (k*C_d + C_v)
+
+(expected tokens emitted per step divided by the step's time; ``gamma = C_d / C_v``).
+
+``roc_auc`` scores how well a signal (e.g. ``-entropy``) separates accepted from rejected drafts.
+
+Everything here is host-side Python/NumPy; entropies may be floats, NumPy scalars or 0-d tensors.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+__all__ = ["DraftLengthPolicy", "FixedK", "EntropyAdaptive", "roc_auc"]
+
+
+def _to_float(x: Any) -> float:
+    """Float from a Python number, NumPy scalar or 0-d (host or device) tensor."""
+    item = getattr(x, "item", None)
+    return float(item() if callable(item) else x)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _sigmoid(z: float) -> float:
+    """Overflow-free logistic function."""
+    if z >= 0.0:
+        return 1.0 / (1.0 + math.exp(-z))
+    e = math.exp(z)
+    return e / (1.0 + e)
+
+
+@runtime_checkable
+class DraftLengthPolicy(Protocol):
+    """Chooses the draft length online, one drafted token at a time."""
+
+    max_k: int
+
+    def start_step(self, budget: int) -> int:
+        """Start a step; return the most drafts allowed in it: ``min(max_k, budget)`` (>= 0)."""
+        ...
+
+    def should_continue(self, entropies: Sequence[float]) -> bool:
+        """After each drafted token: entropies (nats) of q for the ``m >= 1`` tokens drafted so far
+        in this step. ``False`` = stop drafting now and verify these ``m`` tokens."""
+        ...
+
+    def update(self, entropies: Sequence[float], num_accepted: int) -> None:
+        """After verification: the ``m`` drafted tokens' entropies and the accepted leading run."""
+        ...
+
+    def observe_costs(self, draft_step_s: float, verify_step_s: float) -> None:
+        """Measured mean time of one draft forward and of the verify step in this step."""
+        ...
+
+
+class FixedK:
+    """Null-object policy: draft exactly ``min(k, budget)`` tokens every step."""
+
+    def __init__(self, k: int):
+        if not _is_int(k) or k < 1:
+            raise ValueError(f"k must be a positive integer, got {k!r}")
+        self.k = int(k)
+        self.max_k = self.k
+        self._step_max = self.k
+        self.num_decisions = 0
+        self.num_steps = 0
+
+    def start_step(self, budget: int) -> int:
+        self._step_max = max(0, min(self.k, int(budget)))
+        self.num_steps += 1
+        return self._step_max
+
+    def should_continue(self, entropies: Sequence[float]) -> bool:
+        self.num_decisions += 1
+        return len(entropies) < self._step_max
+
+    def update(self, entropies: Sequence[float], num_accepted: int) -> None:
+        pass
+
+    def observe_costs(self, draft_step_s: float, verify_step_s: float) -> None:
+        pass
+
+    @property
+    def overhead_s(self) -> float:
+        return 0.0  # a length comparison; not worth a clock read
+
+    def __repr__(self) -> str:
+        return f"FixedK(k={self.k})"
+
+
+class EntropyAdaptive:
+    """Entropy-driven draft length (SparseSpec-L controller).
+
+    State
+        ``mu_accept`` / ``mu_reject``: EMA centroids of the entropy (nats) of accepted draft tokens
+        and of rejected ones. Per token, in order: every token of the accepted leading run updates
+        ``mu_accept``; the first rejected token (if any) updates ``mu_reject``; tokens after the
+        first rejection were never judged by the target, their label is unknown and they update
+        nothing. Non-finite entropies are skipped. ``accept_rate`` is an EMA of the same labels
+        (used only as the fallback probability in degenerate cases).
+        ``C_d`` / ``C_v``: EMAs of the measured draft-forward and verify-step seconds. Until both
+        have been measured the ratio ``gamma = init_cost_ratio`` is used (``C_v = 1, C_d = gamma``,
+        unitless); the first measurement of each replaces its initial value, later ones are blended
+        with weight ``ema``. Non-positive or non-finite measurements (e.g. a step with no draft
+        forward) are ignored.
+
+    Soft classification (two-centroid softmax over squared distances, scaled by the spread)
+        With ``d_a = h - mu_accept``, ``d_r = h - mu_reject``, ``s = mu_reject - mu_accept`` and
+        ``beta = sharpness``::
+
+            p(h) = exp(-beta d_a^2 / s^2) / (exp(-beta d_a^2 / s^2) + exp(-beta d_r^2 / s^2))
+                 = sigmoid(2 beta (m - h) / s),     m = (mu_accept + mu_reject) / 2
+
+        i.e. a logistic in ``h`` centred at the midpoint of the centroids, with slope set by their
+        spread; ``p(mu_accept) = sigmoid(beta)`` and ``p(mu_reject) = sigmoid(-beta)`` (0.953 and
+        0.047 for the default ``beta = 3``). If the centroids learn the "inverted" order
+        (``s < 0``) the formula follows the data. Degenerate cases: if ``|s| < min_spread`` (equal
+        centroids, no information) or ``h`` is NaN, ``p = accept_rate``.
+
+    Decision rule (online, after each drafted token)
+        The step's candidates are ``{min(c, k_step) for c in candidates}`` with
+        ``k_step = start_step(budget)`` (a candidate longer than the budget is truncated to it,
+        as ``FixedK`` does). After ``m`` drafted tokens with ``p_1..p_m`` from their entropies,
+        the unknown future probabilities are predicted as ``p_i = p_m`` for ``i > m`` (the next
+        tokens are assumed as easy as the latest one). Continue iff some step candidate
+        ``k > m`` has ``E(k) > E(m)``; stop otherwise, and always at ``m >= k_step``. Stopping
+        is allowed at any ``m`` (not only at candidates): the tokens already drafted are sunk cost.
+    """
+
+    def __init__(
+        self,
+        candidates: Sequence[int] = (1, 2, 3, 4, 6, 8, 12, 16),
+        ema: float = 0.1,
+        init_accept_entropy: float = 0.5,
+        init_reject_entropy: float = 2.5,
+        init_cost_ratio: float = 0.3,
+        sharpness: float = 3.0,
+        min_spread: float = 1e-3,
+    ):
+        try:
+            cands = list(candidates)
+        except TypeError:
+            raise ValueError(f"candidates must be a sequence of positive integers, got {candidates!r}") from None
+        if not cands:
+            raise ValueError("candidates must not be empty")
+        for c in cands:
+            if not _is_int(c) or c < 1:
+                raise ValueError(f"candidates must be positive integers, got {c!r} in {candidates!r}")
+        if not (isinstance(ema, (int, float)) and 0.0 < ema <= 1.0):
+            raise ValueError(f"ema must be in (0, 1], got {ema!r}")
+        for name, v in (("init_accept_entropy", init_accept_entropy), ("init_reject_entropy", init_reject_entropy)):
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0.0):
+                raise ValueError(f"{name} must be a finite entropy >= 0 (nats), got {v!r}")
+        for name, v in (("init_cost_ratio", init_cost_ratio), ("sharpness", sharpness), ("min_spread", min_spread)):
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0.0):
+                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+
+        self.candidates: tuple[int, ...] = tuple(sorted({int(c) for c in cands}))
+        self.max_k = self.candidates[-1]
+        self.ema = float(ema)
+        self.sharpness = float(sharpness)
+        self.min_spread = float(min_spread)
+        self.init_cost_ratio = float(init_cost_ratio)
+        self.mu_accept = float(init_accept_entropy)
+        self.mu_reject = float(init_reject_entropy)
+        self.accept_rate = 0.5
+        self._c_d: float | None = None  # seconds, once measured
+        self._c_v: float | None = None
+        self._step_max = self.max_k
+        self._step_cands: tuple[int, ...] = self.candidates
+        # per-step cache of converted entropies / probabilities, reused by object identity so a
+        # device tensor already read once is not read (synced) again on the next call
+        self._cache_raw: list[Any] = []
+        self._cache_p: list[float] = []
+        # counters
+        self.num_steps = 0
+        self.num_decisions = 0
+        self.num_updates = 0
+        self.num_cost_updates = 0
+        self._overhead_s = 0.0
+
+    # ------------------------------------------------------------------ costs
+    @property
+    def cost_draft(self) -> float:
+        """``C_d``: seconds once both costs are measured, else ``init_cost_ratio`` (unitless)."""
+        return self._c_d if (self._c_d is not None and self._c_v is not None) else self.init_cost_ratio
+
+    @property
+    def cost_verify(self) -> float:
+        """``C_v``: seconds once both costs are measured, else ``1.0`` (unitless)."""
+        return self._c_v if (self._c_d is not None and self._c_v is not None) else 1.0
+
+    @property
+    def gamma(self) -> float:
+        """Relative draft cost ``C_d / C_v``."""
+        return self.cost_draft / self.cost_verify
+
+    @property
+    def overhead_s(self) -> float:
+        """Seconds spent inside start_step / should_continue / update / observe_costs."""
+        return self._overhead_s
+
+    # ------------------------------------------------------------ classifier
+    def accept_prob(self, h: Any) -> float:
+        """Acceptance probability of a draft token whose q has entropy ``h`` (see class doc)."""
+        h = _to_float(h)
+        s = self.mu_reject - self.mu_accept
+        if math.isnan(h) or abs(s) < self.min_spread:
+            return self.accept_rate
+        mid = 0.5 * (self.mu_accept + self.mu_reject)
+        return _sigmoid(2.0 * self.sharpness * (mid - h) / s)
+
+    def accept_probs(self, entropies: Sequence[Any]) -> list[float]:
+        return [self.accept_prob(h) for h in entropies]
+
+    # -------------------------------------------------------------- objective
+    @staticmethod
+    def expected_tokens(ps: Sequence[float]) -> float:
+        """Expected tokens emitted by a step drafting ``len(ps)`` tokens:
+        ``1 + sum_{m<=k} prod_{i<=m} p_i`` (the 1 is the recovered/bonus token)."""
+        total, run = 1.0, 1.0
+        for p in ps:
+            run *= float(p)
+            total += run
+        return total
+
+    def objective(self, ps: Sequence[float], k: int) -> float:
+        """``E(k) = (1 + sum_{m<=k} prod_{i<=m} p_i) / (k*C_d + C_v)``, using ``ps[:k]``."""
+        if not _is_int(k) or k < 0:
+            raise ValueError(f"k must be an integer >= 0, got {k!r}")
+        if k > len(ps):
+            raise ValueError(f"k={k} needs at least k probabilities, got {len(ps)}")
+        return self.expected_tokens(ps[:k]) / (k * self.cost_draft + self.cost_verify)
+
+    def best_k(self, ps: Sequence[float]) -> int:
+        """Argmax of ``E(k)`` over the candidates ``k <= len(ps)`` (ties -> the shorter k)."""
+        ks = [c for c in self.candidates if c <= len(ps)]
+        if not ks:
+            raise ValueError(f"best_k needs at least {self.candidates[0]} probabilities, got {len(ps)}")
+        return max(ks, key=lambda k: (self.objective(ps, k), -k))
+
+    def extrapolate(self, ps: Sequence[float], horizon: int) -> list[float]:
+        """``ps`` extended to ``horizon`` entries by repeating its last value (the rule's
+        assumption that unknown future tokens are as likely to pass as the latest one)."""
+        ps = [float(p) for p in ps]
+        if not ps:
+            raise ValueError("extrapolate needs at least one probability")
+        return ps + [ps[-1]] * max(0, horizon - len(ps))
+
+    def plan(self, entropies: Sequence[Any], k_max: int | None = None) -> int:
+        """Best candidate length (truncated to ``k_max``) predicted from the entropies drafted so far."""
+        k_max = self.max_k if k_max is None else int(k_max)
+        cands = sorted({min(c, k_max) for c in self.candidates if min(c, k_max) >= 1})
+        if not cands:
+            return 0
+        ps = self.extrapolate(self.accept_probs(entropies), cands[-1])
+        return max(cands, key=lambda k: (self.objective(ps, k), -k))
+
+    def _continue_from(self, ps: Sequence[float]) -> bool:
+        """The online rule: with ``p_i = p_m`` predicted for ``i > m``, is some step candidate
+        ``k > m`` better than stopping at ``m``?"""
+        m = len(ps)
+        longer = {k for k in self._step_cands if k > m}
+        if m >= self._step_max or not longer:
+            return False
+        c_d, c_v = self.cost_draft, self.cost_verify
+        num, run = 1.0, 1.0  # numerator of E and prod_{i<=j} p_i, built incrementally
+        for p in ps:
+            run *= p
+            num += run
+        e_stop = num / (m * c_d + c_v)
+        p_next = ps[-1]
+        for k in range(m + 1, max(longer) + 1):
+            run *= p_next
+            num += run
+            if k in longer and num / (k * c_d + c_v) > e_stop * (1.0 + 1e-12):
+                return True
+        return False
+
+    # ------------------------------------------------------------ the protocol
+    def start_step(self, budget: int) -> int:
+        t0 = time.perf_counter()
+        self._step_max = max(0, min(self.max_k, int(budget)))
+        self._step_cands = tuple(sorted({min(c, self._step_max) for c in self.candidates})) if self._step_max else ()
+        self._cache_raw, self._cache_p = [], []
+        self.num_steps += 1
+        self._overhead_s += time.perf_counter() - t0
+        return self._step_max
+
+    def should_continue(self, entropies: Sequence[Any]) -> bool:
+        t0 = time.perf_counter()
+        n_same = 0
+        for raw, cached in zip(entropies, self._cache_raw):
+            if raw is not cached:
+                break
+            n_same += 1
+        ps = self._cache_p[:n_same] + [self.accept_prob(h) for h in list(entropies)[n_same:]]
+        self._cache_raw, self._cache_p = list(entropies), ps
+        decision = self._continue_from(ps) if ps else self._step_max > 0
+        self.num_decisions += 1
+        self._overhead_s += time.perf_counter() - t0
+        return decision
+
+    def update(self, entropies: Sequence[Any], num_accepted: int) -> None:
+        t0 = time.perf_counter()
+        m = len(entropies)
+        if not _is_int(num_accepted) or not 0 <= num_accepted <= m:
+            raise ValueError(f"num_accepted must be an integer in [0, {m}], got {num_accepted!r}")
+        a = self.ema
+        for h in list(entropies)[:num_accepted]:
+            h = _to_float(h)
+            if math.isfinite(h):
+                self.mu_accept += a * (h - self.mu_accept)
+            self.accept_rate += a * (1.0 - self.accept_rate)
+        if num_accepted < m:  # the first rejection; later tokens have no label
+            h = _to_float(entropies[num_accepted])
+            if math.isfinite(h):
+                self.mu_reject += a * (h - self.mu_reject)
+            self.accept_rate += a * (0.0 - self.accept_rate)
+        self._cache_raw, self._cache_p = [], []
+        self.num_updates += 1
+        self._overhead_s += time.perf_counter() - t0
+
+    def observe_costs(self, draft_step_s: float, verify_step_s: float) -> None:
+        t0 = time.perf_counter()
+        d, v = _to_float(draft_step_s), _to_float(verify_step_s)
+        if math.isfinite(d) and d > 0.0:
+            self._c_d = d if self._c_d is None else self._c_d + self.ema * (d - self._c_d)
+        if math.isfinite(v) and v > 0.0:
+            self._c_v = v if self._c_v is None else self._c_v + self.ema * (v - self._c_v)
+        self.num_cost_updates += 1
+        self._overhead_s += time.perf_counter() - t0
+
+    # --------------------------------------------------------------- report
+    def state(self) -> dict[str, float | int | None]:
+        """Controller state and counters, for the run's result row."""
+        return {
+            "mu_accept": self.mu_accept,
+            "mu_reject": self.mu_reject,
+            "accept_rate_ema": self.accept_rate,
+            "gamma": self.gamma,
+            "cost_draft_s": self._c_d,
+            "cost_verify_s": self._c_v,
+            "num_steps": self.num_steps,
+            "num_decisions": self.num_decisions,
+            "overhead_s": self._overhead_s,
+        }
+
+    def __repr__(self) -> str:
+        return (f"EntropyAdaptive(candidates={self.candidates}, ema={self.ema}, mu_accept={self.mu_accept:.3f}, "
+                f"mu_reject={self.mu_reject:.3f}, gamma={self.gamma:.3f})")
+
+
+def roc_auc(scores: Sequence[float], labels: Sequence[Any]) -> float | None:
+    """ROC AUC of ``scores`` for binary ``labels`` (1/True = positive), via Mann-Whitney U with
+    average ranks for ties: ``AUC = (R_pos - n_pos (n_pos + 1) / 2) / (n_pos n_neg)``.
+    ``None`` when either class is missing."""
+    s = np.asarray([_to_float(x) for x in scores], dtype=np.float64)
+    y = np.asarray([_to_float(x) for x in labels], dtype=np.float64)
+    if s.shape != y.shape:
+        raise ValueError(f"scores and labels differ in length: {s.shape[0]} vs {y.shape[0]}")
+    if not np.all((y == 0.0) | (y == 1.0)):
+        raise ValueError("labels must be binary (0/1 or bool)")
+    if not np.all(np.isfinite(s)):
+        raise ValueError("scores must be finite")
+    pos = y == 1.0
+    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
+    if n_pos == 0 or n_neg == 0:
+        return None
+    _, inverse, counts = np.unique(s, return_inverse=True, return_counts=True)
+    first_rank = np.cumsum(counts) - counts + 1  # 1-based rank of each tie group's first member
+    ranks = (first_rank + (counts - 1) / 2.0)[inverse]  # average rank within the tie group
+    u = ranks[pos].sum() - n_pos * (n_pos + 1) / 2.0
+    return float(u / (n_pos * n_neg))
