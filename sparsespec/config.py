@@ -101,7 +101,9 @@ class SpecConfig:
     """Knobs of a speculative method (all methods share the names).
 
     Attributes:
-        k: draft length K (tokens proposed per step), >= 1.
+        k: draft length K (tokens proposed per step), an int >= 1, or ``"auto"``: the
+            entropy-adaptive controller picks it per step, up to ``max_k``.
+        max_k: the longest draft ``"auto"`` may choose.
         budget_frac: sparse index budget as a fraction of the context (SparseSpec-L: 0.1).
         min_budget / max_budget: floor and cap of the budget in tokens (per layer and KV head).
         n_sink: first positions always kept (attention sinks).
@@ -109,7 +111,8 @@ class SpecConfig:
         window: W, the number of most recent query positions whose attention mass scores a key.
     """
 
-    k: int = 8
+    k: int | str = "auto"
+    max_k: int = 16
     budget_frac: float = 0.1
     min_budget: int = 128
     max_budget: int = 8192
@@ -118,8 +121,10 @@ class SpecConfig:
     window: int = 16
 
     def __post_init__(self) -> None:
-        if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
-            raise ValueError(f"k must be an integer >= 1, got {self.k!r}")
+        if self.k != "auto" and (not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1):
+            raise ValueError(f"k must be an integer >= 1 or 'auto', got {self.k!r}")
+        if not isinstance(self.max_k, int) or self.max_k < 1:
+            raise ValueError(f"max_k must be an integer >= 1, got {self.max_k!r}")
         if not (0.0 < self.budget_frac <= 1.0) or math.isnan(self.budget_frac):
             raise ValueError(f"budget_frac must be in (0, 1], got {self.budget_frac!r}")
         if self.n_sink < 0 or self.n_recent < 1 or self.window < 1:
@@ -130,6 +135,11 @@ class SpecConfig:
             )
         if self.max_budget < self.min_budget:
             raise ValueError(f"max_budget ({self.max_budget}) must be >= min_budget ({self.min_budget})")
+
+    @property
+    def k_limit(self) -> int:
+        """The longest draft this config can produce (sizes the buffers)."""
+        return self.max_k if self.k == "auto" else int(self.k)
 
     def budget(self, context_len: int) -> int:
         """Index size N for a context of ``context_len`` tokens (capped at the context)."""
@@ -148,17 +158,37 @@ class SpecConfig:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Decoding parameters. Only greedy (temperature 0) is implemented in this version."""
+    """Decoding parameters, applied identically to the target (p) and the draft (q).
+
+    Attributes:
+        max_new_tokens: generated-token cap per prompt (>= 1).
+        temperature: 0 = greedy (one-hot p and q: exact-match verification).
+        top_k: keep the k most likely tokens (0 = off).
+        top_p: nucleus mass in (0, 1] (1 = off).
+        seed: seeds the sampling generator (same seed, same output); None = nondeterministic.
+        stop: strings that end generation; the text stops before them, tokens up to the one
+            that completed them.
+        eos_token_ids: token ids that end generation (kept as the last token).
+        ignore_eos: generate exactly ``max_new_tokens`` tokens (speed runs); stop strings too
+            are ignored.
+    """
 
     max_new_tokens: int = 64
     temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        from sparsespec.sampling import validate_sampling
+
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if self.temperature != 0.0:
-            raise ValueError(
-                f"temperature={self.temperature!r}: only greedy decoding (temperature=0.0) is implemented so far"
-            )
+        validate_sampling(self.temperature, self.top_k, self.top_p, self.seed)
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.eos_token_ids):
+            raise ValueError(f"eos_token_ids must be non-negative ints, got {self.eos_token_ids!r}")

@@ -48,15 +48,18 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 @dataclass
 class DraftKV:
-    """Compact KV of one draft phase: ``k``, ``v`` ``[L, B, H_kv, N + K_max, D]``.
+    """Compact KV of one draft phase: ``k``, ``v`` ``[L, B, H_kv, N_max + K_max, D]``.
 
-    Slots ``[0, n_index)`` hold the gathered sparse index; the draft tokens of the current step
-    append after it. ``length`` counts valid slots.
+    Slots ``[0, n_index)`` hold the gathered sparse index (row ``b`` uses its first
+    ``n_valid[b]`` of them; None = all rows use all ``n_index``); the draft tokens of the
+    current step append after it. ``length`` counts filled slots.
     """
 
     k: torch.Tensor
     v: torch.Tensor
     length: int
+    n_index: int = 0
+    n_valid: torch.Tensor | None = None  # [B] int64
 
 
 class Transformer(torch.nn.Module):
@@ -148,9 +151,9 @@ class Transformer(torch.nn.Module):
         return w * xf.to(x.dtype)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[T, D]`` for int positions ``[T]``."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)
+        """cos, sin ``[B, 1, T, D]`` for int positions ``[B, T]`` (broadcast over heads)."""
+        freqs = positions.float()[..., None] * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None]
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
     @staticmethod
@@ -175,23 +178,21 @@ class Transformer(torch.nn.Module):
         gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, layer.w_down)
 
-    def _grouped_attention(self, q, k, v, q_pos0: int | None, want_rows: int):
+    def _grouped_attention(self, q, k, v, mask: torch.Tensor | None, want_rows: int):
         """Attention with query heads grouped by KV head.
 
-        q ``[B, H, T, D]``; k, v ``[B, H_kv, S, D]``. ``q_pos0``: absolute position of the first
-        query for the causal mask (None: every key visible). Returns out ``[B, H, T, D]`` and, if
-        ``want_rows``, rows ``[B, H_kv, want_rows, S]`` float32 (probabilities of the last
-        ``want_rows`` queries summed over each KV group).
+        q ``[B, H, T, D]``; k, v ``[B, H_kv, S, D]``; ``mask`` ``[B, T, S]`` bool (True = visible)
+        or None (every key visible). Returns out ``[B, H, T, D]`` and, if ``want_rows``, rows
+        ``[B, H_kv, want_rows, S]`` float32: the attention probabilities of the last
+        ``want_rows`` queries summed over the query heads of each KV group.
         """
         B, H, T, D = q.shape
         Hkv, S = k.shape[1], k.shape[2]
         G = H // Hkv
         qg = q.reshape(B, Hkv, G * T, D)  # heads h = kv*G + g are contiguous
         scores = torch.matmul(qg, k.transpose(-1, -2)).float() * self.scale  # [B, H_kv, G*T, S]
-        if q_pos0 is not None and T > 1:
-            qpos = q_pos0 + torch.arange(T, device=q.device)
-            allowed = torch.arange(S, device=q.device)[None, :] <= qpos[:, None]  # [T, S]
-            scores = scores.view(B, Hkv, G, T, S).masked_fill(~allowed, float("-inf")).view(B, Hkv, G * T, S)
+        if mask is not None:
+            scores = scores.view(B, Hkv, G, T, S).masked_fill(~mask[:, None, None], float("-inf")).view(B, Hkv, G * T, S)
         probs = torch.softmax(scores, dim=-1)  # [B, H_kv, G*T, S]
         out = torch.matmul(probs.to(v.dtype), v).view(B, H, T, D)
         rows = None
@@ -204,7 +205,7 @@ class Transformer(torch.nn.Module):
         """Shared layer loop; ``attend(i, layer, q, k, v)`` returns ``[B, H, T, D]``."""
         B, T = input_ids.shape
         h = F.embedding(input_ids, self.embed)  # [B, T, E]
-        cos, sin = self._rope(positions)
+        cos, sin = self._rope(positions)  # [B, 1, T, D]
         for i, layer in enumerate(self.layers):
             x = self._rms(h, layer.ln_attn)
             q, k, v = self._qkv(layer, x, cos, sin)
@@ -218,37 +219,53 @@ class Transformer(torch.nn.Module):
 
     @torch.inference_mode()
     def forward_dense(self, input_ids: torch.Tensor, cache: KVCache, want_rows: int = 0, logits_for: str = "all"):
-        """Append ``input_ids`` ``[B, T]`` at ``cache.length`` with full causal attention.
+        """Append ``input_ids`` ``[B, T]`` at each row's length with full causal attention.
 
-        Returns logits ``[B, T, V]`` (or ``[B, 1, V]`` with ``logits_for="last"``) float32 and,
-        if ``want_rows``, importance rows ``[L, B, H_kv, want_rows, S]`` float32 for the last
-        ``want_rows`` queries (S = new cache length). Advances ``cache.length`` by T.
+        Rows may have different lengths (ragged batch): row ``b``'s tokens take positions
+        ``lengths[b] .. lengths[b] + T - 1`` and see only its own valid keys.
+        Returns logits ``[B, T, V]`` (``[B, 1, V]`` with ``logits_for="last"``) float32 and, if
+        ``want_rows``, importance rows ``[L, B, H_kv, want_rows, S]`` float32 for the last
+        ``want_rows`` queries of each row (S = the longest new row length). Advances every
+        row's length by T.
         """
         B, T = input_ids.shape
-        start = cache.length
+        starts = list(cache.lengths)
         cache.reserve(T)
-        S = start + T
-        positions = torch.arange(start, S, device=self.device)
+        S = max(starts) + T
+        dev = self.device
+        uniform = min(starts) == max(starts)
+        start_t = torch.tensor(starts, device=dev)[:, None]  # [B, 1]
+        positions = start_t + torch.arange(T, device=dev)  # [B, T]
+        key_pos = torch.arange(S, device=dev)
+        mask = None
+        if T > 1 or not uniform:
+            mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, S] causal + ragged
+        rows_mask = None if mask is None else mask[:, T - want_rows :] if want_rows else None
         all_rows = [] if want_rows else None
+        batch_idx = torch.arange(B, device=dev)[:, None].expand(B, T)  # [B, T]
 
         def attend(i, q, k, v):
-            cache.k[i, :, :, start:S] = k
-            cache.v[i, :, :, start:S] = v
+            if uniform:
+                s0 = starts[0]
+                cache.k[i, :, :, s0 : s0 + T] = k
+                cache.v[i, :, :, s0 : s0 + T] = v
+            else:  # scatter each row's new KV at its own offset
+                cache.k[i][batch_idx, :, positions] = k.transpose(1, 2)
+                cache.v[i][batch_idx, :, positions] = v.transpose(1, 2)
             keys, vals = cache.k[i, :, :, :S], cache.v[i, :, :, :S]  # [B, H_kv, S, D]
             if T > 32:  # prefill chunk: fused SDPA, then (cheap) rows for the last queries only
-                mask = torch.arange(S, device=self.device)[None, :] <= positions[:, None]  # [T, S]
-                out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True)
+                out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask[:, None], enable_gqa=True)
                 if want_rows:
-                    _, rows = self._grouped_attention(q[:, :, -want_rows:], keys, vals, S - want_rows, want_rows)
+                    _, rows = self._grouped_attention(q[:, :, T - want_rows :], keys, vals, rows_mask, want_rows)
                     all_rows.append(rows)
                 return out
-            out, rows = self._grouped_attention(q, keys, vals, start, want_rows)
+            out, rows = self._grouped_attention(q, keys, vals, mask, want_rows)
             if want_rows:
                 all_rows.append(rows)
             return out
 
         logits = self._run(input_ids, positions, attend, logits_for)
-        cache.length = S
+        cache.lengths = [s + T for s in starts]
         rows = torch.stack(all_rows) if want_rows else None  # [L, B, H_kv, W, S]
         return logits, rows
 
@@ -267,20 +284,25 @@ class Transformer(torch.nn.Module):
         return logits[:, -1], rows
 
     @torch.inference_mode()
-    def forward_draft(self, input_ids: torch.Tensor, position: int, dkv: DraftKV) -> torch.Tensor:
-        """One draft token ``[B, 1]`` at absolute ``position`` over the compact sparse KV.
+    def forward_draft(self, input_ids: torch.Tensor, positions: torch.Tensor, dkv: DraftKV) -> torch.Tensor:
+        """One draft token per row, ``input_ids`` ``[B, 1]`` at ``positions`` ``[B]``, over the compact KV.
 
-        Appends its KV to ``dkv`` and returns logits ``[B, V]`` float32.
+        Appends its KV to ``dkv`` and returns logits ``[B, V]`` float32. Padded index slots of rows
+        with a smaller index (``dkv.n_valid``) are masked out.
         """
         slot = dkv.length
-        positions = torch.tensor([position], device=self.device)
+        B = input_ids.shape[0]
+        mask = None
+        if dkv.n_valid is not None:
+            j = torch.arange(slot + 1, device=self.device)
+            mask = ((j[None, :] < dkv.n_valid[:, None]) | (j[None, :] >= dkv.n_index))[:, None, :]  # [B, 1, S']
 
         def attend(i, q, k, v):
             dkv.k[i, :, :, slot] = k[:, :, 0]
             dkv.v[i, :, :, slot] = v[:, :, 0]
-            out, _ = self._grouped_attention(q, dkv.k[i, :, :, : slot + 1], dkv.v[i, :, :, : slot + 1], None, 0)
+            out, _ = self._grouped_attention(q, dkv.k[i, :, :, : slot + 1], dkv.v[i, :, :, : slot + 1], mask, 0)
             return out
 
-        logits = self._run(input_ids, positions, attend, "all")
+        logits = self._run(input_ids, positions.view(B, 1), attend, "all")
         dkv.length = slot + 1
         return logits[:, -1]

@@ -89,15 +89,18 @@ def test_greedy_verify_accept_all_reject_first_reject_last_k0():
 
 def test_kv_rollback_is_a_length_change():
     cfg = ModelConfig("llama", 16, 8, 16, 2, 2, 1, 4, 64, 1e-6, 10000.0)
-    c = KVCache(cfg, 1, 10, torch.float32, "cpu")
-    c.length = 7
+    c = KVCache(cfg, 2, 10, torch.float32, "cpu")
+    c.lengths = [7, 4]
     ptr = c.k.data_ptr()
-    c.rollback(3)
-    assert c.length == 3 and c.k.data_ptr() == ptr
+    c.rollback([3, 4])
+    assert c.lengths == [3, 4] and c.k.data_ptr() == ptr
     with pytest.raises(ValueError):
-        c.rollback(5)
+        c.rollback([5, 4])  # cannot grow by rollback
     with pytest.raises(ValueError, match="overflow"):
-        c.reserve(8)
+        c.reserve(7)
+    c.k[:, 1] = 1.0
+    c.select([1])  # a finished row leaves the batch
+    assert c.lengths == [4] and c.batch_size == 1 and float(c.k.min()) == 1.0
 
 
 def test_registry_unknown_name_suggests():

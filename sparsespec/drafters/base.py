@@ -1,39 +1,105 @@
-"""The Drafter protocol every speculative method implements.
+"""The Drafter protocol every speculative method implements, and the shared self-draft loop.
 
-Engine contract (batch size 1 in this version): the dense ``KVCache`` holds every committed token
-but the last one (the *pending* token, whose KV the next forward computes). ``propose`` returns K
-draft tokens that would follow the pending token; after verification the engine rolls the dense
-cache back to the committed length and calls ``commit`` with the attention rows of the committed
-query positions of that verification.
+Engine contract: the dense ``KVCache`` holds every committed token of a row but the last one (the
+*pending* token, whose KV the next forward computes). ``propose`` returns up to K draft tokens per
+row that would follow the pending token; after verification the engine rolls the dense cache back
+to each row's committed length and calls ``commit`` with the attention rows of the committed
+query positions. Rows that finish leave the batch through ``select``.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Protocol, Sequence
 
 import torch
 
-from sparsespec.config import SpecConfig
+from sparsespec.config import SamplingParams, SpecConfig
 from sparsespec.kv.cache import KVCache
+from sparsespec.sampling import logits_to_probs, sample
+
+
+@dataclass
+class Draft:
+    """Drafted tokens of one step.
+
+    Attributes:
+        token_ids: ``[B, K]`` int64 (K = the longest row's draft; shorter rows are padded).
+        q_probs: ``[B, K, V]`` float32, the distribution each draft token was sampled from
+            (after temperature/top-k/top-p); None for greedy (one-hot q: exact-match verification).
+        entropies: ``[B, K]`` float32, entropy (nats) of the drafter's own distribution at
+            temperature 1 for each draft token (what the entropy controller reads).
+        num_draft: valid drafts per row (``<= K``).
+    """
+
+    token_ids: torch.Tensor
+    q_probs: torch.Tensor | None
+    entropies: torch.Tensor
+    num_draft: list[int]
 
 
 class Drafter(Protocol):
     #: query rows the engine must request from each dense forward (0: none)
     want_rows: int
 
-    def __init__(self, model, spec: SpecConfig, capacity: int) -> None: ...
+    def prefill_row(self, b: int, cache: KVCache, rows: torch.Tensor | None) -> None:
+        """Initialise row ``b`` from its prefilled cache and prompt's last query rows ``[L, 1, H_kv, W, P]``."""
 
-    def prefill(self, cache: KVCache, rows: torch.Tensor | None) -> None:
-        """Initialise from the prefilled cache and the prompt's last query rows ``[L, B, H_kv, W, S]``."""
+    def propose(self, cache: KVCache, pending: torch.Tensor, k_max: int, budgets: Sequence[int], policy,
+                sp: SamplingParams, generator: torch.Generator | None) -> Draft:
+        """Draft up to ``min(k_max, budgets[b])`` tokens after ``pending`` (``[B, 1]`` int64)."""
 
-    def propose(self, cache: KVCache, pending: torch.Tensor, k: int) -> torch.Tensor:
-        """Draft ``k`` tokens after ``pending`` (``[B, 1]`` int64); returns ``[B, k]`` int64."""
+    def commit(self, cache: KVCache, rows: torch.Tensor | None, counts: Sequence[int]) -> None:
+        """Update after verification; ``rows`` ``[L, B, H_kv, T, S]``, of which the first ``counts[b]`` are committed."""
 
-    def commit(self, cache: KVCache, rows: torch.Tensor | None) -> None:
-        """Update after verification; ``rows``: ``[L, B, H_kv, T_committed, S]`` float32."""
+    def select(self, keep: Sequence[int]) -> None:
+        """Keep only batch rows ``keep``."""
 
-    def index_size(self) -> int:
-        """Positions of the dense cache the last draft attended to (per layer and KV head)."""
+    def index_sizes(self) -> list[int]:
+        """Per row: positions of the dense cache the next draft attends to (per layer and KV head)."""
 
     @property
     def nbytes(self) -> int:
         """Bytes of drafter state (index, compact KV, importance window)."""
+
+
+def self_draft_loop(model, dkv, pending: torch.Tensor, start_positions: torch.Tensor, k_max: int,
+                    budgets: Sequence[int], policy, sp: SamplingParams, generator) -> Draft:
+    """Autoregressive drafting with the target model over a compact KV (``model.forward_draft``).
+
+    ``start_positions`` ``[B]``: absolute position of each row's pending token. Row ``b`` drafts at
+    most ``min(k_max, budgets[b])`` tokens; an adaptive ``policy`` may stop a row earlier after
+    reading the entropies (the one host sync of the loop).
+    """
+    B = pending.shape[0]
+    limit = [min(k_max, int(x)) for x in budgets]
+    drafting = [lim > 0 for lim in limit]
+    num_draft = [0] * B
+    adaptive = getattr(policy, "adaptive", False)
+    toks, qs, ents = [], [], []
+    tok = pending  # [B, 1]
+    for j in range(max(limit, default=0)):
+        logits = model.forward_draft(tok, start_positions + j, dkv)  # [B, V]
+        logp = torch.log_softmax(logits, dim=-1)
+        ents.append(-(logp.exp() * logp).sum(-1))  # [B]
+        if sp.temperature == 0:
+            tok = logits.argmax(dim=-1, keepdim=True)  # [B, 1]
+        else:
+            q = logits_to_probs(logits, sp.temperature, sp.top_k, sp.top_p)  # [B, V]
+            qs.append(q)
+            tok = sample(q, generator).view(B, 1)
+        toks.append(tok)
+        for b in range(B):
+            if drafting[b]:
+                num_draft[b] = j + 1
+                drafting[b] = num_draft[b] < limit[b]
+        if adaptive and any(drafting):
+            ent_host = torch.stack(ents, dim=1).tolist()  # SYNC: the entropy controller decides per token
+            for b in range(B):
+                if drafting[b] and not policy.should_continue(ent_host[b][: j + 1]):
+                    drafting[b] = False
+        if not any(drafting):
+            break
+    if not toks:
+        empty = pending[:, :0]
+        return Draft(empty, None, torch.zeros(B, 0, device=pending.device), num_draft)
+    return Draft(torch.cat(toks, dim=1), torch.stack(qs, dim=1) if qs else None, torch.stack(ents, dim=1), num_draft)

@@ -15,38 +15,53 @@ import torch
 
 
 class ImportanceWindow:
-    """Ring buffer of the attention rows of the last ``W`` committed query positions.
+    """Ring buffer, per row, of the attention rows of the last ``W`` committed query positions.
 
-    ``rows``: ``[L, B, H_kv, W, S_max]`` float32, row ``w`` holding the attention probability
+    ``rows``: ``[L, B, H_kv, W, S_max]`` float32, slot ``w`` holding the attention probability
     (summed over the query heads of each KV head) that one query gave to every key; zero past
-    that query's own position.
+    that query's own position. Rows of the batch advance independently (ragged acceptance).
     """
 
     def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, window: int, capacity: int, device):
         self.rows = torch.zeros(num_layers, batch_size, num_kv_heads, window, capacity, device=device)
         self.window = window
-        self.count = 0  # rows written so far (valid rows = min(count, W))
-        self._next = 0
+        self.count = [0] * batch_size  # rows written so far, per batch row
+        self._next = [0] * batch_size
 
     @property
     def nbytes(self) -> int:
         return self.rows.numel() * self.rows.element_size()
 
-    def push(self, new_rows: torch.Tensor) -> None:
-        """Append query rows ``[L, B, H_kv, T, S]`` (oldest first); keeps the last ``W``."""
-        t, s = new_rows.shape[3], new_rows.shape[4]
-        if t > self.window:
-            new_rows, t = new_rows[:, :, :, -self.window :], self.window
-        slots = [(self._next + i) % self.window for i in range(t)]
-        slot_idx = torch.tensor(slots, device=self.rows.device)
-        self.rows[:, :, :, slot_idx, :s] = new_rows.float()
-        self.rows[:, :, :, slot_idx, s:] = 0.0
-        self._next = (self._next + t) % self.window
-        self.count += t
+    def push(self, new_rows: torch.Tensor, counts: list[int] | None = None) -> None:
+        """Append query rows ``[L, B, H_kv, T, S]`` (oldest first); keeps the last ``W`` per row.
 
-    def scores(self, length: int) -> torch.Tensor:
-        """Importance of the first ``length`` keys: ``[L, B, H_kv, length]`` float32."""
-        return self.rows[..., :length].sum(dim=3)
+        ``counts[b]``: how many of the T rows are committed for batch row ``b`` (the first ones);
+        default all T.
+        """
+        T, S = new_rows.shape[3], new_rows.shape[4]
+        counts = [T] * new_rows.shape[1] if counts is None else counts
+        for b, t in enumerate(counts):
+            src = new_rows[:, b, :, :t]
+            if t > self.window:
+                src, t = src[:, :, t - self.window :], self.window
+            if t == 0:
+                continue
+            slots = torch.tensor([(self._next[b] + i) % self.window for i in range(t)], device=self.rows.device)
+            self.rows[:, b, :, slots, :S] = src.float()
+            self.rows[:, b, :, slots, S:] = 0.0
+            self._next[b] = (self._next[b] + t) % self.window
+            self.count[b] += t
+
+    def scores(self, length: int, b: int | None = None) -> torch.Tensor:
+        """Importance of the first ``length`` keys: ``[L, B, H_kv, length]`` (or ``[L, 1, H_kv, length]`` for row b)."""
+        rows = self.rows if b is None else self.rows[:, b : b + 1]
+        return rows[..., :length].sum(dim=3)
+
+    def select(self, keep: list[int]) -> None:
+        idx = torch.tensor(keep, dtype=torch.long, device=self.rows.device)
+        self.rows = self.rows.index_select(1, idx)
+        self.count = [self.count[b] for b in keep]
+        self._next = [self._next[b] for b in keep]
 
 
 def build_index(scores: torch.Tensor, length: int, budget: int, n_sink: int, n_recent: int) -> torch.Tensor:
