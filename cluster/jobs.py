@@ -126,7 +126,10 @@ def run(benchmark: str, args: argparse.Namespace, build_samples: Callable[..., S
         _err(f"{benchmark}: no samples were built (tasks={args.tasks}, num_samples={args.num_samples})")
         return 1
 
-    method_options = {m: {"k": args.k} for m in methods if m != AR} if args.k else {}
+    # Resolve every method's options to the engine's full config (defaults included), so the run id
+    # changes when a default changes and a resumed run never mixes two configurations.
+    method_options = {m: sparsespec.resolve_method_options(m, {"k": args.k} if args.k else {})
+                      for m in methods if m != AR}
     config = {k: v for k, v in sorted(vars(args).items()) if k not in INFRA_FLAGS}
     config["methods"] = methods
     log.info("%s: %d sample(s) over %d task(s), methods %s, model %s, db %s", benchmark, len(samples),

@@ -4,7 +4,7 @@
     engine = Engine.from_pretrained("smollm2-135m", dtype="float32")
     outs = engine.generate(["prompt"], method="sparsespec-l", max_new_tokens=64)
 """
-from sparsespec.engine import Engine, GenerationOutput, methods
+from sparsespec.engine import Engine, GenerationOutput, StreamEvent, methods, resolve_method_options
 from sparsespec.provision import PRESETS, ModelNotAvailableError, load_tokenizer, model_max_context, resolve_model
 
 METHODS = tuple(methods())
@@ -17,5 +17,7 @@ __all__ = [
     "ModelNotAvailableError",
     "load_tokenizer",
     "model_max_context",
+    "resolve_method_options",
     "resolve_model",
+    "StreamEvent",
 ]

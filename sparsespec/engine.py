@@ -31,6 +31,21 @@ def methods() -> list[str]:
     return ["ar", *DRAFTERS.keys()]
 
 
+def resolve_method_options(method: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The full, validated option dict of ``method`` (defaults filled in; ``{}`` for ``"ar"``).
+
+    Raises:
+        ValueError: unknown method or invalid option.
+    """
+    if method not in methods():
+        DRAFTERS.get(method)
+    if method == "ar":
+        return {}
+    import dataclasses
+
+    return dataclasses.asdict(SpecConfig.from_options(options))
+
+
 @dataclass
 class GenerationOutput:
     """Result of one prompt.

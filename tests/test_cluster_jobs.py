@@ -17,6 +17,7 @@ def fake_sparsespec(monkeypatch):
     mod.METHODS = {"ar": object, "sparsespec-l": object}
     mod.load_tokenizer = lambda name: {"tokenizer_for": name}
     mod.model_max_context = lambda name: 2048
+    mod.resolve_method_options = lambda method, options: {"k": "auto", **options}
     monkeypatch.setitem(sys.modules, "sparsespec", mod)
     return mod
 

@@ -129,3 +129,16 @@ def test_layering_engine_and_evals_import_no_service_libraries():
     # evals does not import the engine either
     code2 = "import sys, evals, evals.ruler, evals.longbench; assert 'sparsespec' not in sys.modules"
     subprocess.run([sys.executable, "-c", code2], check=True)
+
+
+def test_resolve_method_options_fills_defaults_and_validates():
+    from sparsespec import resolve_method_options
+
+    full = resolve_method_options("sparsespec-l", {})
+    assert full["k"] == "auto" and full["budget_frac"] == 0.1 and full["window"] == 16
+    assert resolve_method_options("sparsespec-l", {"k": 4})["k"] == 4
+    assert resolve_method_options("ar", None) == {}
+    with pytest.raises(ValueError, match="unknown method"):
+        resolve_method_options("medusa", {})
+    with pytest.raises(ValueError, match="unknown method_options"):
+        resolve_method_options("sparsespec-l", {"kk": 1})
