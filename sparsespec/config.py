@@ -108,7 +108,11 @@ class SpecConfig:
         min_budget / max_budget: floor and cap of the budget in tokens (per layer and KV head).
         n_sink: first positions always kept (attention sinks).
         n_recent: last positions always kept.
-        window: W, the number of most recent query positions whose attention mass scores a key.
+        window: W, the number of most recent query positions whose attention mass scores a key
+            (SparseSpec-L), and SnapKV's observation window (MagicDec-SnapKV).
+        pool_kernel: SnapKV's 1-D pooling kernel over key positions (odd; 1 = no pooling).
+        draft_model: preset name or local folder of the standalone draft model (``draft-model``).
+        ngram_min / ngram_max: n-gram sizes tried by prompt lookup, longest first (``ngram``).
     """
 
     k: int | str = "auto"
@@ -119,6 +123,10 @@ class SpecConfig:
     n_sink: int = 4
     n_recent: int = 32
     window: int = 16
+    pool_kernel: int = 7
+    draft_model: str | None = None
+    ngram_min: int = 1
+    ngram_max: int = 4
 
     def __post_init__(self) -> None:
         if self.k != "auto" and (not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1):
@@ -129,6 +137,10 @@ class SpecConfig:
             raise ValueError(f"budget_frac must be in (0, 1], got {self.budget_frac!r}")
         if self.n_sink < 0 or self.n_recent < 1 or self.window < 1:
             raise ValueError("n_sink must be >= 0, n_recent >= 1 and window >= 1")
+        if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
+            raise ValueError(f"pool_kernel must be a positive odd integer, got {self.pool_kernel!r}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
         if self.min_budget < self.n_sink + self.n_recent:
             raise ValueError(
                 f"min_budget ({self.min_budget}) must be >= n_sink + n_recent ({self.n_sink + self.n_recent})"

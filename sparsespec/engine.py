@@ -224,7 +224,7 @@ class Engine:
             row.stats.ttft_s = now() - t_start
             row.stats.emit_times.append(row.stats.ttft_s)
             if drafter is not None:
-                drafter.prefill_row(b, cache, imp)
+                drafter.prefill_row(b, cache, imp, row.prompt)
             yield self._finish(row, self._commit(row, [first], sp), self._kv_bytes(cache, drafter))
         active = [r for r in rows if r.finish_reason is None]
         self._drop_finished(rows, active, cache, drafter)
@@ -238,7 +238,8 @@ class Engine:
             index_sizes = drafter.index_sizes() if drafter is not None else [0] * B
             if k_step > 0:
                 td = now()
-                draft = drafter.propose(cache, pending, k_step, budgets, policy, sp, gen)  # [B, K]
+                history = [r.prompt + r.out for r in active]
+                draft = drafter.propose(cache, pending, k_step, budgets, policy, sp, gen, history)  # [B, K]
                 drafts, num_draft = draft.token_ids, draft.num_draft
                 t1 = now()
                 draft_s = t1 - td

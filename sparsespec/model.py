@@ -93,6 +93,7 @@ class Transformer(torch.nn.Module):
             self.layers.append(layer)
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(self.device), persistent=False)
         self.scale = 1.0 / math.sqrt(D)
+        self.source_folder: Path | None = None  # the HF folder the weights came from
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -105,6 +106,7 @@ class Transformer(torch.nn.Module):
         folder = Path(folder)
         cfg = ModelConfig.from_folder(folder)
         model = cls(cfg, dtype=dtype, device=device)
+        model.source_folder = folder
         tensors: dict[str, torch.Tensor] = {}
         files = sorted(folder.glob("*.safetensors"))
         if not files:

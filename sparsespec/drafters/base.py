@@ -41,12 +41,17 @@ class Drafter(Protocol):
     #: query rows the engine must request from each dense forward (0: none)
     want_rows: int
 
-    def prefill_row(self, b: int, cache: KVCache, rows: torch.Tensor | None) -> None:
-        """Initialise row ``b`` from its prefilled cache and prompt's last query rows ``[L, 1, H_kv, W, P]``."""
+    def prefill_row(self, b: int, cache: KVCache, rows: torch.Tensor | None, prompt: Sequence[int]) -> None:
+        """Initialise row ``b`` from its prefilled cache, its prompt's last query rows
+        ``[L, 1, H_kv, W, P]`` and its prompt token ids."""
 
     def propose(self, cache: KVCache, pending: torch.Tensor, k_max: int, budgets: Sequence[int], policy,
-                sp: SamplingParams, generator: torch.Generator | None) -> Draft:
-        """Draft up to ``min(k_max, budgets[b])`` tokens after ``pending`` (``[B, 1]`` int64)."""
+                sp: SamplingParams, generator: torch.Generator | None,
+                history: Sequence[Sequence[int]]) -> Draft:
+        """Draft up to ``min(k_max, budgets[b])`` tokens after ``pending`` (``[B, 1]`` int64).
+
+        ``history[b]``: row b's prompt and committed output (its last token is the pending one).
+        """
 
     def commit(self, cache: KVCache, rows: torch.Tensor | None, counts: Sequence[int]) -> None:
         """Update after verification; ``rows`` ``[L, B, H_kv, T, S]``, of which the first ``counts[b]`` are committed."""

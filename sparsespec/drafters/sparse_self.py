@@ -41,7 +41,7 @@ class SparseSelfDrafter:
         scores = self.window.scores(S, b)  # [L, 1, H_kv, S]
         self.index[b] = build_index(scores, S, self.spec.budget(S), self.spec.n_sink, self.spec.n_recent)
 
-    def prefill_row(self, b: int, cache: KVCache, rows: torch.Tensor | None) -> None:
+    def prefill_row(self, b: int, cache: KVCache, rows: torch.Tensor | None, prompt: Sequence[int] = ()) -> None:
         if rows is not None:
             counts = [0] * cache.batch_size
             counts[b] = rows.shape[3]
@@ -65,7 +65,7 @@ class SparseSelfDrafter:
         self.index = [self.index[b] for b in keep]
 
     def propose(self, cache: KVCache, pending: torch.Tensor, k_max: int, budgets: Sequence[int], policy,
-                sp: SamplingParams, generator) -> Draft:
+                sp: SamplingParams, generator, history: Sequence[Sequence[int]] = ()) -> Draft:
         B = pending.shape[0]
         sizes = self.index_sizes()
         n = max(sizes)
