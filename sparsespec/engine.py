@@ -210,14 +210,15 @@ class Engine:
         capacity = max(len(p) for p in prompts) + sp.max_new_tokens + k_max + 1
         cache = KVCache(model.cfg, len(rows), capacity, model.dtype, dev)
         drafter = None if method == "ar" else DRAFTERS.get(method)(model, spec, capacity, len(rows), k_max)
-        want = drafter.want_rows if drafter else 0
+        want = drafter.want_rows if drafter else 0  # attention rows from every verification
+        want_prefill = getattr(drafter, "want_rows_prefill", want)  # ... and from the prompt's last queries
 
         t_start = now()
         for b, row in enumerate(rows):  # prefill row by row (compute-bound; no padding waste)
             t0 = now()
             view = cache.row(b)
             prompt = torch.tensor([row.prompt], dtype=torch.long, device=dev)  # [1, P]
-            logits, imp = model.prefill(prompt, view, want_rows=min(want, len(row.prompt)))  # [1, V]
+            logits, imp = model.prefill(prompt, view, want_rows=min(want_prefill, len(row.prompt)))  # [1, V]
             cache.lengths[b] = view.lengths[0]
             first = self._pick(logits, sp, gen)[0]  # SYNC: first token
             row.stats.prefill_s = now() - t0
@@ -281,8 +282,9 @@ class Engine:
                     st.num_draft_forwards += n_fwd
                     st.num_accepted += min(a, kept)
                     st.accept_hist[(nd, min(a, kept))] += 1
-                    st.budget_tokens_sum += index_sizes[b]
-                    st.context_tokens_sum += base[b]
+                    if index_sizes[b]:  # methods without a KV index (n-gram) report no budget
+                        st.budget_tokens_sum += index_sizes[b]
+                        st.context_tokens_sum += base[b]
                     # entropy vs acceptance labels: accepted run = 1, first rejection = 0
                     for i in range(min(nd, a + 1)):
                         st.draft_entropies.append(ents[b][i])

@@ -1,16 +1,25 @@
-"""SparseSpec-L drafter: the target model drafts for itself over a recallable sparse KV index.
+"""Self-speculative drafters: the target model drafts for itself over a sparse view of its own KV.
 
-Per layer and KV head the draft attends to ``n_sink`` first positions, ``n_recent`` last positions
-and the top positions by importance recycled from full attention (see ``sparsespec.kv.index``),
-about ``budget_frac`` (10 %) of the context. The index positions are gathered once per draft
-step into a compact buffer; the draft tokens of the step append their own KV after it, so the
-dense cache is never touched by the draft.
+All of them gather, per layer and KV head, ``N`` positions of the dense cache (the *index*) into
+a compact buffer once per step; the draft tokens of the step append their own KV after it, so the
+dense cache is never touched by the draft. Keys keep the RoPE of their true positions and draft
+queries use true positions. They differ only in how the index is chosen:
+
+* ``sparsespec-l`` (ours): sink + recent + top positions by attention mass recycled from the last
+  W committed queries of full attention; rebuilt after every verification (recallable).
+* ``magicdec-streaming``: StreamingLLM (Xiao et al. 2024) as used by MagicDec (Sadhukhan et al.
+  2024): ``n_sink`` first positions + a sliding window of the most recent ones, same budget.
+* ``magicdec-snapkv``: SnapKV (Li et al. 2024) as used by MagicDec: positions selected once at
+  prefill from the observation window's attention (max-pooled over positions), plus the
+  observation window and every token generated since; the selection is permanent.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from sparsespec.config import SamplingParams, SpecConfig
 from sparsespec.drafters.base import Draft, self_draft_loop
@@ -20,14 +29,15 @@ from sparsespec.model import DraftKV, Transformer
 from sparsespec.registry import DRAFTERS
 
 
-@DRAFTERS.register("sparsespec-l")
-class SparseSelfDrafter:
+class _IndexedSelfDrafter(ABC):
+    """Shared machinery; subclasses set ``want_rows`` and implement ``_rebuild``."""
+
+    want_rows = 0
+
     def __init__(self, model: Transformer, spec: SpecConfig, capacity: int, batch_size: int, max_k: int):
         cfg = model.cfg
         self.model, self.spec = model, spec
-        self.want_rows = spec.window
-        self.window = ImportanceWindow(cfg.num_layers, batch_size, cfg.num_kv_heads, spec.window, capacity, model.device)
-        self.n_max = spec.budget(capacity)
+        self.n_max = self._max_index(capacity)
         shape = (cfg.num_layers, batch_size, cfg.num_kv_heads, self.n_max + max_k + 1, cfg.head_dim)
         self.dkv = DraftKV(
             torch.zeros(shape, dtype=model.dtype, device=model.device),  # [L, B, H_kv, N_max + K + 1, D]
@@ -35,6 +45,60 @@ class SparseSelfDrafter:
             0,
         )
         self.index: list[torch.Tensor | None] = [None] * batch_size  # per row [L, 1, H_kv, N_b] int64
+
+    def _max_index(self, capacity: int) -> int:
+        return self.spec.budget(capacity)
+
+    @abstractmethod
+    def _rebuild(self, cache: KVCache, b: int) -> None:
+        """Set ``self.index[b]`` for row ``b``'s current cache length."""
+
+    def prefill_row(self, b: int, cache: KVCache, rows: torch.Tensor | None, prompt: Sequence[int] = ()) -> None:
+        self._rebuild(cache, b)
+
+    def commit(self, cache: KVCache, rows: torch.Tensor | None, counts: Sequence[int]) -> None:
+        for b in range(cache.batch_size):
+            self._rebuild(cache, b)
+
+    def select(self, keep: Sequence[int]) -> None:
+        keep = list(keep)
+        idx = torch.tensor(keep, dtype=torch.long, device=self.dkv.k.device)
+        self.dkv.k = self.dkv.k.index_select(1, idx)
+        self.dkv.v = self.dkv.v.index_select(1, idx)
+        self.index = [self.index[b] for b in keep]
+
+    def propose(self, cache: KVCache, pending: torch.Tensor, k_max: int, budgets: Sequence[int], policy,
+                sp: SamplingParams, generator, history: Sequence[Sequence[int]] = ()) -> Draft:
+        sizes = self.index_sizes()
+        n = max(sizes)
+        D = cache.k.shape[-1]
+        for b, idx in enumerate(self.index):  # gather each row's index into the compact buffer
+            gather_idx = idx.unsqueeze(-1).expand(*idx.shape, D)  # [L, 1, H_kv, N_b, D]
+            self.dkv.k[:, b : b + 1, :, : sizes[b]] = torch.gather(cache.k[:, b : b + 1], 3, gather_idx)
+            self.dkv.v[:, b : b + 1, :, : sizes[b]] = torch.gather(cache.v[:, b : b + 1], 3, gather_idx)
+        self.dkv.length = self.dkv.n_index = n
+        self.dkv.n_valid = None if min(sizes) == n else torch.tensor(sizes, device=pending.device)
+        starts = torch.tensor(cache.lengths, device=pending.device)  # [B] position of each pending token
+        return self_draft_loop(self.model, self.dkv, pending, starts, k_max, budgets, policy, sp, generator)
+
+    def index_sizes(self) -> list[int]:
+        return [0 if idx is None else int(idx.shape[-1]) for idx in self.index]
+
+    @property
+    def nbytes(self) -> int:
+        idx = sum(i.numel() * i.element_size() for i in self.index if i is not None)
+        return idx + 2 * self.dkv.k.numel() * self.dkv.k.element_size()
+
+
+@DRAFTERS.register("sparsespec-l")
+class SparseSelfDrafter(_IndexedSelfDrafter):
+    """SparseSpec-L: recallable index from recycled verification attention."""
+
+    def __init__(self, model: Transformer, spec: SpecConfig, capacity: int, batch_size: int, max_k: int):
+        super().__init__(model, spec, capacity, batch_size, max_k)
+        cfg = model.cfg
+        self.want_rows = spec.window
+        self.window = ImportanceWindow(cfg.num_layers, batch_size, cfg.num_kv_heads, spec.window, capacity, model.device)
 
     def _rebuild(self, cache: KVCache, b: int) -> None:
         S = cache.lengths[b]
@@ -53,37 +117,95 @@ class SparseSelfDrafter:
     def commit(self, cache: KVCache, rows: torch.Tensor | None, counts: Sequence[int]) -> None:
         if rows is not None:
             self.window.push(rows, list(counts))
-        for b in range(cache.batch_size):
-            self._rebuild(cache, b)
+        super().commit(cache, rows, counts)
 
     def select(self, keep: Sequence[int]) -> None:
-        keep = list(keep)
-        self.window.select(keep)
-        idx = torch.tensor(keep, dtype=torch.long, device=self.dkv.k.device)
-        self.dkv.k = self.dkv.k.index_select(1, idx)
-        self.dkv.v = self.dkv.v.index_select(1, idx)
-        self.index = [self.index[b] for b in keep]
-
-    def propose(self, cache: KVCache, pending: torch.Tensor, k_max: int, budgets: Sequence[int], policy,
-                sp: SamplingParams, generator, history: Sequence[Sequence[int]] = ()) -> Draft:
-        B = pending.shape[0]
-        sizes = self.index_sizes()
-        n = max(sizes)
-        D = cache.k.shape[-1]
-        for b, idx in enumerate(self.index):  # gather each row's index into the compact buffer
-            gather_idx = idx.unsqueeze(-1).expand(*idx.shape, D)  # [L, 1, H_kv, N_b, D]
-            self.dkv.k[:, b : b + 1, :, : sizes[b]] = torch.gather(cache.k[:, b : b + 1], 3, gather_idx)
-            self.dkv.v[:, b : b + 1, :, : sizes[b]] = torch.gather(cache.v[:, b : b + 1], 3, gather_idx)
-        self.dkv.length = self.dkv.n_index = n
-        uniform = min(sizes) == n
-        self.dkv.n_valid = None if uniform else torch.tensor(sizes, device=pending.device)
-        starts = torch.tensor(cache.lengths, device=pending.device)  # [B] position of each pending token
-        return self_draft_loop(self.model, self.dkv, pending, starts, k_max, budgets, policy, sp, generator)
-
-    def index_sizes(self) -> list[int]:
-        return [0 if idx is None else int(idx.shape[-1]) for idx in self.index]
+        super().select(keep)
+        self.window.select(list(keep))
 
     @property
     def nbytes(self) -> int:
-        idx = sum(i.numel() * i.element_size() for i in self.index if i is not None)
-        return self.window.nbytes + idx + 2 * self.dkv.k.numel() * self.dkv.k.element_size()
+        return super().nbytes + self.window.nbytes
+
+
+def streaming_index(length: int, budget: int, n_sink: int, lead: tuple[int, ...], device) -> torch.Tensor:
+    """StreamingLLM positions: the first ``n_sink`` and the last ``budget - n_sink`` (``[*lead, N]``)."""
+    if budget >= length:
+        pos = torch.arange(length, device=device)
+    else:
+        n_sink = min(n_sink, budget)
+        pos = torch.cat([torch.arange(n_sink, device=device), torch.arange(length - (budget - n_sink), length, device=device)])
+    return pos.expand(*lead, pos.numel()).contiguous()
+
+
+@DRAFTERS.register("magicdec-streaming")
+class StreamingDrafter(_IndexedSelfDrafter):
+    """MagicDec with a StreamingLLM draft: attention sinks + a sliding window, same budget."""
+
+    def _rebuild(self, cache: KVCache, b: int) -> None:
+        S = cache.lengths[b]
+        cfg = self.model.cfg
+        self.index[b] = streaming_index(S, self.spec.budget(S), self.spec.n_sink, (cfg.num_layers, 1, cfg.num_kv_heads),
+                                        cache.k.device)
+
+
+def snapkv_select(rows: torch.Tensor, length: int, budget: int, window: int, kernel: int) -> torch.Tensor:
+    """SnapKV selection (Li et al. 2024) from the observation window's attention.
+
+    Args:
+        rows: ``[L, B, H_kv, W, S]`` float32 attention of the last W prompt queries (summed over
+            the query heads of each KV head), S >= ``length``.
+        length: prompt length P. budget: total positions kept N (window included).
+        window: observation window w (the last w prompt positions, always kept).
+        kernel: max-pooling kernel over key positions (odd; clusters neighbouring tokens).
+
+    Returns:
+        ``[L, B, H_kv, N]`` int64 sorted positions: the top ``N - w`` prefix positions by pooled
+        vote, then ``[P - w, P)``. Everything when ``budget >= length``.
+    """
+    L, B, H = rows.shape[:3]
+    if budget >= length:
+        return torch.arange(length, device=rows.device).expand(L, B, H, length).contiguous()
+    w = min(window, budget, length)
+    votes = rows[..., : length - w].sum(dim=3)  # [L, B, H_kv, P - w]
+    if kernel > 1:
+        votes = F.max_pool1d(votes.reshape(L * B * H, 1, -1), kernel, stride=1, padding=kernel // 2).view(L, B, H, -1)
+    top = torch.topk(votes, budget - w, dim=-1).indices
+    top, _ = torch.sort(top, dim=-1)
+    obs = torch.arange(length - w, length, device=rows.device).expand(L, B, H, w)
+    return torch.cat([top, obs], dim=-1)
+
+
+@DRAFTERS.register("magicdec-snapkv")
+class SnapKVDrafter(_IndexedSelfDrafter):
+    """MagicDec with a SnapKV draft: a one-shot, permanent prefill selection plus all later tokens."""
+
+    want_rows = 0  # verification attention is not used: the selection is never revisited
+
+    def __init__(self, model: Transformer, spec: SpecConfig, capacity: int, batch_size: int, max_k: int):
+        super().__init__(model, spec, capacity, batch_size, max_k)
+        self.want_rows_prefill = spec.window
+        self.selected: list[torch.Tensor | None] = [None] * batch_size  # [L, 1, H_kv, N_sel] prompt positions
+        self.prompt_len = [0] * batch_size
+
+    def _max_index(self, capacity: int) -> int:
+        return capacity  # the prompt selection plus every generated token
+
+    def prefill_row(self, b: int, cache: KVCache, rows: torch.Tensor | None, prompt: Sequence[int] = ()) -> None:
+        P = cache.lengths[b]
+        self.prompt_len[b] = P
+        if rows is None:  # no observation window (cannot happen with want_rows_prefill >= 1)
+            rows = torch.zeros(self.model.cfg.num_layers, 1, self.model.cfg.num_kv_heads, 1, P, device=cache.k.device)
+        self.selected[b] = snapkv_select(rows, P, self.spec.budget(P), self.spec.window, self.spec.pool_kernel)
+        self._rebuild(cache, b)
+
+    def _rebuild(self, cache: KVCache, b: int) -> None:
+        S, P = cache.lengths[b], self.prompt_len[b]
+        sel = self.selected[b]
+        since = torch.arange(P, S, device=cache.k.device).expand(*sel.shape[:3], S - P)
+        self.index[b] = torch.cat([sel, since], dim=-1)
+
+    def select(self, keep: Sequence[int]) -> None:
+        super().select(keep)
+        self.selected = [self.selected[b] for b in keep]
+        self.prompt_len = [self.prompt_len[b] for b in keep]

@@ -1,0 +1,234 @@
+"""Standalone draft model (Leviathan et al. 2023; Chen et al. 2023): a separate, smaller causal LM
+that shares the target's tokenizer proposes K tokens autoregressively with its own dense KV cache.
+
+Option: ``method_options={"draft_model": <preset or local HF folder>}`` (required). Production
+pairs (same tokenizer, presets in ``sparsespec.provision``):
+
+* ``llama-3.2-1b`` (Llama-3.2-1B-Instruct) drafting for ``llama-3.1-8b`` (Llama-3.1-8B-Instruct)
+  (or for ``llama-3.2-3b``);
+* ``qwen2.5-0.5b`` (Qwen2.5-0.5B-Instruct) drafting for ``qwen2.5-7b`` / ``qwen2.5-14b``.
+
+The draft model is loaded once per (folder, dtype, device) and kept at module level; a draft
+folder equal to the target's reuses the target's weights (the target drafting for itself with
+full attention: alpha = 1 greedy, a useful upper bound and plumbing check). Both tokenizers must
+have identical vocabularies and the two configs equal ``vocab_size`` (``ValueError`` otherwise).
+
+Draft cache. It mirrors the target's: every committed token of a row but the pending one. A step
+(``propose``) first catches up the committed tokens the draft cache lacks (after a fully accepted
+step the last draft token's KV was never computed) and feeds the pending token in the same
+forward, then drafts with one ``T = 1`` forward per token over the ragged batch. ``commit`` rolls
+each row back to ``min(draft length, target committed length)``: accepted drafts are exactly the
+committed tokens, so the kept prefix is valid; rejected drafts are forgotten by length.
+
+Context window: **per-row fallback, not windowing.** The draft model may have a shorter window
+(``max_position_embeddings``) than the request. Row ``b`` drafts at most ``window - P_b`` tokens,
+``P_b`` being its pending token's position (the last draft is predicted from position
+``window - 1``); a row with ``P_b >= window`` (including a prompt that does not fit the draft
+window: it is never prefilled into the draft cache) is *retired*: it drafts nothing from then on
+(``num_draft = 0``, so the engine verifies only its pending token: plain AR for that row) and its
+draft cache stays empty. Windowing the draft context (sink + recent tokens, re-encoded at new
+positions) would keep drafting but needs a re-prefill whenever the window slides and drafts from a
+context the draft model never saw in training; the fallback is simpler, costs nothing on retired
+rows and is trivially lossless (the target verifies everything either way).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from sparsespec.config import SamplingParams, SpecConfig
+from sparsespec.drafters.base import Draft
+from sparsespec.kv.cache import KVCache
+from sparsespec.model import Transformer
+from sparsespec.provision import resolve_model
+from sparsespec.registry import DRAFTERS
+from sparsespec.sampling import logits_to_probs, sample
+
+# (folder, dtype, device) -> loaded draft model; repeated generate calls reuse it
+_MODELS: dict[tuple[str, torch.dtype, str], Transformer] = {}
+# (target folder, draft folder) -> None (same tokenizer) or the mismatch message
+_TOKENIZER_VERDICTS: dict[tuple[str, str], str | None] = {}
+
+
+def load_draft_model(folder: Path, dtype: torch.dtype, device) -> Transformer:
+    """The draft model of ``folder`` in ``dtype`` on ``device``, loaded once per process."""
+    key = (str(Path(folder).resolve()), dtype, str(torch.device(device)))
+    if key not in _MODELS:
+        _MODELS[key] = Transformer.from_folder(folder, dtype=dtype, device=device)
+    return _MODELS[key]
+
+
+def _tokenizer_mismatch(target_folder: Path, draft_folder: Path) -> str | None:
+    """None if both folders' tokenizers have identical vocabularies, else why not (cached)."""
+    key = (str(Path(target_folder).resolve()), str(Path(draft_folder).resolve()))
+    if key[0] == key[1]:
+        return None
+    if key not in _TOKENIZER_VERDICTS:
+        from transformers import AutoTokenizer
+
+        vocabs = []
+        for folder in (target_folder, draft_folder):
+            try:
+                vocabs.append(AutoTokenizer.from_pretrained(folder).get_vocab())
+            except Exception as e:  # noqa: BLE001 - any failure: we cannot show they match
+                _TOKENIZER_VERDICTS[key] = f"cannot load the tokenizer of {folder} ({e!r})"
+                break
+        else:
+            t, d = vocabs
+            if t != d:
+                diff = len(set(t.items()) ^ set(d.items()))
+                _TOKENIZER_VERDICTS[key] = f"vocabularies differ ({len(t)} vs {len(d)} tokens, {diff} entries differ)"
+            else:
+                _TOKENIZER_VERDICTS[key] = None
+    return _TOKENIZER_VERDICTS[key]
+
+
+def model_draft_loop(step: Callable[[torch.Tensor, int], torch.Tensor], pending: torch.Tensor,
+                     limits: Sequence[int], policy, sp: SamplingParams, generator) -> Draft:
+    """Autoregressive drafting with any per-token forward; same conventions as ``self_draft_loop``.
+
+    ``step(tok, j)``: logits ``[B, V]`` float32 after feeding ``tok`` ``[B, 1]`` (the pending token
+    at ``j = 0``, then the previous draft token). Row ``b`` drafts at most ``limits[b]`` tokens; an
+    adaptive ``policy`` may stop a row earlier after reading the entropies (the one host sync per
+    drafted token).
+    """
+    B = pending.shape[0]
+    limit = list(limits)
+    drafting = [lim > 0 for lim in limit]
+    num_draft = [0] * B
+    adaptive = getattr(policy, "adaptive", False)
+    toks, qs, ents = [], [], []
+    tok = pending  # [B, 1]
+    for j in range(max(limit, default=0)):
+        logits = step(tok, j)  # [B, V]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        ents.append(-(logp.exp() * logp).sum(-1))  # [B] nats, temperature 1
+        if sp.temperature == 0:
+            tok = logits.argmax(dim=-1, keepdim=True)  # [B, 1]
+        else:
+            q = logits_to_probs(logits, sp.temperature, sp.top_k, sp.top_p)  # [B, V]
+            qs.append(q)
+            tok = sample(q, generator).view(B, 1)
+        toks.append(tok)
+        for b in range(B):
+            if drafting[b]:
+                num_draft[b] = j + 1
+                drafting[b] = num_draft[b] < limit[b]
+        if adaptive and any(drafting):
+            ent_host = torch.stack(ents, dim=1).tolist()  # SYNC: the entropy controller decides per token
+            for b in range(B):
+                if drafting[b] and not policy.should_continue(ent_host[b][: j + 1]):
+                    drafting[b] = False
+        if not any(drafting):
+            break
+    if not toks:
+        return Draft(pending[:, :0], None, torch.zeros(B, 0, device=pending.device), num_draft)
+    return Draft(torch.cat(toks, dim=1), torch.stack(qs, dim=1) if qs else None, torch.stack(ents, dim=1), num_draft)
+
+
+@DRAFTERS.register("draft-model")
+class DraftModelDrafter:
+    """A separate causal LM drafts with its own ragged KV cache; see the module docstring."""
+
+    want_rows = 0
+
+    def __init__(self, model: Transformer, spec: SpecConfig, capacity: int, batch_size: int, max_k: int):
+        if spec.draft_model is None:
+            raise ValueError("draft-model needs method_options={'draft_model': <preset or path>}")
+        folder = resolve_model(spec.draft_model)
+        same = model.source_folder is not None and Path(folder).resolve() == Path(model.source_folder).resolve()
+        self.draft = model if same else load_draft_model(folder, model.dtype, model.device)
+        dcfg = self.draft.cfg
+        if dcfg.vocab_size != model.cfg.vocab_size:
+            raise ValueError(
+                f"tokenizer mismatch between the target {model.source_folder} and the draft model "
+                f"{spec.draft_model!r} ({folder}): vocab_size {model.cfg.vocab_size} vs {dcfg.vocab_size}"
+            )
+        if model.source_folder is not None:  # a model built in memory has no tokenizer to compare
+            why = _tokenizer_mismatch(model.source_folder, folder)
+            if why is not None:
+                raise ValueError(
+                    f"tokenizer mismatch between the target {model.source_folder} and the draft model "
+                    f"{spec.draft_model!r} ({folder}): {why}"
+                )
+        self.spec = spec
+        self.window = dcfg.max_position_embeddings
+        # positions written stay < window + max_k (see propose) and < the target's capacity
+        cap = min(capacity, self.window + max_k + 1)
+        self.dcache = KVCache(dcfg, batch_size, cap, model.dtype, model.device)  # [L, B, H_kv, S_max, D]
+        self.retired = [False] * batch_size  # rows whose context no longer fits the draft window
+
+    # ------------------------------------------------------------------ protocol
+    def prefill_row(self, b: int, cache: KVCache, rows: torch.Tensor | None, prompt: Sequence[int] = ()) -> None:
+        if len(prompt) >= self.window:  # the pending token (position len(prompt)) would not fit
+            self.retired[b] = True
+            self.dcache.lengths[b] = 0
+            return
+        view = self.dcache.row(b)
+        view.rollback(0)
+        ids = torch.tensor([list(prompt)], dtype=torch.long, device=self.draft.device)  # [1, P]
+        self.draft.prefill(ids, view)
+        self.dcache.lengths[b] = view.lengths[0]
+
+    def propose(self, cache: KVCache, pending: torch.Tensor, k_max: int, budgets: Sequence[int], policy,
+                sp: SamplingParams, generator, history: Sequence[Sequence[int]] = ()) -> Draft:
+        B = pending.shape[0]
+        if len(history) != B:
+            raise ValueError("draft-model needs the token history of every row")
+        dc, dev = self.dcache, self.draft.device
+        limits = []
+        for b in range(B):
+            P = len(history[b]) - 1  # position of the pending token
+            if not self.retired[b] and P >= self.window:
+                self.retired[b] = True
+                dc.lengths[b] = 0
+            limits.append(0 if self.retired[b] else max(0, min(k_max, int(budgets[b]), self.window - P)))
+        if max(limits, default=0) == 0:
+            return Draft(pending[:, :0], None, torch.zeros(B, 0, device=pending.device), [0] * B)
+
+        # catch-up: row b feeds history[b][dlen_b:] (lacking committed tokens + the pending one)
+        feed: list[list[int]] = []
+        for b in range(B):
+            if self.retired[b]:
+                feed.append([int(history[b][-1])])
+                continue
+            dlen = min(dc.lengths[b], len(history[b]) - 1)
+            dc.lengths[b] = dlen
+            if len(history[b]) - dlen > 2:  # rare (a step without propose): its own chunked prefill
+                view = dc.row(b)
+                self.draft.prefill(torch.tensor([list(history[b][dlen:-1])], dtype=torch.long, device=dev), view)
+                dc.lengths[b] = dlen = view.lengths[0]
+            feed.append([int(t) for t in history[b][dlen:]])
+        T = max(len(f) for f in feed)  # 1, or 2 after a fully accepted step
+        inp = torch.tensor([f + [f[-1]] * (T - len(f)) for f in feed], dtype=torch.long, device=dev)  # [B, T]
+        starts = list(dc.lengths)
+        last = torch.tensor([len(f) - 1 for f in feed], device=dev)  # [B] index of the pending token
+
+        def step(tok: torch.Tensor, j: int) -> torch.Tensor:
+            if j == 0:
+                # padded tail positions are written past the row's length: garbage, overwritten later
+                logits, _ = self.draft.forward_dense(inp, dc)  # [B, T, V]
+                dc.lengths = [s + len(f) for s, f in zip(starts, feed)]
+                return logits[torch.arange(B, device=dev), last]  # [B, V]
+            logits, _ = self.draft.forward_dense(tok, dc, logits_for="last")  # [B, 1, V]
+            return logits[:, -1]
+
+        return model_draft_loop(step, pending, limits, policy, sp, generator)
+
+    def commit(self, cache: KVCache, rows: torch.Tensor | None, counts: Sequence[int]) -> None:
+        self.dcache.rollback([0 if self.retired[b] else min(n, cache.lengths[b])
+                              for b, n in enumerate(self.dcache.lengths)])
+
+    def select(self, keep: Sequence[int]) -> None:
+        keep = list(keep)
+        self.dcache.select(keep)
+        self.retired = [self.retired[b] for b in keep]
+
+    def index_sizes(self) -> list[int]:
+        return [0 if r else n for r, n in zip(self.retired, self.dcache.lengths)]
+
+    @property
+    def nbytes(self) -> int:
+        return self.dcache.nbytes

@@ -1,0 +1,181 @@
+"""The ``draft-model`` baseline on the real model: greedy losslessness (batch 1 and ragged batch 3,
+K in {1, 4, auto}) with the target as its own draft model (alpha = 1) and with a tiny random draft
+model (mostly rejections: rollback), the short-window fallback, tokenizer checks, sampling."""
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from sparsespec import resolve_model
+from tests.helpers import book_prompt, real_engine
+
+pytestmark = pytest.mark.slow
+
+N_NEW = 16
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+def _tiny_llama(folder, vocab_size=49152, max_pos=4096, seed=0, copy_tokenizer=True):
+    """A random-weight 2-layer Llama on the SmolLM2 vocabulary (HF tensor names)."""
+    src = resolve_model("smollm2-135m")
+    folder.mkdir(parents=True)
+    if copy_tokenizer:
+        for name in TOKENIZER_FILES:
+            if (src / name).is_file():
+                shutil.copy(src / name, folder / name)
+    E, L, H, Hkv, I = 64, 2, 4, 2, 128
+    D = E // H
+    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab_size,
+           "hidden_size": E, "intermediate_size": I, "num_hidden_layers": L, "num_attention_heads": H,
+           "num_key_value_heads": Hkv, "max_position_embeddings": max_pos, "rms_norm_eps": 1e-5,
+           "rope_theta": 10000.0, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g) * 0.05
+
+    t = {"model.embed_tokens.weight": rnd(vocab_size, E), "model.norm.weight": torch.ones(E)}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        t.update({p + "input_layernorm.weight": torch.ones(E), p + "post_attention_layernorm.weight": torch.ones(E),
+                  p + "self_attn.q_proj.weight": rnd(H * D, E), p + "self_attn.k_proj.weight": rnd(Hkv * D, E),
+                  p + "self_attn.v_proj.weight": rnd(Hkv * D, E), p + "self_attn.o_proj.weight": rnd(E, H * D),
+                  p + "mlp.gate_proj.weight": rnd(I, E), p + "mlp.up_proj.weight": rnd(I, E),
+                  p + "mlp.down_proj.weight": rnd(E, I)})
+    save_file(t, str(folder / "model.safetensors"))
+    return folder
+
+
+def _self_draft_with_window(folder, max_pos):
+    """The target's own weights (symlinked) with a shorter ``max_position_embeddings``."""
+    src = resolve_model("smollm2-135m")
+    folder.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name != "config.json" and f.is_file():
+            (folder / f.name).symlink_to(f)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["max_position_embeddings"] = max_pos
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return real_engine()
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("draft_models")
+    return {
+        "tiny": str(_tiny_llama(root / "tiny")),
+        "tiny_short": str(_tiny_llama(root / "tiny_short", max_pos=128)),
+        "self_short": str(_self_draft_with_window(root / "self_short", 330)),
+    }
+
+
+@pytest.fixture(scope="module")
+def prompts(engine):
+    tok = engine.tokenizer
+    return [  # ragged lengths, a few hundred tokens
+        book_prompt(tok, 2000, 300, "Summarise what happened to Alice in the text above."),
+        book_prompt(tok, 9000, 200, "Repeat the first sentence of the text above."),
+        book_prompt(tok, 5000, 250, "Who is speaking in the last paragraph?"),
+    ]
+
+
+@pytest.fixture(scope="module")
+def ar_rows(engine, prompts):
+    outs = engine.generate(prompts, method="ar", max_new_tokens=N_NEW, ignore_eos=True)
+    return [o.token_ids for o in outs]
+
+
+def _check_lossless(outs, ar_rows):
+    assert [o.token_ids for o in outs] == ar_rows[: len(outs)]
+    for o in outs:
+        s = o.stats
+        assert s["num_emitted"] == N_NEW - 1 and s["num_accepted"] <= s["num_drafted"]
+
+
+@pytest.mark.parametrize("k", [1, 4, "auto"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_self_as_draft_is_lossless_with_alpha_one(engine, prompts, ar_rows, k, batch):
+    target = str(resolve_model("smollm2-135m"))
+    outs = engine.generate(prompts[:batch], method="draft-model", method_options={"k": k, "draft_model": target},
+                           max_new_tokens=N_NEW, ignore_eos=True)
+    _check_lossless(outs, ar_rows)
+    for o in outs:
+        s = o.stats
+        assert s["num_drafted"] > 0
+        assert s["num_accepted"] == s["num_drafted"], "the target drafting for itself must have alpha == 1"
+        assert s["budget_frac"] > 0.9  # the draft attends to (almost) the whole context
+
+
+@pytest.mark.parametrize("k", [1, 4, "auto"])
+def test_random_draft_rolls_back_and_stays_lossless(engine, prompts, ar_rows, folders, k):
+    outs = engine.generate(prompts, method="draft-model", method_options={"k": k, "draft_model": folders["tiny"]},
+                           max_new_tokens=N_NEW, ignore_eos=True)
+    _check_lossless(outs, ar_rows)
+    drafted = sum(o.stats["num_drafted"] for o in outs)
+    accepted = sum(o.stats["num_accepted"] for o in outs)
+    assert drafted > 0 and accepted < drafted  # rejections happened: the draft cache was rolled back
+
+
+def test_short_window_falls_back_to_target_only(engine, prompts, ar_rows, folders):
+    # every prompt (~300 tokens) is longer than the 128-token draft window: nothing is prefilled
+    outs = engine.generate(prompts, method="draft-model", method_options={"k": 4, "draft_model": folders["tiny_short"]},
+                           max_new_tokens=N_NEW, ignore_eos=True)
+    _check_lossless(outs, ar_rows)
+    assert all(o.stats["num_drafted"] == 0 for o in outs)
+
+
+def test_short_window_drafts_only_where_it_fits(engine, prompts, ar_rows, folders):
+    # the target's weights with a 330-token window: rows draft until their context reaches it
+    outs = engine.generate(prompts, method="draft-model", method_options={"k": 4, "draft_model": folders["self_short"]},
+                           max_new_tokens=N_NEW, ignore_eos=True)
+    _check_lossless(outs, ar_rows)
+    for p, o in zip(prompts, outs):
+        s = o.stats
+        # a draft token at position x is predicted from position x - 1 < 330
+        fits = max(0, 330 - len(p))  # positions len(p)+1 .. 330 can be drafted
+        assert s["num_drafted"] <= fits
+        assert s["num_accepted"] == s["num_drafted"]
+        if len(p) + 1 < 330:
+            assert s["num_drafted"] > 0
+    assert any(len(p) + N_NEW > 330 for p in prompts), "the test needs a row that outgrows the window"
+
+
+def test_sampling_is_reproducible_and_drafts(engine, prompts, folders):
+    opts = {"k": 4, "draft_model": str(resolve_model("smollm2-135m"))}
+    runs = [engine.generate(prompts[:2], method="draft-model", method_options=opts, max_new_tokens=N_NEW,
+                            temperature=0.8, seed=123, ignore_eos=True) for _ in range(2)]
+    assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
+    assert all(o.stats["num_drafted"] > 0 for o in runs[0])
+    assert all(len(o.token_ids) == N_NEW for o in runs[0])
+
+
+def test_missing_draft_model_option(engine):
+    with pytest.raises(ValueError, match="draft-model needs method_options"):
+        engine.generate(["Hello"], method="draft-model", method_options={"k": 2}, max_new_tokens=4)
+
+
+def test_vocab_size_mismatch(engine, tmp_path):
+    folder = _tiny_llama(tmp_path / "v", vocab_size=49153)
+    with pytest.raises(ValueError, match="tokenizer mismatch"):
+        engine.generate(["Hello"], method="draft-model", method_options={"draft_model": str(folder)}, max_new_tokens=4)
+
+
+def test_tokenizer_vocabulary_mismatch(engine, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = _tiny_llama(tmp_path / "w", copy_tokenizer=False)
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "hello": 1, "world": 2}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(folder)
+    with pytest.raises(ValueError, match="tokenizer mismatch") as err:
+        engine.generate(["Hello"], method="draft-model", method_options={"draft_model": str(folder)}, max_new_tokens=4)
+    assert str(folder) in str(err.value) and "smollm2" in str(err.value).lower()
