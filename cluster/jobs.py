@@ -57,6 +57,18 @@ def _non_negative_float(text: str) -> float:
     return v
 
 
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    if not isinstance(obj, dict) or not all(isinstance(v, dict) for v in obj.values()):
+        raise argparse.ArgumentTypeError('expected a JSON object {"method": {"option": value}}')
+    return obj
+
+
 def common_parser(description: str) -> argparse.ArgumentParser:
     """Parser with the flags every benchmark script shares (add benchmark-specific ones after)."""
     p = argparse.ArgumentParser(description=description,
@@ -74,6 +86,8 @@ def common_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--k", type=_positive_int, default=None,
                    help="draft length, passed as method_options {'k': K} to every non-ar method")
+    p.add_argument("--method-options", type=_json_object, default={},
+                   help='per-method options as JSON, e.g. \'{"draft-model": {"draft_model": "qwen2.5-0.5b"}}\'')
     p.add_argument("--temperature", type=_non_negative_float, default=0.0,
                    help="0 = greedy (token-identical losslessness check)")
     p.add_argument("--ray-address", default=None,
@@ -128,8 +142,17 @@ def run(benchmark: str, args: argparse.Namespace, build_samples: Callable[..., S
 
     # Resolve every method's options to the engine's full config (defaults included), so the run id
     # changes when a default changes and a resumed run never mixes two configurations.
-    method_options = {m: sparsespec.resolve_method_options(m, {"k": args.k} if args.k else {})
-                      for m in methods if m != AR}
+    extra = getattr(args, "method_options", None) or {}
+    stray = sorted(set(extra) - set(methods))
+    if stray:
+        _err(f"--method-options names method(s) {stray} that are not in --methods {methods}")
+        return 2
+    try:
+        method_options = {m: sparsespec.resolve_method_options(m, {**({"k": args.k} if args.k else {}), **extra.get(m, {})})
+                          for m in methods if m != AR}
+    except ValueError as e:
+        _err(str(e))
+        return 2
     config = {k: v for k, v in sorted(vars(args).items()) if k not in INFRA_FLAGS}
     config["methods"] = methods
     log.info("%s: %d sample(s) over %d task(s), methods %s, model %s, db %s", benchmark, len(samples),

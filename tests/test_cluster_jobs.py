@@ -80,3 +80,17 @@ def test_run_end_to_end_with_fake_engine(ray_session, fake_sparsespec, tmp_path,
     assert all(r["stats"]["num_output_tokens"] == 5 for r in rows)  # --max-new-tokens override
     assert {r["stats"]["k"] for r in rows if r["method"] == "sparsespec-l"} == {3}  # --k -> method_options
     assert {r["score"] for r in rows} == {0.5}
+
+
+def test_method_options_flag_is_validated(fake_sparsespec, tmp_path, capsys):
+    p = jobs.common_parser("toy")
+    a = p.parse_args(["--method-options", '{"sparsespec-l": {"budget_frac": 0.2}}'])
+    assert a.method_options == {"sparsespec-l": {"budget_frac": 0.2}}
+    with pytest.raises(SystemExit):
+        p.parse_args(["--method-options", "[1, 2]"])
+    with pytest.raises(SystemExit):
+        p.parse_args(["--method-options", "{not json"])
+    args = p.parse_args(["--methods", "sparsespec-l", "--method-options", '{"ngram": {"ngram_max": 3}}',
+                         "--db", f"sqlite:///{tmp_path}/x.db"])
+    assert jobs.run("toy", args, build_samples, score_sample) == 2
+    assert "not in --methods" in capsys.readouterr().err
