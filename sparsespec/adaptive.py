@@ -58,6 +58,9 @@ def _sigmoid(z: float) -> float:
 class DraftLengthPolicy(Protocol):
     """Chooses the draft length online, one drafted token at a time."""
 
+    #: True when ``should_continue`` reads entropies (the draft loop then syncs them per token)
+    adaptive: bool
+
     max_k: int
 
     def start_step(self, budget: int) -> int:
@@ -80,6 +83,8 @@ class DraftLengthPolicy(Protocol):
 
 class FixedK:
     """Null-object policy: draft exactly ``min(k, budget)`` tokens every step."""
+
+    adaptive = False  # the draft loop needs no entropies on the host
 
     def __init__(self, k: int):
         if not _is_int(k) or k < 1:
@@ -151,6 +156,8 @@ class EntropyAdaptive:
         ``k > m`` has ``E(k) > E(m)``; stop otherwise, and always at ``m >= k_step``. Stopping
         is allowed at any ``m`` (not only at candidates): the tokens already drafted are sunk cost.
     """
+
+    adaptive = True  # the draft loop hands it each token's entropy
 
     def __init__(
         self,

@@ -297,3 +297,8 @@ def test_defaults_and_protocol():
     assert EntropyAdaptive(candidates=[8, 2, 2, 4]).candidates == (2, 4, 8)
     assert pol.start_step(5) == 5 and pol.start_step(40) == 16
     assert set(pol.state()) >= {"mu_accept", "mu_reject", "gamma", "num_decisions", "overhead_s"}
+
+
+def test_policies_declare_whether_the_draft_loop_must_read_entropies():
+    # the engine's draft loop calls should_continue (and syncs entropies) only for adaptive policies
+    assert EntropyAdaptive.adaptive is True and FixedK(4).adaptive is False

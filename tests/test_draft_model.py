@@ -13,7 +13,7 @@ from tests.helpers import book_prompt, real_engine
 
 pytestmark = pytest.mark.slow
 
-N_NEW = 16
+N_NEW = 12
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
@@ -73,7 +73,6 @@ def folders(tmp_path_factory):
     return {
         "tiny": str(_tiny_llama(root / "tiny")),
         "tiny_short": str(_tiny_llama(root / "tiny_short", max_pos=128)),
-        "self_short": str(_self_draft_with_window(root / "self_short", 330)),
     }
 
 
@@ -81,9 +80,9 @@ def folders(tmp_path_factory):
 def prompts(engine):
     tok = engine.tokenizer
     return [  # ragged lengths, a few hundred tokens
-        book_prompt(tok, 2000, 300, "Summarise what happened to Alice in the text above."),
-        book_prompt(tok, 9000, 200, "Repeat the first sentence of the text above."),
-        book_prompt(tok, 5000, 250, "Who is speaking in the last paragraph?"),
+        book_prompt(tok, 2000, 200, "Summarise what happened to Alice in the text above."),
+        book_prompt(tok, 9000, 120, "Repeat the first sentence of the text above."),
+        book_prompt(tok, 5000, 160, "Who is speaking in the last paragraph?"),
     ]
 
 
@@ -114,7 +113,7 @@ def test_self_as_draft_is_lossless_with_alpha_one(engine, prompts, ar_rows, k, b
         assert s["budget_frac"] > 0.9  # the draft attends to (almost) the whole context
 
 
-@pytest.mark.parametrize("k", [1, 4, "auto"])
+@pytest.mark.parametrize("k", [1, 4])
 def test_random_draft_rolls_back_and_stays_lossless(engine, prompts, ar_rows, folders, k):
     outs = engine.generate(prompts, method="draft-model", method_options={"k": k, "draft_model": folders["tiny"]},
                            max_new_tokens=N_NEW, ignore_eos=True)
@@ -125,36 +124,40 @@ def test_random_draft_rolls_back_and_stays_lossless(engine, prompts, ar_rows, fo
 
 
 def test_short_window_falls_back_to_target_only(engine, prompts, ar_rows, folders):
-    # every prompt (~300 tokens) is longer than the 128-token draft window: nothing is prefilled
+    # every prompt (150-250 tokens) is longer than the 128-token draft window: nothing is prefilled
     outs = engine.generate(prompts, method="draft-model", method_options={"k": 4, "draft_model": folders["tiny_short"]},
                            max_new_tokens=N_NEW, ignore_eos=True)
     _check_lossless(outs, ar_rows)
     assert all(o.stats["num_drafted"] == 0 for o in outs)
 
 
-def test_short_window_drafts_only_where_it_fits(engine, prompts, ar_rows, folders):
-    # the target's weights with a 330-token window: rows draft until their context reaches it
-    outs = engine.generate(prompts, method="draft-model", method_options={"k": 4, "draft_model": folders["self_short"]},
+def test_short_window_drafts_only_where_it_fits(engine, prompts, ar_rows, tmp_path):
+    # the target's weights with a window that the longest row outgrows while decoding: it drafts
+    # until its context reaches the window, then falls back to target-only steps
+    lens = sorted(len(p) for p in prompts)
+    window = lens[-1] + N_NEW // 2
+    assert lens[0] < window - N_NEW  # the shortest row fits throughout
+    folder = _self_draft_with_window(tmp_path / "self_short", window)
+    outs = engine.generate(prompts, method="draft-model", method_options={"k": 4, "draft_model": str(folder)},
                            max_new_tokens=N_NEW, ignore_eos=True)
     _check_lossless(outs, ar_rows)
     for p, o in zip(prompts, outs):
         s = o.stats
-        # a draft token at position x is predicted from position x - 1 < 330
-        fits = max(0, 330 - len(p))  # positions len(p)+1 .. 330 can be drafted
-        assert s["num_drafted"] <= fits
-        assert s["num_accepted"] == s["num_drafted"]
-        if len(p) + 1 < 330:
-            assert s["num_drafted"] > 0
-    assert any(len(p) + N_NEW > 330 for p in prompts), "the test needs a row that outgrows the window"
+        # a draft token at position x is predicted from position x - 1 < window
+        assert s["num_drafted"] <= window - len(p)
+        assert 0 < s["num_drafted"] == s["num_accepted"]
 
 
-def test_sampling_is_reproducible_and_drafts(engine, prompts, folders):
+def test_sampling_is_reproducible_and_drafts(engine, prompts):
     opts = {"k": 4, "draft_model": str(resolve_model("smollm2-135m"))}
-    runs = [engine.generate(prompts[:2], method="draft-model", method_options=opts, max_new_tokens=N_NEW,
+    runs = [engine.generate(prompts[1:], method="draft-model", method_options=opts, max_new_tokens=N_NEW,
                             temperature=0.8, seed=123, ignore_eos=True) for _ in range(2)]
     assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
-    assert all(o.stats["num_drafted"] > 0 for o in runs[0])
-    assert all(len(o.token_ids) == N_NEW for o in runs[0])
+    for o in runs[0]:
+        s = o.stats
+        assert len(o.token_ids) == N_NEW and s["num_drafted"] > 0
+        # q == p up to rounding (the target drafts for itself): min(1, p/q) accepts (almost) always
+        assert s["num_accepted"] >= 0.8 * s["num_drafted"]
 
 
 def test_missing_draft_model_option(engine):

@@ -88,6 +88,8 @@ def test_auto_k_reports_controller_and_entropy_auc(engine, long_prompts):
                           ignore_eos=True)[0]
     s = out.stats
     assert s["k"] == "auto" and s["controller_s"] > 0 and s["num_entropy_labels"] > 0
+    ks = {int(key.split(":")[0]) for key in s["accept_hist"]}
+    assert len(ks) >= 2, f"the controller never changed the draft length: {s['accept_hist']}"
     assert s["entropy_auc"] is None or 0.0 <= s["entropy_auc"] <= 1.0
 
 

@@ -67,13 +67,15 @@ class Drafter(Protocol):
         """Bytes of drafter state (index, compact KV, importance window)."""
 
 
-def self_draft_loop(model, dkv, pending: torch.Tensor, start_positions: torch.Tensor, k_max: int,
-                    budgets: Sequence[int], policy, sp: SamplingParams, generator) -> Draft:
-    """Autoregressive drafting with the target model over a compact KV (``model.forward_draft``).
+def draft_loop(step, pending: torch.Tensor, k_max: int, budgets: Sequence[int], policy, sp: SamplingParams,
+               generator) -> Draft:
+    """Autoregressive drafting shared by every model-based drafter.
 
-    ``start_positions`` ``[B]``: absolute position of each row's pending token. Row ``b`` drafts at
+    ``step(tok, j)`` runs the drafter's model on ``tok`` ``[B, 1]`` (the ``j``-th input of the
+    step: the pending token, then each draft) and returns logits ``[B, V]``. Row ``b`` drafts at
     most ``min(k_max, budgets[b])`` tokens; an adaptive ``policy`` may stop a row earlier after
-    reading the entropies (the one host sync of the loop).
+    reading the entropies (the one host sync of the loop). q is ``logits_to_probs`` of the
+    drafter's logits with the request's temperature/top-k/top-p, exactly what is sampled from.
     """
     B = pending.shape[0]
     limit = [min(k_max, int(x)) for x in budgets]
@@ -83,7 +85,7 @@ def self_draft_loop(model, dkv, pending: torch.Tensor, start_positions: torch.Te
     toks, qs, ents = [], [], []
     tok = pending  # [B, 1]
     for j in range(max(limit, default=0)):
-        logits = model.forward_draft(tok, start_positions + j, dkv)  # [B, V]
+        logits = step(tok, j)  # [B, V]
         logp = torch.log_softmax(logits, dim=-1)
         ents.append(-(logp.exp() * logp).sum(-1))  # [B]
         if sp.temperature == 0:
@@ -105,6 +107,13 @@ def self_draft_loop(model, dkv, pending: torch.Tensor, start_positions: torch.Te
         if not any(drafting):
             break
     if not toks:
-        empty = pending[:, :0]
-        return Draft(empty, None, torch.zeros(B, 0, device=pending.device), num_draft)
+        return Draft(pending[:, :0], None, torch.zeros(B, 0, device=pending.device), num_draft)
     return Draft(torch.cat(toks, dim=1), torch.stack(qs, dim=1) if qs else None, torch.stack(ents, dim=1), num_draft)
+
+
+def self_draft_loop(model, dkv, pending: torch.Tensor, start_positions: torch.Tensor, k_max: int,
+                    budgets: Sequence[int], policy, sp: SamplingParams, generator) -> Draft:
+    """``draft_loop`` with the target model over a compact KV (``model.forward_draft``);
+    ``start_positions`` ``[B]``: absolute position of each row's pending token."""
+    return draft_loop(lambda tok, j: model.forward_draft(tok, start_positions + j, dkv), pending, k_max, budgets,
+                      policy, sp, generator)
