@@ -221,11 +221,11 @@ class Engine:
             logits, imp = model.prefill(prompt, view, want_rows=min(want_prefill, len(row.prompt)))  # [1, V]
             cache.lengths[b] = view.lengths[0]
             first = self._pick(logits, sp, gen)[0]  # SYNC: first token
+            if drafter is not None:  # the drafter's own prefill (e.g. a draft model) is part of TTFT
+                drafter.prefill_row(b, cache, imp, row.prompt)
             row.stats.prefill_s = now() - t0
             row.stats.ttft_s = now() - t_start
             row.stats.emit_times.append(row.stats.ttft_s)
-            if drafter is not None:
-                drafter.prefill_row(b, cache, imp, row.prompt)
             yield self._finish(row, self._commit(row, [first], sp), self._kv_bytes(cache, drafter))
         active = [r for r in rows if r.finish_reason is None]
         self._drop_finished(rows, active, cache, drafter)

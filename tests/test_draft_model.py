@@ -182,3 +182,66 @@ def test_tokenizer_vocabulary_mismatch(engine, tmp_path):
     with pytest.raises(ValueError, match="tokenizer mismatch") as err:
         engine.generate(["Hello"], method="draft-model", method_options={"draft_model": str(folder)}, max_new_tokens=4)
     assert str(folder) in str(err.value) and "smollm2" in str(err.value).lower()
+
+
+def test_draft_cache_catch_up_and_rollback(tmp_path):
+    """Driven directly (a tiny model drafting for itself): after rollbacks, full acceptance and
+    steps without a propose, the drafts equal those of a fresh greedy decode of the history."""
+    from sparsespec.adaptive import FixedK
+    from sparsespec.config import SamplingParams, SpecConfig
+    from sparsespec.drafters.draft_model import DraftModelDrafter
+    from sparsespec.kv.cache import KVCache
+    from sparsespec.model import Transformer
+
+    folder = _tiny_llama(tmp_path / "t", seed=1)
+    model = Transformer.from_folder(folder)
+    for layer in model.layers:  # sharper attention: the drafts depend on the whole context
+        layer.wqkv.data *= 10
+        layer.wo.data *= 10
+    model.embed.data *= 10
+    V = model.cfg.vocab_size
+
+    def fresh_greedy(hist, k):
+        cache = KVCache(model.cfg, 1, len(hist) + k, model.dtype, "cpu")
+        out, h = [], list(hist)
+        for _ in range(k):
+            logits, _ = model.forward_dense(torch.tensor([h[cache.length:]]), cache, logits_for="last")
+            h.append(int(logits[0, -1].argmax()))
+            out.append(h[-1])
+        return out
+
+    g = torch.Generator().manual_seed(0)
+    hist = [torch.randint(0, V, (n,), generator=g).tolist() for n in (40, 25)]
+    changed = [(hist[0][0] + 1) % V] + hist[0][1:]
+    assert fresh_greedy(changed, 3) != fresh_greedy(hist[0], 3), "the check must see a stale cache"
+    k, sp = 3, SamplingParams(max_new_tokens=64)
+    drafter = DraftModelDrafter(model, SpecConfig(k=k, draft_model=str(folder)), capacity=100, batch_size=2, max_k=k)
+    assert drafter.draft is model  # the target's own folder reuses its weights
+    target = KVCache(model.cfg, 2, 100, model.dtype, "cpu")  # stands in for the engine's cache
+    for b, h in enumerate(hist):
+        drafter.prefill_row(b, target, None, h[:-1])
+        target.lengths[b] = len(h) - 1
+
+    def advance(new):  # the engine: commit tokens, roll the target back, then drafter.commit
+        for h, n in zip(hist, new):
+            h.extend(n)
+        target.lengths = [len(h) - 1 for h in hist]
+        drafter.commit(target, None, [len(n) for n in new])
+        assert all(dl <= tl for dl, tl in zip(drafter.dcache.lengths, target.lengths))
+
+    for step in range(3):
+        pending = torch.tensor([[h[-1]] for h in hist])
+        d = drafter.propose(target, pending, k, [k, k], FixedK(k), sp, None, hist)
+        assert d.num_draft == [k, k] and d.q_probs is None and d.entropies.shape == (2, k)
+        for b, h in enumerate(hist):
+            assert d.token_ids[b].tolist() == fresh_greedy(h, k), (step, b)
+        t = d.token_ids.tolist()
+        if step == 0:  # row 0: all accepted + bonus; row 1: one accepted, then a recovered token
+            advance([t[0] + [7], [t[1][0], (t[1][1] + 1) % V]])
+        elif step == 1:  # both rejected at once, then 3 steps without a propose (AR steps)
+            advance([[(t[0][0] + 1) % V], [(t[1][0] + 1) % V]])
+            for tok in (5, 6, 8):
+                advance([[tok], [tok]])
+    drafter.select([1])
+    assert drafter.index_sizes() == drafter.dcache.lengths and len(drafter.index_sizes()) == 1
+    assert drafter.nbytes == drafter.dcache.nbytes > 0

@@ -34,17 +34,16 @@ rows and is trivially lossless (the target verifies everything either way).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
 from sparsespec.config import SamplingParams, SpecConfig
-from sparsespec.drafters.base import Draft
+from sparsespec.drafters.base import Draft, draft_loop
 from sparsespec.kv.cache import KVCache
 from sparsespec.model import Transformer
 from sparsespec.provision import resolve_model
 from sparsespec.registry import DRAFTERS
-from sparsespec.sampling import logits_to_probs, sample
 
 # (folder, dtype, device) -> loaded draft model; repeated generate calls reuse it
 _MODELS: dict[tuple[str, torch.dtype, str], Transformer] = {}
@@ -83,49 +82,6 @@ def _tokenizer_mismatch(target_folder: Path, draft_folder: Path) -> str | None:
             else:
                 _TOKENIZER_VERDICTS[key] = None
     return _TOKENIZER_VERDICTS[key]
-
-
-def model_draft_loop(step: Callable[[torch.Tensor, int], torch.Tensor], pending: torch.Tensor,
-                     limits: Sequence[int], policy, sp: SamplingParams, generator) -> Draft:
-    """Autoregressive drafting with any per-token forward; same conventions as ``self_draft_loop``.
-
-    ``step(tok, j)``: logits ``[B, V]`` float32 after feeding ``tok`` ``[B, 1]`` (the pending token
-    at ``j = 0``, then the previous draft token). Row ``b`` drafts at most ``limits[b]`` tokens; an
-    adaptive ``policy`` may stop a row earlier after reading the entropies (the one host sync per
-    drafted token).
-    """
-    B = pending.shape[0]
-    limit = list(limits)
-    drafting = [lim > 0 for lim in limit]
-    num_draft = [0] * B
-    adaptive = getattr(policy, "adaptive", False)
-    toks, qs, ents = [], [], []
-    tok = pending  # [B, 1]
-    for j in range(max(limit, default=0)):
-        logits = step(tok, j)  # [B, V]
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        ents.append(-(logp.exp() * logp).sum(-1))  # [B] nats, temperature 1
-        if sp.temperature == 0:
-            tok = logits.argmax(dim=-1, keepdim=True)  # [B, 1]
-        else:
-            q = logits_to_probs(logits, sp.temperature, sp.top_k, sp.top_p)  # [B, V]
-            qs.append(q)
-            tok = sample(q, generator).view(B, 1)
-        toks.append(tok)
-        for b in range(B):
-            if drafting[b]:
-                num_draft[b] = j + 1
-                drafting[b] = num_draft[b] < limit[b]
-        if adaptive and any(drafting):
-            ent_host = torch.stack(ents, dim=1).tolist()  # SYNC: the entropy controller decides per token
-            for b in range(B):
-                if drafting[b] and not policy.should_continue(ent_host[b][: j + 1]):
-                    drafting[b] = False
-        if not any(drafting):
-            break
-    if not toks:
-        return Draft(pending[:, :0], None, torch.zeros(B, 0, device=pending.device), num_draft)
-    return Draft(torch.cat(toks, dim=1), torch.stack(qs, dim=1) if qs else None, torch.stack(ents, dim=1), num_draft)
 
 
 @DRAFTERS.register("draft-model")
@@ -215,7 +171,7 @@ class DraftModelDrafter:
             logits, _ = self.draft.forward_dense(tok, dc, logits_for="last")  # [B, 1, V]
             return logits[:, -1]
 
-        return model_draft_loop(step, pending, limits, policy, sp, generator)
+        return draft_loop(step, pending, k_max, limits, policy, sp, generator)  # limits: budget, window, retired
 
     def commit(self, cache: KVCache, rows: torch.Tensor | None, counts: Sequence[int]) -> None:
         self.dcache.rollback([0 if self.retired[b] else min(n, cache.lengths[b])
