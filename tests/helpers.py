@@ -27,3 +27,36 @@ def book_prompt(tokenizer, offset: int, num_tokens: int, question: str) -> list[
     text = BOOK.read_text(encoding="utf-8-sig")
     ids = tokenizer(text, add_special_tokens=False).input_ids[offset : offset + num_tokens]
     return chat_prompt(tokenizer, tokenizer.decode(ids) + "\n\n" + question)
+
+
+def write_tiny_llama(folder: Path, *, vocab_size: int, hidden: int = 64, layers: int = 2, heads: int = 4,
+                     kv_heads: int = 2, intermediate: int = 128, max_pos: int = 4096, seed: int = 0,
+                     scale: float = 0.05, embed_scale: float | None = None, eos_token_id: int = 2) -> Path:
+    """Write a random-weight Llama checkpoint (HF config + safetensors names) into a new ``folder``."""
+    import json
+
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    E, L, H, Hkv, I = hidden, layers, heads, kv_heads, intermediate
+    D = E // H
+    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab_size,
+           "hidden_size": E, "intermediate_size": I, "num_hidden_layers": L, "num_attention_heads": H,
+           "num_key_value_heads": Hkv, "max_position_embeddings": max_pos, "rms_norm_eps": 1e-5,
+           "rope_theta": 10000.0, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": eos_token_id}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, s=scale):
+        return torch.randn(*shape, generator=g) * s
+
+    t = {"model.embed_tokens.weight": rnd(vocab_size, E, s=embed_scale or scale), "model.norm.weight": torch.ones(E)}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        t.update({p + "input_layernorm.weight": torch.ones(E), p + "post_attention_layernorm.weight": torch.ones(E),
+                  p + "self_attn.q_proj.weight": rnd(H * D, E), p + "self_attn.k_proj.weight": rnd(Hkv * D, E),
+                  p + "self_attn.v_proj.weight": rnd(Hkv * D, E), p + "self_attn.o_proj.weight": rnd(E, H * D),
+                  p + "mlp.gate_proj.weight": rnd(I, E), p + "mlp.up_proj.weight": rnd(I, E),
+                  p + "mlp.down_proj.weight": rnd(E, I)})
+    save_file(t, str(folder / "model.safetensors"))
+    return folder

@@ -6,10 +6,9 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from sparsespec import resolve_model
-from tests.helpers import book_prompt, real_engine
+from tests.helpers import book_prompt, real_engine, write_tiny_llama
 
 pytestmark = pytest.mark.slow
 
@@ -19,33 +18,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 def _tiny_llama(folder, vocab_size=49152, max_pos=4096, seed=0, copy_tokenizer=True):
     """A random-weight 2-layer Llama on the SmolLM2 vocabulary (HF tensor names)."""
-    src = resolve_model("smollm2-135m")
-    folder.mkdir(parents=True)
+    write_tiny_llama(folder, vocab_size=vocab_size, max_pos=max_pos, seed=seed)
     if copy_tokenizer:
+        src = resolve_model("smollm2-135m")
         for name in TOKENIZER_FILES:
             if (src / name).is_file():
                 shutil.copy(src / name, folder / name)
-    E, L, H, Hkv, I = 64, 2, 4, 2, 128
-    D = E // H
-    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab_size,
-           "hidden_size": E, "intermediate_size": I, "num_hidden_layers": L, "num_attention_heads": H,
-           "num_key_value_heads": Hkv, "max_position_embeddings": max_pos, "rms_norm_eps": 1e-5,
-           "rope_theta": 10000.0, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
-    (folder / "config.json").write_text(json.dumps(cfg))
-    g = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=g) * 0.05
-
-    t = {"model.embed_tokens.weight": rnd(vocab_size, E), "model.norm.weight": torch.ones(E)}
-    for i in range(L):
-        p = f"model.layers.{i}."
-        t.update({p + "input_layernorm.weight": torch.ones(E), p + "post_attention_layernorm.weight": torch.ones(E),
-                  p + "self_attn.q_proj.weight": rnd(H * D, E), p + "self_attn.k_proj.weight": rnd(Hkv * D, E),
-                  p + "self_attn.v_proj.weight": rnd(Hkv * D, E), p + "self_attn.o_proj.weight": rnd(E, H * D),
-                  p + "mlp.gate_proj.weight": rnd(I, E), p + "mlp.up_proj.weight": rnd(I, E),
-                  p + "mlp.down_proj.weight": rnd(E, I)})
-    save_file(t, str(folder / "model.safetensors"))
     return folder
 
 

@@ -5,15 +5,14 @@ enumerate; 600 independent rows of one batch (one generator) give the empirical 
 index is made sparse (budget 40 of a 200-token prompt), so q differs from p and the rejection
 path (recovered tokens) is exercised, not only acceptance.
 """
-import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from sparsespec import METHODS, Engine
 from sparsespec.kv.cache import KVCache
 from sparsespec.model import Transformer
+from tests.helpers import write_tiny_llama
 
 pytestmark = pytest.mark.slow
 
@@ -28,28 +27,8 @@ class _Tok:
 
 
 def _tiny(folder, seed):
-    folder.mkdir()
-    E, L, H, Hkv, I = 32, 2, 4, 2, 64
-    cfg = {"model_type": "llama", "vocab_size": V, "hidden_size": E, "intermediate_size": I, "num_hidden_layers": L,
-           "num_attention_heads": H, "num_key_value_heads": Hkv, "max_position_embeddings": 512,
-           "rope_theta": 10000.0, "tie_word_embeddings": True, "eos_token_id": V + 100}
-    (folder / "config.json").write_text(json.dumps(cfg))
-    g = torch.Generator().manual_seed(seed)
-    D = E // H
-
-    def rnd(*shape, scale=0.6):
-        return torch.randn(*shape, generator=g) * scale
-
-    t = {"model.embed_tokens.weight": rnd(V, E, scale=1.5), "model.norm.weight": torch.ones(E)}
-    for i in range(L):
-        p = f"model.layers.{i}."
-        t.update({p + "input_layernorm.weight": torch.ones(E), p + "post_attention_layernorm.weight": torch.ones(E),
-                  p + "self_attn.q_proj.weight": rnd(H * D, E), p + "self_attn.k_proj.weight": rnd(Hkv * D, E),
-                  p + "self_attn.v_proj.weight": rnd(Hkv * D, E), p + "self_attn.o_proj.weight": rnd(E, H * D),
-                  p + "mlp.gate_proj.weight": rnd(I, E), p + "mlp.up_proj.weight": rnd(I, E),
-                  p + "mlp.down_proj.weight": rnd(E, I)})
-    save_file(t, str(folder / "model.safetensors"))
-    return folder
+    return write_tiny_llama(folder, vocab_size=V, hidden=32, intermediate=64, max_pos=512, seed=seed, scale=0.6,
+                            embed_scale=1.5, eos_token_id=V + 100)
 
 
 @pytest.fixture(scope="module")
