@@ -135,13 +135,15 @@ class EngineWorker:
         return info
 
     def _generate(self, prompt_ids: Sequence[int], method: str, options: Mapping[str, Any], max_new_tokens: int,
-                  temperature: float) -> Any:
+                  temperature: float, stop: Sequence[str] | None = None) -> Any:
+        kwargs: dict[str, Any] = {"stop": list(stop)} if stop else {}
         outs = self.engine.generate(
             [list(prompt_ids)],
             method=method,
             method_options=dict(options),
             max_new_tokens=max_new_tokens,
             temperature=temperature,
+            **kwargs,
         )
         if len(outs) != 1:
             raise RuntimeError(f"engine.generate returned {len(outs)} outputs for 1 prompt")
@@ -169,7 +171,9 @@ class EngineWorker:
         for i, sample in enumerate(shard.samples):
             for pos, method in enumerate(method_order(shard.methods, shard.sample_offset + i)):
                 opts = shard.method_options.get(method, {}) or {}
-                res = self._generate(sample.prompt_ids, method, opts, sample.max_new_tokens, shard.temperature)
+                # the task's official stop strings (e.g. LongBench samsum stops at a newline)
+                res = self._generate(sample.prompt_ids, method, opts, sample.max_new_tokens, shard.temperature,
+                                     stop=sample.meta.get("stop"))
                 stats = _jsonable(dict(res.stats or {}))
                 # provenance, so pairing and interleaving can be audited from the store
                 stats["worker_pid"] = pid

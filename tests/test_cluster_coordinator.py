@@ -117,6 +117,18 @@ def test_worker_without_ray_warms_up_once_and_interleaves():
     assert len(w.engine.calls) == 6 + 4  # no second warm-up
 
 
+
+def test_worker_passes_the_samples_stop_strings_to_the_engine():
+    """A task's official stop (LongBench samsum: a newline) reaches ``generate``; others pass none."""
+    import dataclasses
+
+    w = EngineWorker("fake", "float32", None, fake_engine_factory)
+    plain, stopped = make_samples(tasks=("t1",), n=2)
+    stopped = dataclasses.replace(stopped, meta={**stopped.meta, "stop": ["\n"]})
+    w.run_shard(Shard(task="t1", samples=(plain, stopped), methods=("ar",), method_options={}, sample_offset=0))
+    recorded = w.engine.calls[1:]  # after the warm-up
+    assert [c["stop"] for c in recorded] == [None, ["\n"]]
+
 # ----------------------------------------------------------------------------- through Ray
 def test_run_pairs_resumes_and_adds_ar(ray_session, tmp_path):
     db = f"sqlite:///{tmp_path}/res.db"
