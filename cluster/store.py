@@ -136,6 +136,41 @@ class Result(Base):
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+class BenchRow(Base):
+    """One measurement of ``python -m cluster.bench``: a step-timing row (``kind="steps"``), an
+    end-to-end row per method (``"e2e"``) or the transformers reference (``"hf"``). The numbers
+    (seconds, bytes, roofline multiples) live in ``metrics``; ``(run_id, kind, context_len,
+    batch_size, method)`` is unique, so re-storing a run is idempotent."""
+
+    __tablename__ = "bench"
+    __table_args__ = (UniqueConstraint("run_id", "kind", "context_len", "batch_size", "method"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(64), ForeignKey("runs.run_id", ondelete="CASCADE"), index=True)
+    model: Mapped[str] = mapped_column(String(256))
+    device: Mapped[str] = mapped_column(String(32))
+    kind: Mapped[str] = mapped_column(String(16))
+    context_len: Mapped[int] = mapped_column(Integer)
+    batch_size: Mapped[int] = mapped_column(Integer)
+    method: Mapped[str] = mapped_column(String(64))
+    metrics: Mapped[dict] = mapped_column(JSONType)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with non-finite floats as None and tuples as lists (PostgreSQL's JSONB rejects
+    NaN and Infinity; SQLite would store them as invalid JSON)."""
+    import math
+
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
 def _result_to_dict(r: Result) -> dict[str, Any]:
     d = {name: getattr(r, name) for name in RESULT_FIELDS}
     d["id"] = r.id
@@ -354,6 +389,34 @@ class Store:
             out["first_divergence"] = int(out["first_divergence"])
         out["created_at"] = utcnow()
         return out
+
+    # ----------------------------------------------------------------- bench
+    def add_bench_rows(self, run_id: str, model: str, device: str, rows: Iterable[Mapping[str, Any]]) -> int:
+        """Store ``cluster.bench`` rows (each with ``kind``, ``context_len``, ``batch_size`` and
+        optionally ``method``); an existing (run, kind, context, batch, method) row is replaced."""
+        n = 0
+        with self._session.begin() as s:
+            for row in rows:
+                key = dict(run_id=run_id, kind=str(row["kind"]), context_len=int(row["context_len"]),
+                           batch_size=int(row["batch_size"]), method=str(row.get("method") or ""))
+                old = s.scalars(select(BenchRow).filter_by(**key)).first()
+                if old is not None:
+                    s.delete(old)
+                    s.flush()
+                s.add(BenchRow(model=model, device=device, metrics=json_safe(dict(row)), **key))
+                n += 1
+        return n
+
+    def bench_rows(self, run_id: str | None = None) -> list[dict[str, Any]]:
+        """Stored bench rows (all runs, or one), oldest first, as plain dicts."""
+        if not self._has_tables or not inspect(self.engine).has_table("bench"):
+            return []
+        q = select(BenchRow).order_by(BenchRow.id)
+        if run_id is not None:
+            q = q.where(BenchRow.run_id == run_id)
+        with self._session() as s:
+            return [{"run_id": r.run_id, "model": r.model, "device": r.device, **dict(r.metrics)}
+                    for r in s.scalars(q)]
 
     def done_keys(self, run_id: str) -> set[tuple[str, str, str]]:
         """(task, sample_id, method) already stored for this run."""
