@@ -1,15 +1,25 @@
-"""LongBench v1: local JSONL loader, official prompts, official middle truncation, official scoring.
+"""LongBench v1 (21 tasks) and LongBench-E (13 tasks): loaders, official prompts, official middle
+truncation, official scoring.
 
 Ground truth: THUDM/LongBench (v1, now under ``LongBench/``): ``config/dataset2prompt.json``,
-``config/dataset2maxlen.json``, ``pred.py`` (truncation + chat rule), ``eval.py`` / ``metrics.py``
-(scoring, see :mod:`evals.metrics`).
+``config/dataset2maxlen.json``, ``pred.py`` (truncation + chat rule + samsum stop),
+``eval.py`` / ``metrics.py`` (scoring, see :mod:`evals.metrics`).
+
+Tasks: the 21 names of ``pred.py``; LongBench-E tasks are ``<task>_e`` for the 13 tasks of
+``pred.py --e`` (:data:`evals.metrics.LONGBENCH_E_TASKS`). An ``_e`` task uses its base task's
+prompt, generation budget and metric, and is reported per length bucket (0-4k, 4-8k, 8k+ by the
+record's ``length``; :func:`longbench_e_report`).
+
+Loading (:func:`load_records`): ``<data_dir>/<task>.jsonl`` (official JSONL fields), else the hub
+(``datasets.load_dataset("THUDM/LongBench", task, split="test")``) if it is reachable or cached;
+otherwise a ``FileNotFoundError`` saying where it looked (see :mod:`evals.hub`).
 
 Prompt construction per record (as ``pred.py``):
 
 1. ``prompt = DATASET2PROMPT[task].format(**record)``
-2. tokenize it; if longer than ``max_length`` tokens keep ``tokens[:half] + tokens[-half:]`` with
-   ``half = int(max_length / 2)``, each half decoded separately with ``skip_special_tokens=True``
-   and the two strings concatenated;
+2. tokenize it as ``pred.py`` does (``tokenizer(prompt)``, special tokens included); if longer than
+   ``max_length`` tokens keep ``tokens[:half] + tokens[-half:]`` with ``half = int(max_length / 2)``,
+   each half decoded separately with ``skip_special_tokens=True`` and the two strings concatenated;
 3. wrap it in the model's chat template unless the task is in :data:`NO_CHAT_TASKS`;
 4. tokenize the result (the final ``prompt_ids``).
 
@@ -19,16 +29,17 @@ code uses a per-model cap, ``model2maxlen.json``; the demo uses a small one for 
 
 Deviations from ``pred.py`` (all documented in the report of the change):
 
-* Step 2 tokenizes *without* special tokens (official includes the BOS of Llama-style tokenizers,
-  which is then dropped by ``skip_special_tokens``; that shifts the head by one token). Without
-  it the cap counts content tokens only.
 * The official code trusts that decode -> re-encode keeps the length. It almost does; when the
   final prompt still overflows the window (re-tokenisation at the seam or at the chat-template
   boundary), ``max_length`` is lowered by the overflow and the record rebuilt, so the contract
   ``len(prompt_ids) + max_new_tokens <= max_context`` always holds.
-* samsum: the official run also stops at ``"\\n"`` (extra EOS id). The engine takes no stop
-  strings; ``meta["stop_at_newline"] = True`` records the intent, and scoring uses the first line
-  of the prediction anyway (official eval.py).
+* samsum: the official run also stops at ``"\\n"``: the id of ``"\\n"`` is an extra EOS id
+  (``tokenizer.encode("\\n", add_special_tokens=False)[-1]``) and ``min_length`` forces at least
+  one new token. The samples carry this for the engine: ``meta["stop_token_ids"]`` (the exact
+  official rule: add these ids to the model's EOS ids), ``meta["min_new_tokens"] = 1`` and
+  ``meta["stop"] = ["\\n"]`` (the same as a stop string; slightly stricter, since it also stops
+  inside a token such as ``"\\n\\n"``). Scoring uses the first line anyway (official eval.py).
+  Other tasks carry no stop keys.
 * Chat templates: the official ``build_chat`` hard-codes a few 2023 chat formats; here the
   tokenizer's own chat template is used (one user turn, generation prompt appended).
 """
@@ -51,14 +62,25 @@ from typing import Any
 
 from evals.base import Sample
 from evals.common import add_argument_once, chat_wrap, encode, encode_prompt, has_chat_template
-from evals.metrics import longbench_score
+from evals.metrics import (
+    LONGBENCH_E_TASKS,
+    longbench_base_task,
+    longbench_e_scores,
+    longbench_score,
+    official_task_score,
+)
+from evals.records import RecordError
 
 __all__ = [
     "BENCHMARK",
     "DATASET2PROMPT",
     "DATASET2MAXLEN",
     "NO_CHAT_TASKS",
+    "LONGBENCH_E_TASKS",
+    "ALL_TASKS",
     "REQUIRED_FIELDS",
+    "HUB_REPO",
+    "HUB_ZIP",
     "default_data_dir",
     "resolve_data_dir",
     "available_tasks",
@@ -67,6 +89,10 @@ __all__ = [
     "truncate_middle",
     "build_samples",
     "score_sample",
+    "samsum_stop",
+    "longbench_e_report",
+    "PREDICTION_FIELDS",
+    "score_prediction_records",
     "main",
 ]
 
@@ -131,23 +157,30 @@ REQUIRED_FIELDS = ("input", "context", "answers", "length", "dataset", "language
 
 ENV_DATA_DIR = "SPARSESPEC_DATA_DIR"
 
+#: Hub dataset of LongBench v1 / LongBench-E (config = task name, ``<task>_e`` for -E; split test).
+HUB_REPO = "THUDM/LongBench"
+
+#: Every task name this module accepts: the 21 tasks, then the 13 LongBench-E ``<task>_e`` names.
+ALL_TASKS: tuple[str, ...] = tuple(DATASET2PROMPT) + tuple(f"{t}_e" for t in LONGBENCH_E_TASKS)
+
 
 def _base_task(task: str) -> str:
-    """``hotpotqa_e`` (LongBench-E file name) -> ``hotpotqa``; other names unchanged."""
-    if task not in DATASET2PROMPT and task.endswith("_e") and task[:-2] in DATASET2PROMPT:
-        return task[:-2]
-    return task
+    """``hotpotqa_e`` (LongBench-E) -> ``hotpotqa``; other names unchanged."""
+    return longbench_base_task(task)
 
 
 def _check_task(task: str) -> str:
-    base = _base_task(task)
-    if base not in DATASET2PROMPT:
+    """The base task of ``task``; ``ValueError`` with a suggestion if it is not one of ALL_TASKS."""
+    if task not in ALL_TASKS:
         import difflib
 
-        close = difflib.get_close_matches(task, list(DATASET2PROMPT), n=1)
+        close = difflib.get_close_matches(task, list(ALL_TASKS), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown LongBench task {task!r}{hint} (known: {', '.join(DATASET2PROMPT)})")
-    return base
+        extra = ""
+        if task.endswith("_e") and task[:-2] in DATASET2PROMPT:
+            extra = f" ({task[:-2]!r} has no LongBench-E set; the 13 that do: {', '.join(LONGBENCH_E_TASKS)})"
+        raise ValueError(f"unknown LongBench task {task!r}{hint}{extra} (known: {', '.join(ALL_TASKS)})")
+    return _base_task(task)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,9 +214,7 @@ def available_tasks(data_dir: str | os.PathLike) -> list[str]:
     if not data_dir.is_dir():
         raise FileNotFoundError(f"LongBench data folder not found: {data_dir}")
     names = {p.stem for p in data_dir.glob("*.jsonl")}
-    ordered = [t for t in DATASET2PROMPT if t in names]
-    ordered += sorted(t for t in names if t.endswith("_e") and t[:-2] in DATASET2PROMPT)
-    return ordered
+    return [t for t in ALL_TASKS if t in names]
 
 
 def _validate_record(rec: Any, where: str) -> dict:
@@ -195,6 +226,9 @@ def _validate_record(rec: Any, where: str) -> dict:
     for key in ("input", "context", "_id"):
         if not isinstance(rec[key], str):
             raise ValueError(f"{where}: field {key!r} must be a string, got {type(rec[key]).__name__}")
+    length = rec["length"]
+    if isinstance(length, bool) or not isinstance(length, (int, float)):
+        raise ValueError(f"{where}: field 'length' must be a number, got {type(length).__name__}")
     answers = rec["answers"]
     if not isinstance(answers, list) or not answers or not all(isinstance(a, str) for a in answers):
         raise ValueError(f"{where}: field 'answers' must be a non-empty list of strings")
@@ -206,19 +240,34 @@ def _validate_record(rec: Any, where: str) -> dict:
     return rec
 
 
-def load_records(data_dir: str | os.PathLike | None, task: str) -> list[dict]:
-    """All records of ``<data_dir>/<task>.jsonl`` in file order.
+def _add_record(rec: Any, where: str, records: list[dict], seen: dict[str, str]) -> None:
+    _validate_record(rec, where)
+    if rec["_id"] in seen:
+        raise ValueError(f"{where}: duplicate _id {rec['_id']!r} (first at {seen[rec['_id']]})")
+    seen[rec["_id"]] = where
+    records.append(rec)
 
-    Blank lines are skipped; anything else that is not a valid record (malformed JSON, not an
-    object, a missing or mistyped field, a duplicate ``_id``) raises ``ValueError`` naming the
-    file and the 1-based line number. Nothing is dropped silently.
+
+def load_records(data_dir: str | os.PathLike | None, task: str) -> list[dict]:
+    """All records of ``task``, in file order.
+
+    Reads ``<data_dir>/<task>.jsonl`` (LongBench-E: ``<task>_e.jsonl``). Blank lines are skipped;
+    anything else that is not a valid record (malformed JSON, not an object, a missing or mistyped
+    field, a duplicate ``_id``) raises ``ValueError`` naming the file and the 1-based line.
+    Nothing is dropped silently.
+
+    When the file does not exist, the rows of ``load_dataset("THUDM/LongBench", task,
+    split="test")`` are used if the hub is reachable or has a cached copy, else (``datasets`` >= 4
+    cannot run that repo's loading script) ``data/<task>.jsonl`` of the repo's ``data.zip``; both
+    validated the same way, errors naming the hub dataset and row (or zip member and line). If
+    neither can be had, ``FileNotFoundError`` names the local path and everything tried.
     """
     _check_task(task)
     path = resolve_data_dir(data_dir) / f"{task}.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"no LongBench file for task {task!r}: {path}")
     records: list[dict] = []
-    seen: dict[str, int] = {}
+    seen: dict[str, str] = {}
+    if not path.is_file():
+        return _load_from_hub(task, path)
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -228,11 +277,69 @@ def load_records(data_dir: str | os.PathLike | None, task: str) -> list[dict]:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: malformed JSON: {e.msg} (column {e.colno})") from e
-            _validate_record(rec, where)
-            if rec["_id"] in seen:
-                raise ValueError(f"{where}: duplicate _id {rec['_id']!r} (first on line {seen[rec['_id']]})")
-            seen[rec["_id"]] = lineno
-            records.append(rec)
+            _add_record(rec, where, records, seen)
+    if not records:
+        raise ValueError(f"{path}: no records (the file is empty)")
+    return records
+
+
+#: The file of the hub repo that holds every task as ``data/<task>.jsonl`` (what the repo's
+#: loading script reads).
+HUB_ZIP = "data.zip"
+
+
+def _load_from_hub(task: str, local_path: Path) -> list[dict]:
+    """Records of ``task`` from the hub: ``load_dataset(HUB_REPO, task, split="test")``; if that
+    fails (``datasets`` >= 4 no longer runs the repo's loading script, ``LongBench.py``), the
+    repo's ``data.zip`` (downloaded or cached), member ``data/<task>.jsonl``, read like a local
+    file. One ``FileNotFoundError`` naming everything tried when neither works."""
+    from evals.hub import HubUnavailableError, download_hub_file, load_hub_rows
+
+    looked = f"no LongBench file for task {task!r} at {local_path}"
+    records: list[dict] = []
+    seen: dict[str, str] = {}
+    try:
+        rows = load_hub_rows(HUB_REPO, task, "test", looked_at=looked)
+    except HubUnavailableError as first:
+        try:
+            zip_path = download_hub_file(HUB_REPO, HUB_ZIP, looked_at=str(first))
+        except HubUnavailableError as second:
+            raise HubUnavailableError(str(second)) from None
+        return _load_from_zip(zip_path, task)
+    for i, rec in enumerate(rows):
+        _add_record(rec, f"{HUB_REPO} (config {task!r}, split 'test') row {i}", records, seen)
+    if not records:
+        raise ValueError(f"{HUB_REPO} (config {task!r}, split 'test') has no rows")
+    return records
+
+
+def _load_from_zip(zip_path: str | os.PathLike, task: str) -> list[dict]:
+    """Records of ``data/<task>.jsonl`` inside the official ``data.zip``; errors name zip:member:line."""
+    import zipfile
+
+    try:
+        zf = zipfile.ZipFile(zip_path)
+    except (OSError, zipfile.BadZipFile) as e:
+        raise ValueError(f"{zip_path}: not a readable zip file ({e})") from None
+    with zf:
+        names = [n for n in zf.namelist() if n.rsplit("/", 1)[-1] == f"{task}.jsonl"]
+        if not names:
+            raise FileNotFoundError(f"{zip_path}: no member {task}.jsonl")
+        member = sorted(names, key=len)[0]
+        text = zf.read(member).decode("utf-8")
+    records: list[dict] = []
+    seen: dict[str, str] = {}
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{zip_path}:{member}:{lineno}"
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: malformed JSON: {e.msg} (column {e.colno})") from None
+        _add_record(rec, where, records, seen)
+    if not records:
+        raise ValueError(f"{zip_path}:{member}: no records")
     return records
 
 
@@ -247,18 +354,24 @@ def build_prompt(record: dict, task: str) -> str:
 
 
 def truncate_middle(tokenizer: Any, text: str, max_length: int) -> tuple[str, int, int]:
-    """Official middle truncation to ``max_length`` tokens.
+    """Official middle truncation to ``max_length`` tokens (``pred.py``).
 
-    Returns ``(text, n_raw, n_after)``: the (possibly) truncated text, the token count of the
-    input and the token count of the returned text (re-tokenised; both without special tokens).
-    When truncating, the text is ``decode(ids[:half]) + decode(ids[-half:])`` with
-    ``half = int(max_length / 2)`` (so an odd ``max_length`` keeps ``max_length - 1`` tokens).
+    As the official code, the text is tokenized with the tokenizer's special tokens (a Llama BOS
+    counts towards ``max_length`` and sits at the head of the first half, where
+    ``skip_special_tokens`` then drops it). If that is longer than ``max_length`` the result is
+    ``decode(ids[:half]) + decode(ids[-half:])`` with ``half = int(max_length / 2)`` (an odd
+    ``max_length`` keeps ``max_length - 1`` tokens), each half decoded with
+    ``skip_special_tokens=True``.
+
+    Returns ``(text, n_raw, n_after)``: the (possibly) truncated text and the content token counts
+    (without special tokens) of the input and of the returned text (re-tokenised).
     """
     if max_length < 2:
         raise ValueError(f"max_length must be >= 2 (got {max_length}): half would be 0")
-    ids = encode(tokenizer, text, add_special_tokens=False)
-    n_raw = len(ids)
-    if n_raw <= max_length:
+    ids = encode(tokenizer, text, add_special_tokens=True)
+    content = encode(tokenizer, text, add_special_tokens=False)
+    n_raw = len(content)
+    if len(ids) <= max_length:
         return text, n_raw, n_raw
     half = int(max_length / 2)
     out = tokenizer.decode(ids[:half], skip_special_tokens=True) + tokenizer.decode(
@@ -291,9 +404,12 @@ def _selected_tasks(args: Any, data_dir: Path) -> list[str]:
             _check_task(t)
         if tasks:
             return tasks
+    hint = f"; name tasks with --tasks to read them from the hub ({HUB_REPO})"
+    if not Path(data_dir).is_dir():
+        raise FileNotFoundError(f"LongBench data folder not found: {data_dir}{hint}")
     tasks = available_tasks(data_dir)
     if not tasks:
-        raise FileNotFoundError(f"no LongBench task files (<task>.jsonl) in {data_dir}")
+        raise FileNotFoundError(f"no LongBench task files (<task>.jsonl) in {data_dir}{hint}")
     return tasks
 
 
@@ -369,6 +485,20 @@ def _build_one(
     if overflow > 0:
         raise ValueError(f"{task}/{rec['_id']}: cannot fit the prompt in max_context={max_context}")
     wrapper = len(ids) - n_after  # chat-template / BOS tokens around the content
+    meta: dict[str, Any] = {
+        "all_classes": rec["all_classes"],
+        "language": rec["language"],
+        "length": rec["length"],
+        "dataset": rec["dataset"],
+        "truncated": text != prompt,
+        "max_length": max_length,
+        "num_content_tokens_raw": n_raw,
+        "num_content_tokens": n_after,
+        "chat_template": use_chat,
+        "template_overhead": overhead,
+    }
+    if base == "samsum":
+        meta.update(samsum_stop(tokenizer))
     return Sample(
         benchmark=BENCHMARK,
         task=task,
@@ -378,20 +508,23 @@ def _build_one(
         max_new_tokens=max_new,
         num_input_tokens_raw=n_raw + wrapper,
         num_input_tokens=len(ids),
-        meta={
-            "all_classes": rec["all_classes"],
-            "language": rec["language"],
-            "length": rec["length"],
-            "dataset": rec["dataset"],
-            "truncated": n_raw > max_length,
-            "max_length": max_length,
-            "num_content_tokens_raw": n_raw,
-            "num_content_tokens": n_after,
-            "chat_template": use_chat,
-            "template_overhead": overhead,
-            "stop_at_newline": base == "samsum",
-        },
+        meta=meta,
     )
+
+
+def samsum_stop(tokenizer: Any) -> dict[str, Any]:
+    """The official samsum stopping rule as Sample.meta keys (see the module docstring).
+
+    ``stop_token_ids``: ``[tokenizer.encode("\\n", add_special_tokens=False)[-1]]``, ids to add to the
+    model's EOS ids (official ``eos_token_id=[eos, newline_id]``); ``min_new_tokens``: 1 (official
+    ``min_length=context_length+1``); ``stop``: ``["\\n"]``, the stop-string form.
+    """
+    newline_ids = encode(tokenizer, "\n", add_special_tokens=False)
+    return {
+        "stop": ["\n"],
+        "stop_token_ids": [int(newline_ids[-1])] if newline_ids else [],
+        "min_new_tokens": 1,
+    }
 
 
 def score_sample(sample: Sample, prediction: str) -> float:
@@ -399,15 +532,85 @@ def score_sample(sample: Sample, prediction: str) -> float:
     return longbench_score(sample.task, prediction, sample.references, all_classes=sample.meta.get("all_classes"))
 
 
+def longbench_e_report(samples: Sequence[Sample], scores: Sequence[float]) -> dict[str, Any]:
+    """Task report of LongBench-E samples: ``score`` (official 0-100 mean over all samples) and
+    ``buckets`` (official ``scorer_e``: 0-4k / 4-8k / 8k+ by ``meta["length"]``, None if empty)."""
+    if len(samples) != len(scores):
+        raise ValueError(f"{len(samples)} samples but {len(scores)} scores")
+    return {
+        "score": official_task_score(scores),
+        "n": len(scores),
+        "buckets": longbench_e_scores(scores, [s.meta["length"] for s in samples]),
+    }
+
+
+#: Fields of an official prediction line (``pred.py``) that scoring reads; ``length`` too for ``_e``.
+PREDICTION_FIELDS = ("pred", "answers", "all_classes")
+
+
+def score_prediction_records(task: str, records: Sequence[dict]) -> dict[str, Any]:
+    """Re-score official LongBench prediction lines (``{"pred", "answers", "all_classes",
+    "length"}``) exactly as the official ``eval.py`` does.
+
+    Returns ``{"task", "score", "n"}`` with ``score = round(100 * mean, 2)`` (``scorer``); for a
+    LongBench-E task (``<task>_e``) also ``"buckets"``: the dict ``scorer_e`` prints
+    (``{"0-4k", "4-8k", "8k+"}``, ``None`` for an empty bucket where the official prints NaN).
+    Deviation: ``all_classes`` is read per line (the official script uses the last line's value for
+    the whole file; every official file has the same value on every line).
+    Errors about one record raise :class:`evals.records.RecordError` (with its index).
+    """
+    base = _check_task(task)
+    is_e = task != base
+    if not records:
+        raise ValueError(f"{task}: no prediction records")
+    need = PREDICTION_FIELDS + (("length",) if is_e else ())
+    scores: list[float] = []
+    lengths: list[float] = []
+    for i, rec in enumerate(records):
+        if not isinstance(rec, dict):
+            raise RecordError(i, f"expected a JSON object, got {type(rec).__name__}")
+        missing = [k for k in need if k not in rec]
+        if missing:
+            raise RecordError(i, f"missing field(s) {missing}")
+        pred, answers, classes = rec["pred"], rec["answers"], rec["all_classes"]
+        if not isinstance(pred, str):
+            raise RecordError(i, f"field 'pred' must be a string, got {type(pred).__name__}")
+        if not isinstance(answers, list) or not answers or not all(isinstance(a, str) for a in answers):
+            raise RecordError(i, "field 'answers' must be a non-empty list of strings")
+        if classes is not None and (not isinstance(classes, list) or not all(isinstance(c, str) for c in classes)):
+            raise RecordError(i, "field 'all_classes' must be null or a list of strings")
+        if classes is None and base in ("trec", "lsht"):
+            raise RecordError(i, f"field 'all_classes' must be the label list for {base}")
+        if is_e:
+            length = rec["length"]
+            if isinstance(length, bool) or not isinstance(length, (int, float)):
+                raise RecordError(i, f"field 'length' must be a number, got {type(length).__name__}")
+            lengths.append(length)
+        scores.append(longbench_score(task, pred, answers, all_classes=classes))
+    out: dict[str, Any] = {"task": task, "score": official_task_score(scores), "n": len(scores)}
+    if is_e:
+        out["buckets"] = longbench_e_scores(scores, lengths)
+    return out
+
+
+def _preflight(args: Any) -> None:
+    """Resolve the tasks and read their records once before the run starts, so that a missing
+    file, an unreachable hub or a malformed record is one clear line, not a traceback."""
+    data_dir = resolve_data_dir(getattr(args, "data_dir", None))
+    for task in _selected_tasks(args, data_dir):
+        load_records(data_dir, task)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from cluster.jobs import common_parser, run
 
-    parser = common_parser("LongBench v1 (official prompts, truncation and metrics) on local JSONL files")
+    parser = common_parser("LongBench v1 / LongBench-E (official prompts, truncation and metrics)")
     add_argument_once(
         parser,
         "--data-dir",
         default=None,
-        help=f"folder of <task>.jsonl files; unset = ${ENV_DATA_DIR} if set, else {default_data_dir()}",
+        help=f"folder of <task>.jsonl files (LongBench-E: <task>_e.jsonl); unset = ${ENV_DATA_DIR} if set, "
+        f"else {default_data_dir()}; a missing file is read from the hub ({HUB_REPO}) when reachable or cached",
     )
     add_argument_once(
         parser,
@@ -419,6 +622,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     add_argument_once(parser, "--save-samples", default=None, help="also write the built samples to this JSONL file")
     args = parser.parse_args(argv)
+    try:
+        _preflight(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     # Hand over the functions of the importable module (picklable by reference), also when this
     # file runs as __main__.
     import importlib

@@ -15,8 +15,13 @@ Official quirks that are reproduced on purpose (changing them would change the n
   after a removed one is never examined (see the function).
 * ``code_sim_score`` skips lines that *contain* a backtick, ``#`` or ``//`` anywhere (not only
   lines that start with them), and scores ``fuzz.ratio`` (an integer percentage) / 100.
-  fuzzywuzzy uses python-Levenshtein when installed and difflib otherwise; the official
-  requirements do not pin python-Levenshtein and neither do we (difflib here).
+  fuzzywuzzy computes that ratio with python-Levenshtein when it is installed and with
+  ``difflib.SequenceMatcher`` otherwise; the two differ (Levenshtein's ratio is 2*LCS/len-sum,
+  difflib's counts the blocks of its greedy longest-block matching and treats characters that
+  fill over 1 % of a 200+ character string as junk). The official requirements never pinned
+  python-Levenshtein, so the reference numbers come from the difflib path. :func:`fuzz_ratio`
+  re-implements fuzzywuzzy 0.18.0's ``fuzz.ratio`` on difflib, so our numbers do not change when
+  python-Levenshtein happens to be installed.
 * ``rouge_score`` uses the ``rouge`` package (1.0.1): case-sensitive, sentences split on ``.``,
   words counted as *unique* words (``exclusive=True``), F = 2PR/(P+R+1e-8); any exception
   (empty hypothesis, recursion depth) scores 0.
@@ -27,16 +32,12 @@ Deviation: the official code catches everything with a bare ``except:``; here ``
 """
 from __future__ import annotations
 
+import difflib
 import re
 import string
-import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
-with warnings.catch_warnings():
-    # fuzzywuzzy warns at import time when python-Levenshtein is absent.
-    warnings.simplefilter("ignore")
-    from fuzzywuzzy import fuzz
 from rouge import Rouge
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "rouge_score",
     "rouge_zh_score",
     "classification_score",
+    "fuzz_ratio",
     "code_sim_score",
     "count_score",
     "retrieval_score",
@@ -57,8 +59,13 @@ __all__ = [
     "ruler_postprocess",
     "DATASET2METRIC",
     "FIRST_LINE_TASKS",
+    "LONGBENCH_E_TASKS",
+    "LONGBENCH_E_BUCKETS",
+    "longbench_base_task",
     "longbench_score",
     "official_task_score",
+    "longbench_e_bucket",
+    "longbench_e_scores",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -174,6 +181,25 @@ def classification_score(prediction: str, ground_truth: str, **kwargs) -> float:
 # --------------------------------------------------------------------------------------------
 
 
+def fuzz_ratio(s1: str | None, s2: str | None) -> int:
+    """fuzzywuzzy 0.18.0 ``fuzz.ratio`` on its pure-Python (difflib) path, as an int in [0, 100].
+
+    Its decorators run in this order: either side ``None`` -> 0; equal strings -> 100 (so two
+    empty strings give 100); either side empty -> 0. Otherwise
+    ``int(round(100 * difflib.SequenceMatcher(None, s1, s2).ratio()))`` -- Python's ``round``
+    rounds halves to even (12.5 -> 12). ``SequenceMatcher``'s default ``autojunk=True`` is kept.
+    """
+    if s1 is None or s2 is None:
+        return 0
+    if s1 == s2:
+        return 100
+    if len(s1) == 0 or len(s2) == 0:
+        return 0
+    if not (isinstance(s1, str) and isinstance(s2, str)):  # utils.make_type_consistent
+        s1, s2 = str(s1), str(s2)
+    return int(round(100 * difflib.SequenceMatcher(None, s1, s2).ratio()))
+
+
 def code_sim_score(prediction: str, ground_truth: str, **kwargs) -> float:
     """fuzz.ratio/100 between the gold line and the first predicted line that contains none of
     a backtick, ``#`` or ``//`` (after stripping leading newlines); "" when there is none."""
@@ -182,7 +208,7 @@ def code_sim_score(prediction: str, ground_truth: str, **kwargs) -> float:
         if "`" not in line and "#" not in line and "//" not in line:
             first = line
             break
-    return fuzz.ratio(first, ground_truth) / 100
+    return fuzz_ratio(first, ground_truth) / 100
 
 
 # --------------------------------------------------------------------------------------------
@@ -279,11 +305,24 @@ DATASET2METRIC: dict[str, Metric] = {
 FIRST_LINE_TASKS = ("trec", "triviaqa", "samsum", "lsht")
 
 
-def _base_task(task: str) -> str:
-    """LongBench-E task names (``hotpotqa_e``) score like their base task."""
-    if task not in DATASET2METRIC and task.endswith("_e") and task[:-2] in DATASET2METRIC:
+#: The 13 tasks of LongBench-E (official pred.py/eval.py ``--e``); ``<task>_e`` scores like ``<task>``.
+LONGBENCH_E_TASKS = (
+    "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "gov_report", "multi_news", "trec",
+    "triviaqa", "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p",
+)
+
+#: LongBench-E length buckets (official ``scorer_e``) by the record's ``length`` field.
+LONGBENCH_E_BUCKETS = ("0-4k", "4-8k", "8k+")
+
+
+def longbench_base_task(task: str) -> str:
+    """``hotpotqa_e`` -> ``hotpotqa`` for the 13 LongBench-E tasks; other names unchanged."""
+    if task.endswith("_e") and task[:-2] in LONGBENCH_E_TASKS:
         return task[:-2]
     return task
+
+
+_base_task = longbench_base_task
 
 
 def longbench_score(
@@ -312,3 +351,33 @@ def official_task_score(scores: Iterable[float]) -> float:
     if not values:
         raise ValueError("official_task_score of no scores")
     return round(100 * sum(values) / len(values), 2)
+
+
+def longbench_e_bucket(length: int | float) -> str:
+    """Official ``scorer_e`` bucket of a record: ``<4000`` -> 0-4k, ``<8000`` -> 4-8k, else 8k+."""
+    if length < 4000:
+        return "0-4k"
+    if length < 8000:
+        return "4-8k"
+    return "8k+"
+
+
+def longbench_e_scores(scores: Iterable[float], lengths: Iterable[int | float]) -> dict[str, float | None]:
+    """Official LongBench-E report of one task: ``round(100 * np.mean(bucket), 2)`` per bucket.
+
+    The official code gives ``nan`` (numpy's mean of an empty list) for an empty bucket; here it
+    is ``None`` (JSON ``null``). ``numpy.mean`` is used as in the official code (pairwise summation).
+    """
+    import numpy as np
+
+    buckets: dict[str, list[float]] = {b: [] for b in LONGBENCH_E_BUCKETS}
+    values, lens = list(scores), list(lengths)
+    if len(values) != len(lens):
+        raise ValueError(f"longbench_e_scores: {len(values)} scores but {len(lens)} lengths")
+    for score, length in zip(values, lens):
+        buckets[longbench_e_bucket(length)].append(score)
+    out: dict[str, float | None] = {}
+    for name, vals in buckets.items():
+        # numpy's round of an np.float64, exactly as the official expression evaluates
+        out[name] = float(round(100 * np.mean(vals), 2)) if vals else None
+    return out

@@ -247,3 +247,146 @@ def test_official_task_score_scale():
     assert M.official_task_score([2 / 3]) == 66.67
     with pytest.raises(ValueError):
         M.official_task_score([])
+
+
+# ---------------------------------------------------------------- more goldens (issue 5)
+
+#: metrics.py ``normalize_zh_answer``: the official ``cn_punctuation`` string, verbatim.
+OFFICIAL_CN_PUNCTUATION = "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏."
+
+
+def test_zh_punctuation_is_the_official_set():
+    import string
+
+    assert M._ZH_PUNCT == frozenset(string.punctuation + OFFICIAL_CN_PUNCTUATION)
+
+
+def test_qa_f1_multi_word_exact_match_after_normalisation():
+    # both normalise to "united states of america" (article, case and "." removed) -> 1.0
+    assert M.qa_f1_score("The United States of America.", "United States of America") == 1.0
+    # word order does not matter for a bag-of-tokens F1
+    assert M.qa_f1_score("America, United States of", "United States of America") == 1.0
+
+
+def test_multiple_references_take_the_best_and_first_line():
+    # triviaqa: first line "Paris, France" -> [paris, france] vs [paris]: P=1/2, R=1 -> 2/3;
+    # vs "City of Light" -> 0; best 2/3
+    pred = "Paris, France\nThe capital of France is Paris"
+    assert M.longbench_score("triviaqa", pred, ["City of Light", "paris"]) == pytest.approx(2 / 3)
+    # multifieldqa_zh: 北京 vs [上海, 北京] -> max(0, 1) = 1
+    assert M.longbench_score("multifieldqa_zh", "北京", ["上海", "北京"]) == 1.0
+    # repobench-p: code_sim vs "abaa" 0.57 (see below), vs "zzz" 0 -> 0.57
+    assert M.longbench_score("repobench-p", "aaa", ["zzz", "abaa"]) == 0.57
+
+
+def test_empty_prediction_scores_zero_for_every_metric():
+    assert M.qa_f1_score("", "Paris") == 0.0
+    assert M.qa_f1_zh_score("", "北京") == 0.0
+    assert M.rouge_score("", "the cat sat") == 0.0
+    assert M.rouge_zh_score("", "今天天气不好") == 0.0
+    assert M.classification_score("", "Color", all_classes=TREC_CLASSES) == 0.0
+    assert M.code_sim_score("", "y = 2") == 0.0
+    assert M.count_score("", "3") == 0.0
+    assert M.retrieval_score("", "Paragraph 3") == 0.0
+    assert M.retrieval_zh_score("", "段落3") == 0.0
+    for task in M.DATASET2METRIC:
+        answers = {"passage_retrieval_en": ["Paragraph 3"], "passage_retrieval_zh": ["段落3"]}.get(task, ["3"])
+        classes = TREC_CLASSES if task in ("trec", "lsht") else None
+        assert M.longbench_score(task, "", answers, all_classes=classes) == 0.0, task
+
+
+def test_chinese_rouge_and_f1_goldens():
+    # jieba: 我/爱/北京/天安门 vs 北京/天安门/。 -> rouge over unique words: m = 3 (我 爱 are not in
+    # the gold; gold words {北京, 天安门, 。}), n = 4, LCS = 2 -> R = 2/3, P = 2/4,
+    # F = 2PR/(P+R+1e-8) = (2/3)/(7/6) = 4/7
+    assert M.rouge_zh_score("我爱北京天安门", "北京天安门。") == pytest.approx(4 / 7, abs=1e-7)
+    # dureader / vcsum use rouge_zh; identical text -> 1 (minus the 1e-8 of the formula)
+    assert M.longbench_score("vcsum", "会议讨论了预算", ["会议讨论了预算"]) == pytest.approx(1.0, abs=1e-7)
+    assert M.longbench_score("dureader", "今天天气很好", ["今天天气不好"]) == pytest.approx(0.4, abs=1e-7)
+
+
+def test_lsht_classification_in_chinese():
+    classes = ["体育", "财经", "教育", "科技"]
+    # one label named -> 1/1
+    assert M.longbench_score("lsht", "这是一条体育新闻", ["体育"], all_classes=classes) == 1.0
+    # two labels named, gold among them -> 1/2
+    assert M.longbench_score("lsht", "体育还是财经", ["财经"], all_classes=classes) == 0.5
+    # lsht is a first-line task: a label on the second line is not seen -> 0
+    assert M.longbench_score("lsht", "不知道\n财经", ["财经"], all_classes=classes) == 0.0
+
+
+def test_count_and_retrieval_more_cases():
+    assert M.count_score("The final answer is: 12", "12") == 1.0
+    # "1, 2" holds the integers 1 and 2, neither is 12 -> 0
+    assert M.count_score("1, 2", "12") == 0.0
+    # numbers [12, 12, 7] -> 2/3
+    assert M.count_score("12 or 12, maybe 7", "12") == pytest.approx(2 / 3)
+    # gold Paragraph 1 vs predicted 12 -> whole numbers compared, not prefixes -> 0
+    assert M.retrieval_score("Paragraph 12", "Paragraph 1") == 0.0
+    assert M.retrieval_zh_score("段落12", "段落1") == 0.0
+    assert M.retrieval_zh_score("没有编号", "段落1") == 0.0
+
+
+# ---------------------------------------------------------------- fuzz ratio (difflib path)
+
+
+def test_fuzz_ratio_difflib_differs_from_levenshtein():
+    # difflib's greedy matching: longest block of "aaa" / "abaa" is "aa" (a[0:2] = b[2:4]); the
+    # leftovers "" / "ab" (left) and "a" / "" (right) match nothing -> M = 2,
+    # ratio = 2*2/7 = 0.5714 -> 57. python-Levenshtein's ratio is 2*LCS/7 with LCS("aaa","abaa") = 3
+    # -> 0.857 -> 86. The official numbers come from the difflib path: 57.
+    assert M.fuzz_ratio("aaa", "abaa") == 57
+    assert M.code_sim_score("aaa", "abaa") == 0.57
+
+
+def test_fuzz_ratio_rounds_half_to_even_and_decorator_order():
+    # one matching character out of 8 + 8 -> 2/16 = 0.125 -> 12.5 -> round() -> 12 (banker's)
+    assert M.fuzz_ratio("abcdefgh", "aijklmno") == 12
+    assert M.code_sim_score("abcdefgh", "aijklmno") == 0.12
+    assert M.fuzz_ratio("", "") == 100  # equality is checked before emptiness
+    assert M.fuzz_ratio("", "x") == 0
+    assert M.fuzz_ratio(None, "x") == 0
+    assert M.fuzz_ratio("abcd", "abce") == 75
+
+
+def test_fuzz_ratio_matches_fuzzywuzzy_pure_python_path():
+    import difflib
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from fuzzywuzzy import fuzz
+    if fuzz.SequenceMatcher is not difflib.SequenceMatcher:
+        pytest.skip("fuzzywuzzy uses python-Levenshtein here; its numbers are not the official ones")
+    pairs = [
+        ("aaa", "abaa"), ("abcdefgh", "aijklmno"), ("", ""), ("", "x"),
+        ("return x;", "return y;"), ("\t\tfoo(bar, baz);", "foo(bar);"),
+        ("x = " + "a b " * 80, "x = " + "a c " * 80),  # > 200 chars: difflib's autojunk applies
+    ]
+    for a, b in pairs:
+        assert M.fuzz_ratio(a, b) == fuzz.ratio(a, b), (a, b)
+
+
+# ---------------------------------------------------------------- LongBench-E
+
+
+def test_longbench_e_task_names():
+    assert len(M.LONGBENCH_E_TASKS) == 13
+    assert M.longbench_base_task("hotpotqa_e") == "hotpotqa"
+    assert M.longbench_base_task("narrativeqa_e") == "narrativeqa_e"  # no LongBench-E set
+    assert M.longbench_score("samsum_e", "\nA is late.\nB", ["A is late."]) == pytest.approx(1.0, abs=1e-7)
+    with pytest.raises(ValueError, match="unknown LongBench task"):
+        M.longbench_score("narrativeqa_e", "x", ["x"])
+
+
+def test_longbench_e_buckets():
+    assert [M.longbench_e_bucket(n) for n in (0, 3999, 4000, 7999, 8000, 50000)] == [
+        "0-4k", "0-4k", "4-8k", "4-8k", "8k+", "8k+"
+    ]
+    # 0-4k: mean(1, 0) = 0.5 -> 50.0; 4-8k: mean(0.5) -> 50.0; 8k+: mean(1, 2/3) -> 83.33
+    got = M.longbench_e_scores([1.0, 0.0, 0.5, 1.0, 2 / 3], [100, 3999, 4000, 9000, 8000])
+    assert got == {"0-4k": 50.0, "4-8k": 50.0, "8k+": 83.33}
+    # an empty bucket: official prints NaN, we give None
+    assert M.longbench_e_scores([1.0], [10]) == {"0-4k": 100.0, "4-8k": None, "8k+": None}
+    with pytest.raises(ValueError):
+        M.longbench_e_scores([1.0], [])
