@@ -121,7 +121,6 @@ from typing import Any
 from evals.base import Sample
 from evals.common import add_argument_once, chat_wrap, encode_prompt, has_chat_template, parse_tasks
 from evals.metrics import ruler_postprocess, string_match_all, string_match_part
-
 from evals.records import RecordError  # evals.score maps it to FILE:LINE of the prediction file
 
 __all__ = [
