@@ -89,8 +89,8 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
-def load_hub_rows(repo: str, name: str | None, split: str, *, looked_at: str) -> list[dict]:
-    """Rows of ``load_dataset(repo, name, split=split)`` as plain dicts.
+def load_hub_rows(repo: str, name: str | None, split: str, *, looked_at: str, **load_kwargs: Any) -> list[dict]:
+    """Rows of ``load_dataset(repo, name, split=split, **load_kwargs)`` as plain dicts.
 
     ``looked_at`` describes where the caller already looked (e.g. the missing local path); it
     starts the error message. Raises :class:`HubUnavailableError` on any failure.
@@ -105,7 +105,7 @@ def load_hub_rows(repo: str, name: str | None, split: str, *, looked_at: str) ->
     offline = not _offline_env() and LOADER is None and not hub_reachable()
     try:
         with _forced_offline() if offline else contextlib.nullcontext():
-            ds = loader(repo, name, split=split) if name else loader(repo, split=split)
+            ds = loader(repo, name, split=split, **load_kwargs) if name else loader(repo, split=split, **load_kwargs)
             rows = [dict(r) for r in ds]
     except Exception as e:  # noqa: BLE001 - any datasets/network failure becomes one clear error
         why = _one_line(e)
