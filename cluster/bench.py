@@ -26,6 +26,9 @@ Markdown tables (paste them into ``benchmarks/RESULTS.md`` with the date and com
     python -m cluster.bench --model smollm2-135m --context-lengths 1024,2048,4096,8192 --batch-sizes 1,4,8
     python -m cluster.bench --shape llama-3.1-8b --random-weights --device cuda --dtype bfloat16 \\
         --context-lengths 16384,32768,65536 --batch-sizes 1 --steps-only --json-out gpu.json
+
+``--ray`` runs each context length as a task on a Ray worker (one GPU each on a GPU cluster),
+the way the benchmark scripts fan their shards out.
 """
 from __future__ import annotations
 
@@ -548,6 +551,39 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] = log.info) -
     return {"meta": meta, "machine": machine, "rows": rows}
 
 
+def _bench_task(cfg_fields: dict[str, Any], threads: int | None) -> dict[str, Any]:
+    """One context length in a Ray worker (``run_bench_ray``): its own machine measurement."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    res = run_bench(BenchConfig(**cfg_fields), progress=log.info)
+    for r in res["rows"]:  # each worker measured its own device: keep it with its rows
+        r["machine"] = dict(res["machine"], desc=res["meta"]["machine_desc"], host=res["meta"]["host"])
+    return res
+
+
+def run_bench_ray(cfg: BenchConfig, *, ray_address: str | None = None, num_workers: int | None = None,
+                  threads: int | None = None) -> dict[str, Any]:
+    """``run_bench`` fanned out over Ray: one task per context length, each on one worker (one
+    GPU when the cluster has GPUs, all of a node's CPUs otherwise, so CPU timings never share
+    cores); rows are merged in context order. Failed tasks are retried once."""
+    import ray
+
+    from cluster.coordinator import plan_workers, ray_session
+
+    with ray_session(ray_address):
+        plan = plan_workers(num_workers, threads)
+        task = ray.remote(_bench_task).options(num_gpus=plan.num_gpus, num_cpus=plan.num_cpus, max_retries=1)
+        refs = [task.remote({**dataclasses.asdict(cfg), "context_lengths": (P,)}, plan.threads)
+                for P in cfg.context_lengths]
+        parts = ray.get(refs)
+    merged = dict(parts[0])
+    merged["meta"] = dict(parts[0]["meta"], config=dataclasses.asdict(cfg), ray_workers=plan.num_workers)
+    merged["rows"] = [r for part in parts for r in part["rows"]]
+    return merged
+
+
 def _machine_desc(device: str) -> str:
     import os
 
@@ -684,6 +720,10 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, argparse
     p.add_argument("--text", default=None, help="plain-text file for the prompts (default: a shared public-domain book)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--ray", action="store_true",
+                   help="fan the context lengths out over Ray workers (one GPU each when there are GPUs)")
+    p.add_argument("--ray-address", default=None, help="Ray cluster to join with --ray (default: a local Ray)")
+    p.add_argument("--num-workers", type=int, default=None, help="Ray workers with --ray (default: one per GPU, else 1)")
     p.add_argument("--db", default=DEFAULT_DB_URL, help="result store URL ('' to skip)")
     p.add_argument("--json-out", default=None, help="also write the full result as JSON here")
     p.add_argument("--markdown-out", default=None, help="also write the Markdown tables here")
@@ -719,7 +759,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("error: --device cuda but CUDA is not available", file=sys.stderr)
         return 2
     try:
-        result = run_bench(cfg)
+        if a.ray:
+            result = run_bench_ray(cfg, ray_address=a.ray_address, num_workers=a.num_workers, threads=a.threads)
+        else:
+            result = run_bench(cfg)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

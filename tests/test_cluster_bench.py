@@ -137,3 +137,14 @@ def test_real_model_with_transformers_reference(tmp_path):
     assert ar["hf_same_tokens"] is True  # same greedy tokens as transformers on the same prompt
     steps = next(r for r in result["rows"] if r["kind"] == "steps")
     assert steps["hf_over_ar_step"] > 0
+
+
+@pytest.mark.slow
+def test_ray_fan_out_merges_context_lengths_in_order(ray_session, tmp_path):
+    cfg = BenchConfig(shape="tiny", random_weights=True, context_lengths=(128, 192), batch_sizes=(1,),
+                      methods=("sparsespec-l",), k=2, method_k=2, reps=1, warmup=0, gen_tokens=4, e2e_reps=1)
+    result = bench.run_bench_ray(cfg, threads=1)
+    steps = [r for r in result["rows"] if r["kind"] == "steps"]
+    assert [r["context_len"] for r in steps] == [128, 192]
+    assert all(r["machine"]["read_bytes_per_s"] > 0 for r in result["rows"])
+    assert result["meta"]["config"]["context_lengths"] == (128, 192)
