@@ -65,10 +65,12 @@ class FakeEngine:
     # ------------------------------------------------------------------ API
     def generate(self, prompts: list[list[int]] | list[str], method: str = "ar",
                  method_options: dict[str, Any] | None = None, max_new_tokens: int = 64,
-                 temperature: float = 0.0, stop: list[str] | None = None) -> list[FakeOutput]:
+                 temperature: float = 0.0, stop: list[str] | None = None, stop_token_ids: list[int] | None = None,
+                 min_new_tokens: int = 0) -> list[FakeOutput]:
         opts = dict(method_options or {})
         self.calls.append({"method": method, "method_options": opts, "max_new_tokens": max_new_tokens,
-                           "temperature": temperature, "num_prompts": len(prompts), "stop": stop})
+                           "temperature": temperature, "num_prompts": len(prompts), "stop": stop,
+                           "stop_token_ids": stop_token_ids, "min_new_tokens": min_new_tokens})
         if self.die_on_token is not None and any(
                 not isinstance(p, str) and self.die_on_token in p for p in prompts):
             self._maybe_fail({"die_once_marker": self.die_marker} if self.die_marker else {"die_always": True})

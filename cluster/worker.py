@@ -135,8 +135,12 @@ class EngineWorker:
         return info
 
     def _generate(self, prompt_ids: Sequence[int], method: str, options: Mapping[str, Any], max_new_tokens: int,
-                  temperature: float, stop: Sequence[str] | None = None) -> Any:
-        kwargs: dict[str, Any] = {"stop": list(stop)} if stop else {}
+                  temperature: float, meta: Mapping[str, Any] | None = None) -> Any:
+        # a task's official stopping rule travels in the sample's meta (only the keys it sets):
+        # stop strings, extra stop token ids, and a minimum length before they may end the row
+        meta = meta or {}
+        kwargs: dict[str, Any] = {key: meta[key] for key in ("stop", "stop_token_ids", "min_new_tokens")
+                                  if meta.get(key)}
         outs = self.engine.generate(
             [list(prompt_ids)],
             method=method,
@@ -171,9 +175,9 @@ class EngineWorker:
         for i, sample in enumerate(shard.samples):
             for pos, method in enumerate(method_order(shard.methods, shard.sample_offset + i)):
                 opts = shard.method_options.get(method, {}) or {}
-                # the task's official stop strings (e.g. LongBench samsum stops at a newline)
+                # the task's official stopping rule (e.g. LongBench samsum stops at a newline)
                 res = self._generate(sample.prompt_ids, method, opts, sample.max_new_tokens, shard.temperature,
-                                     stop=sample.meta.get("stop"))
+                                     meta=sample.meta)
                 stats = _jsonable(dict(res.stats or {}))
                 # provenance, so pairing and interleaving can be audited from the store
                 stats["worker_pid"] = pid

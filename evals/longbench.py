@@ -36,10 +36,9 @@ Deviations from ``pred.py`` (all documented in the report of the change):
 * samsum: the official run also stops at ``"\\n"``: the id of ``"\\n"`` is an extra EOS id
   (``tokenizer.encode("\\n", add_special_tokens=False)[-1]``) and ``min_length`` forces at least
   one new token. The samples carry this for the engine: ``meta["stop_token_ids"]`` (the exact
-  official rule: add these ids to the model's EOS ids), ``meta["min_new_tokens"] = 1`` and
-  ``meta["stop"] = ["\\n"]`` (the same as a stop string; slightly stricter, since it also stops
-  inside a token such as ``"\\n\\n"``). Scoring uses the first line anyway (official eval.py).
-  Other tasks carry no stop keys.
+  official rule: the engine adds these ids to the model's EOS ids) and ``meta["min_new_tokens"] = 1``
+  (the stop ids are masked for the first token, as ``min_length`` does). Scoring uses the first
+  line anyway (official eval.py). Other tasks carry no stop keys.
 * Chat templates: the official ``build_chat`` hard-codes a few 2023 chat formats; here the
   tokenizer's own chat template is used (one user turn, generation prompt appended).
 """
@@ -517,11 +516,10 @@ def samsum_stop(tokenizer: Any) -> dict[str, Any]:
 
     ``stop_token_ids``: ``[tokenizer.encode("\\n", add_special_tokens=False)[-1]]``, ids to add to the
     model's EOS ids (official ``eos_token_id=[eos, newline_id]``); ``min_new_tokens``: 1 (official
-    ``min_length=context_length+1``); ``stop``: ``["\\n"]``, the stop-string form.
+    ``min_length=context_length+1``).
     """
     newline_ids = encode(tokenizer, "\n", add_special_tokens=False)
     return {
-        "stop": ["\n"],
         "stop_token_ids": [int(newline_ids[-1])] if newline_ids else [],
         "min_new_tokens": 1,
     }

@@ -180,9 +180,13 @@ class SamplingParams:
         seed: seeds the sampling generator (same seed, same output); None = nondeterministic.
         stop: strings that end generation; the text stops before them, tokens up to the one
             that completed them.
-        eos_token_ids: token ids that end generation (kept as the last token).
+        eos_token_ids: token ids that end generation (kept as the last token): the model's EOS
+            ids plus any ``stop_token_ids`` of the request.
         ignore_eos: generate exactly ``max_new_tokens`` tokens (speed runs); stop strings too
             are ignored.
+        min_new_tokens: the ``eos_token_ids`` cannot be generated before this many tokens (their
+            target logits are masked, as vLLM's ``min_tokens`` and transformers' ``min_new_tokens``
+            do); 0 = off. Must be < ``max_new_tokens``.
     """
 
     max_new_tokens: int = 64
@@ -193,6 +197,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
+    min_new_tokens: int = 0
 
     def __post_init__(self) -> None:
         from sparsespec.sampling import validate_sampling
@@ -204,3 +209,6 @@ class SamplingParams:
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.eos_token_ids):
             raise ValueError(f"eos_token_ids must be non-negative ints, got {self.eos_token_ids!r}")
+        m = self.min_new_tokens
+        if not isinstance(m, int) or isinstance(m, bool) or not 0 <= m < self.max_new_tokens:
+            raise ValueError(f"min_new_tokens must be an integer in [0, max_new_tokens={self.max_new_tokens}), got {m!r}")

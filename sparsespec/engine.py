@@ -125,7 +125,8 @@ class Engine:
                  max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int | None = None, stop: Sequence[str] | None = None,
                  eos_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
-                 truncate_prompt: bool = False) -> list[GenerationOutput]:
+                 truncate_prompt: bool = False, stop_token_ids: Sequence[int] | None = None,
+                 min_new_tokens: int = 0) -> list[GenerationOutput]:
         """Decode every prompt (one batch of ragged rows) with ``method``.
 
         Args:
@@ -138,6 +139,12 @@ class Engine:
             stop: strings that end a row (cut from the text).
             eos_token_ids: ids that end a row (default: the model's EOS ids).
             ignore_eos: generate exactly ``max_new_tokens`` tokens (speed runs).
+            stop_token_ids: ids that end a row like EOS, added to ``eos_token_ids`` (vLLM's
+                ``stop_token_ids``; e.g. LongBench samsum's newline id).
+            min_new_tokens: EOS and stop token ids cannot end a row before this many tokens:
+                their target logits are masked at those positions (vLLM's ``min_tokens``).
+                Drafts are not masked: verification against the masked target keeps the output
+                exactly that of AR decoding with the same mask.
             truncate_prompt: keep only the last ``max_context - max_new_tokens`` prompt tokens
                 of a prompt that does not fit (default: such a prompt is an error).
 
@@ -151,7 +158,7 @@ class Engine:
         """
         outputs: list[GenerationOutput | None] = [None] * len(prompts) if isinstance(prompts, Sequence) else []
         for ev in self.stream(prompts, method, method_options, max_new_tokens, temperature, top_p, top_k, seed,
-                              stop, eos_token_ids, ignore_eos, truncate_prompt):
+                              stop, eos_token_ids, ignore_eos, truncate_prompt, stop_token_ids, min_new_tokens):
             if ev.finished:
                 outputs[ev.row] = ev.output
         return outputs  # type: ignore[return-value]
@@ -160,17 +167,20 @@ class Engine:
                max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                seed: int | None = None, stop: Sequence[str] | None = None,
                eos_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
-               truncate_prompt: bool = False) -> Iterator[StreamEvent]:
+               truncate_prompt: bool = False, stop_token_ids: Sequence[int] | None = None,
+               min_new_tokens: int = 0) -> Iterator[StreamEvent]:
         """Same arguments as ``generate``; yields a ``StreamEvent`` per row each time tokens are
         committed (never anything after a stop). Arguments are validated before the first yield."""
         if method not in methods():
             DRAFTERS.get(method)  # raises with the list and a suggestion
         spec = SpecConfig.from_options(method_options)
-        eos = tuple(self.model.cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        eos = list(self.model.cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        eos += [t for t in (stop_token_ids or ()) if t not in eos]
         if isinstance(stop, str):
             stop = [stop]
         sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                            seed=seed, stop=tuple(stop or ()), eos_token_ids=eos, ignore_eos=ignore_eos)
+                            seed=seed, stop=tuple(stop or ()), eos_token_ids=tuple(eos), ignore_eos=ignore_eos,
+                            min_new_tokens=min_new_tokens)
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
             raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
         encoded = [self._encode(p, i, sp, truncate_prompt) for i, p in enumerate(prompts)]
@@ -220,7 +230,7 @@ class Engine:
             prompt = torch.tensor([row.prompt], dtype=torch.long, device=dev)  # [1, P]
             logits, imp = model.prefill(prompt, view, want_rows=min(want_prefill, len(row.prompt)))  # [1, V]
             cache.lengths[b] = view.lengths[0]
-            first = self._pick(logits, sp, gen)[0]  # SYNC: first token
+            first = self._pick(self._min_tokens_mask(logits[:, None], [0], sp)[:, 0], sp, gen)[0]  # SYNC: first token
             if drafter is not None:  # the drafter's own prefill (e.g. a draft model) is part of TTFT
                 drafter.prefill_row(b, cache, imp, row.prompt)
             row.stats.prefill_s = now() - t0
@@ -249,6 +259,7 @@ class Engine:
                 t1, draft_s = now(), 0.0
             inp = torch.cat([pending, drafts], dim=1)  # [B, K + 1]
             logits, imp = model.forward_dense(inp, cache, want_rows=want and inp.shape[1])  # [B, K+1, V]
+            logits = self._min_tokens_mask(logits, [len(r.out) for r in active], sp)
             n_draft_t = torch.tensor(num_draft, device=dev)
             if sp.temperature == 0:
                 out_ids, n_acc = greedy_verify_batch(drafts, logits, n_draft_t)
@@ -298,6 +309,20 @@ class Engine:
             if len(still) < len(active):
                 self._drop_finished(active, still, cache, drafter)
             active = still
+
+    @staticmethod
+    def _min_tokens_mask(logits: torch.Tensor, num_out: list[int], sp: SamplingParams) -> torch.Tensor:
+        """Mask the stop ids in ``logits`` ``[B, T, V]`` where position ``j`` of row ``b`` would be
+        output token ``num_out[b] + j < sp.min_new_tokens`` (a no-op copy-free pass otherwise)."""
+        if sp.min_new_tokens == 0 or min(num_out) >= sp.min_new_tokens or not sp.eos_token_ids:
+            return logits
+        logits = logits.clone()
+        ids = torch.tensor(sp.eos_token_ids, device=logits.device)
+        for b, n in enumerate(num_out):
+            masked = max(0, min(logits.shape[1], sp.min_new_tokens - n))
+            if masked:
+                logits[b, :masked, ids] = float("-inf")
+        return logits
 
     def _pick(self, logits: torch.Tensor, sp: SamplingParams, gen) -> list[int]:
         """First token from prefill logits ``[B, V]``."""

@@ -118,16 +118,19 @@ def test_worker_without_ray_warms_up_once_and_interleaves():
 
 
 
-def test_worker_passes_the_samples_stop_strings_to_the_engine():
-    """A task's official stop (LongBench samsum: a newline) reaches ``generate``; others pass none."""
+def test_worker_passes_the_samples_stopping_rule_to_the_engine():
+    """A task's official stopping rule (LongBench samsum: the newline id as an extra EOS, at least
+    one token) reaches ``generate``; samples without one pass nothing."""
     import dataclasses
 
     w = EngineWorker("fake", "float32", None, fake_engine_factory)
-    plain, stopped = make_samples(tasks=("t1",), n=2)
-    stopped = dataclasses.replace(stopped, meta={**stopped.meta, "stop": ["\n"]})
-    w.run_shard(Shard(task="t1", samples=(plain, stopped), methods=("ar",), method_options={}, sample_offset=0))
-    recorded = w.engine.calls[1:]  # after the warm-up
-    assert [c["stop"] for c in recorded] == [None, ["\n"]]
+    plain, stopped, strings = make_samples(tasks=("t1",), n=3)
+    stopped = dataclasses.replace(stopped, meta={**stopped.meta, "stop_token_ids": [198], "min_new_tokens": 1})
+    strings = dataclasses.replace(strings, meta={**strings.meta, "stop": ["\n"]})
+    w.run_shard(Shard(task="t1", samples=(plain, stopped, strings), methods=("ar",), method_options={},
+                      sample_offset=0))
+    recorded = [(c["stop"], c["stop_token_ids"], c["min_new_tokens"]) for c in w.engine.calls[1:]]  # after warm-up
+    assert recorded == [(None, None, 0), (None, [198], 1), (["\n"], None, 0)]
 
 # ----------------------------------------------------------------------------- through Ray
 def test_run_pairs_resumes_and_adds_ar(ray_session, tmp_path):

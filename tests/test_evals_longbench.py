@@ -591,7 +591,7 @@ def test_longbench_e_files_load_and_build_with_the_base_task_settings(smol_token
     assert lb.DATASET2PROMPT["hotpotqa"].format(**_rec(1)) in text
     sam = samples[-1]
     assert sam.max_new_tokens == 128 and not sam.meta["chat_template"]
-    assert sam.meta["stop"] == ["\n"]
+    assert sam.meta["min_new_tokens"] == 1 and "stop" not in sam.meta
     report = lb.longbench_e_report(samples[:3], [1.0, 0.0, 0.5])
     assert report == {"score": 50.0, "n": 3, "buckets": {"0-4k": 100.0, "4-8k": 0.0, "8k+": 50.0}}
 
@@ -603,7 +603,7 @@ def test_samsum_carries_the_official_stop_rule_and_others_do_not(smol_tokenizer,
     newline_id = smol_tokenizer.encode("\n", add_special_tokens=False)[-1]
     for s in all_samples:
         if s.task == "samsum":
-            assert s.meta["stop"] == ["\n"]
+            assert "stop" not in s.meta  # the official rule is the token id, not a string
             assert s.meta["stop_token_ids"] == [newline_id]
             assert s.meta["min_new_tokens"] == 1
         else:
