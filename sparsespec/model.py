@@ -7,11 +7,28 @@ share the same layers:
   verification). Optionally returns, for the last ``rows`` query positions, the attention
   probabilities every key received, summed over the query heads of its KV group
   (``[L, B, H_kv, rows, S]``), which SparseSpec-L recycles as importance.
-* ``draft``: one new token attends only to a compact buffer holding the gathered sparse index plus
-  the draft's own earlier tokens of this step (``DraftKV``).
+* ``draft``: one new token attends only to the sparse index of the dense cache plus the draft's
+  own earlier tokens of this step (``DraftKV``): on the PyTorch path through a compact buffer the
+  drafter gathered the index into; on the Triton path the kernel gathers the indexed positions
+  itself (``DraftKV.index``), so the draft never copies KV.
 
 GQA is computed by grouping query heads under their KV head (``[B, H_kv, G*T, D] @ [B, H_kv, D, S]``),
 so repeated KV heads are never materialised.
+
+Attention backends (``sparsespec.kernels``): on CUDA with triton importable, decode/verify
+attention (T <= 32 new tokens, with the importance rows) and draft attention run Triton kernels;
+elsewhere (CPU) the PyTorch code below, unchanged. Prefill chunks (T > 32) use SDPA on both (on the
+Triton path their importance rows come from the verify kernel run on the last W queries).
+``SPARSESPEC_ATTENTION=torch|triton`` overrides the choice.
+
+Not done (yet): CUDA graphs / ``torch.compile`` of the step functions. The step functions take
+host-side ragged lengths (Python ints that change every step and set slice bounds, mask shapes
+and kernel grids: ``S = max(lengths) + T``, the index width N, the draft tail slot) and mutate
+Python state (``cache.lengths``, ``DraftKV.length``), so a safe capture first needs device-side
+lengths and fixed-size launches (grid over the capacity with early exit, N padded to the drafter's
+``n_max`` with ``n_valid`` masking, which the draft kernel already supports). Expect eager
+execution at batch 1 on a large GPU to be CPU-bound (about 40 small launches per layer), so steps
+of an 8B model sit well above their memory roofline until that is done.
 """
 from __future__ import annotations
 
@@ -23,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from sparsespec import kernels
 from sparsespec.config import ModelConfig
 from sparsespec.kv.cache import KVCache
 
@@ -48,11 +66,17 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 @dataclass
 class DraftKV:
-    """Compact KV of one draft phase: ``k``, ``v`` ``[L, B, H_kv, N_max + K_max, D]``.
+    """KV of one draft phase, in one of two layouts.
 
-    Slots ``[0, n_index)`` hold the gathered sparse index (row ``b`` uses its first
-    ``n_valid[b]`` of them; None = all rows use all ``n_index``); the draft tokens of the
-    current step append after it. ``length`` counts filled slots.
+    Compact (``index`` is None): ``k``, ``v`` ``[L, B, H_kv, N_max + K_max, D]``; slots
+    ``[0, n_index)`` hold the gathered sparse index (row ``b`` uses its first ``n_valid[b]`` of
+    them; None = all rows use all ``n_index``); the draft tokens of the current step append after
+    it. ``length`` counts filled slots.
+
+    Gather-in-kernel (``index`` set, the Triton path): ``index`` ``[L, B, H_kv, N]`` int positions
+    into ``source`` (the dense cache, read in place; row ``b`` uses its first ``n_valid[b]``);
+    ``k``, ``v`` ``[L, B, H_kv, K_max + 1, D]`` hold only the draft tokens (logical slot
+    ``s >= n_index`` lives at ``s - n_index``). ``length`` counts logical slots as above.
     """
 
     k: torch.Tensor
@@ -60,6 +84,8 @@ class DraftKV:
     length: int
     n_index: int = 0
     n_valid: torch.Tensor | None = None  # [B] int64
+    index: torch.Tensor | None = None  # [L, B, H_kv, N] int32, positions into source.k / source.v
+    source: KVCache | None = None
 
 
 class Transformer(torch.nn.Module):
@@ -188,19 +214,7 @@ class Transformer(torch.nn.Module):
         ``[B, H_kv, want_rows, S]`` float32: the attention probabilities of the last
         ``want_rows`` queries summed over the query heads of each KV group.
         """
-        B, H, T, D = q.shape
-        Hkv, S = k.shape[1], k.shape[2]
-        G = H // Hkv
-        qg = q.reshape(B, Hkv, G * T, D)  # heads h = kv*G + g are contiguous
-        scores = torch.matmul(qg, k.transpose(-1, -2)).float() * self.scale  # [B, H_kv, G*T, S]
-        if mask is not None:
-            scores = scores.view(B, Hkv, G, T, S).masked_fill(~mask[:, None, None], float("-inf")).view(B, Hkv, G * T, S)
-        probs = torch.softmax(scores, dim=-1)  # [B, H_kv, G*T, S]
-        out = torch.matmul(probs.to(v.dtype), v).view(B, H, T, D)
-        rows = None
-        if want_rows:
-            rows = probs.view(B, Hkv, G, T, S)[:, :, :, T - want_rows :].sum(dim=2)  # [B, H_kv, W, S]
-        return out, rows
+        return kernels.grouped_attention(q, k, v, mask, want_rows, self.scale)
 
     # ------------------------------------------------------------------ forwards
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, attend, logits_for: str):
@@ -239,12 +253,18 @@ class Transformer(torch.nn.Module):
         start_t = torch.tensor(starts, device=dev)[:, None]  # [B, 1]
         positions = start_t + torch.arange(T, device=dev)  # [B, T]
         key_pos = torch.arange(S, device=dev)
+        fused = kernels.use_triton(dev)  # Triton decode/verify attention (reads the cache in place)
         mask = None
-        if T > 1 or not uniform:
+        if (T > 1 or not uniform) and (T > 32 or not fused):  # the kernels apply the mask themselves
             mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, S] causal + ragged
         rows_mask = None if mask is None else mask[:, T - want_rows :] if want_rows else None
         all_rows = [] if want_rows else None
         batch_idx = torch.arange(B, device=dev)[:, None].expand(B, T)  # [B, T]
+        if fused:
+            starts_i32 = torch.tensor(starts, dtype=torch.int32, device=dev)  # [B]
+            # the kernels write each layer's rows in place (no stack copy): [L, B, H_kv, W, S]
+            rows_buf = torch.empty(self.cfg.num_layers, B, self.cfg.num_kv_heads, want_rows, S,
+                                   dtype=torch.float32, device=dev) if want_rows else None
 
         def attend(i, q, k, v):
             if uniform:
@@ -257,9 +277,18 @@ class Transformer(torch.nn.Module):
             keys, vals = cache.k[i, :, :, :S], cache.v[i, :, :, :S]  # [B, H_kv, S, D]
             if T > 32:  # prefill chunk: fused SDPA, then (cheap) rows for the last queries only
                 out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask[:, None], enable_gqa=True)
-                if want_rows:
+                if want_rows and fused:  # the last W queries as a W-token "verify" over the same keys
+                    kernels.verify_attention(q[:, :, T - want_rows :], cache.k[i], cache.v[i],
+                                             starts_i32 + (T - want_rows), want_rows, self.scale,
+                                             max(starts) + T - want_rows, use=True, rows_out=rows_buf[i])
+                elif want_rows:
                     _, rows = self._grouped_attention(q[:, :, T - want_rows :], keys, vals, rows_mask, want_rows)
                     all_rows.append(rows)
+                return out
+            if fused:
+                out, _ = kernels.verify_attention(q, cache.k[i], cache.v[i], starts_i32, want_rows, self.scale,
+                                                  max(starts), use=True,
+                                                  rows_out=rows_buf[i] if want_rows else None)
                 return out
             out, rows = self._grouped_attention(q, keys, vals, mask, want_rows)
             if want_rows:
@@ -268,6 +297,8 @@ class Transformer(torch.nn.Module):
 
         logits = self._run(input_ids, positions, attend, logits_for)
         cache.lengths = [s + T for s in starts]
+        if fused:
+            return logits, rows_buf
         rows = torch.stack(all_rows) if want_rows else None  # [L, B, H_kv, W, S]
         return logits, rows
 
@@ -294,6 +325,19 @@ class Transformer(torch.nn.Module):
         """
         slot = dkv.length
         B = input_ids.shape[0]
+        if dkv.index is not None:  # gather-in-kernel layout: index into the dense cache + draft tail
+            src, e = dkv.source, slot - dkv.n_index
+            use = kernels.use_triton(self.device)
+
+            def attend_indexed(i, q, k, v):
+                dkv.k[i, :, :, e] = k[:, :, 0]
+                dkv.v[i, :, :, e] = v[:, :, 0]
+                return kernels.sparse_attention(q, src.k[i], src.v[i], dkv.index[i], dkv.n_valid,
+                                                dkv.k[i, :, :, : e + 1], dkv.v[i, :, :, : e + 1], self.scale, use=use)
+
+            logits = self._run(input_ids, positions.view(B, 1), attend_indexed, "all")
+            dkv.length = slot + 1
+            return logits[:, -1]
         mask = None
         if dkv.n_valid is not None:
             j = torch.arange(slot + 1, device=self.device)

@@ -1,9 +1,11 @@
 """Self-speculative drafters: the target model drafts for itself over a sparse view of its own KV.
 
-All of them gather, per layer and KV head, ``N`` positions of the dense cache (the *index*) into
-a compact buffer once per step; the draft tokens of the step append their own KV after it, so the
-dense cache is never touched by the draft. Keys keep the RoPE of their true positions and draft
-queries use true positions. They differ only in how the index is chosen:
+All of them attend, per layer and KV head, to ``N`` positions of the dense cache (the *index*).
+On the PyTorch path the index is gathered into a compact buffer once per step; on the Triton path
+(``sparsespec.kernels.use_triton``) the draft kernel gathers the indexed positions itself and the
+drafter only hands it the padded index (no KV copy). The draft tokens of the step append their own
+KV to a small buffer, so the dense cache is never touched by the draft. Keys keep the RoPE of their
+true positions and draft queries use true positions. They differ only in how the index is chosen:
 
 * ``sparsespec-l`` (ours): sink + recent + top positions by attention mass recycled from the last
   W committed queries of full attention; rebuilt after every verification (recallable).
@@ -21,6 +23,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from sparsespec import kernels
 from sparsespec.config import SamplingParams, SpecConfig
 from sparsespec.drafters.base import Draft, self_draft_loop
 from sparsespec.kv.cache import KVCache
@@ -38,12 +41,19 @@ class _IndexedSelfDrafter(ABC):
         cfg = model.cfg
         self.model, self.spec = model, spec
         self.n_max = self._max_index(capacity)
-        shape = (cfg.num_layers, batch_size, cfg.num_kv_heads, self.n_max + max_k + 1, cfg.head_dim)
+        # Triton path: the draft kernel gathers from the dense cache; keep only the padded index
+        self.gather_in_kernel = kernels.use_triton(model.device)
+        slots = max_k + 1 if self.gather_in_kernel else self.n_max + max_k + 1
+        shape = (cfg.num_layers, batch_size, cfg.num_kv_heads, slots, cfg.head_dim)
         self.dkv = DraftKV(
-            torch.zeros(shape, dtype=model.dtype, device=model.device),  # [L, B, H_kv, N_max + K + 1, D]
+            torch.zeros(shape, dtype=model.dtype, device=model.device),  # [L, B, H_kv, (N_max +) K + 1, D]
             torch.zeros(shape, dtype=model.dtype, device=model.device),
             0,
         )
+        self.index_buf = None  # [L, B, H_kv, N_max] int32, the rows' indices padded (Triton path)
+        if self.gather_in_kernel:
+            self.index_buf = torch.zeros(cfg.num_layers, batch_size, cfg.num_kv_heads, max(1, self.n_max),
+                                         dtype=torch.int32, device=model.device)
         self.index: list[torch.Tensor | None] = [None] * batch_size  # per row [L, 1, H_kv, N_b] int64
 
     def _max_index(self, capacity: int) -> int:
@@ -65,6 +75,8 @@ class _IndexedSelfDrafter(ABC):
         idx = torch.tensor(keep, dtype=torch.long, device=self.dkv.k.device)
         self.dkv.k = self.dkv.k.index_select(1, idx)
         self.dkv.v = self.dkv.v.index_select(1, idx)
+        if self.index_buf is not None:
+            self.index_buf = self.index_buf.index_select(1, idx)
         self.index = [self.index[b] for b in keep]
 
     def propose(self, cache: KVCache, pending: torch.Tensor, k_max: int, budgets: Sequence[int], policy,
@@ -72,12 +84,18 @@ class _IndexedSelfDrafter(ABC):
         sizes = self.index_sizes()
         n = max(sizes)
         D = cache.k.shape[-1]
-        for b, idx in enumerate(self.index):  # gather each row's index into the compact buffer
-            gather_idx = idx.unsqueeze(-1).expand(*idx.shape, D)  # [L, 1, H_kv, N_b, D]
-            self.dkv.k[:, b : b + 1, :, : sizes[b]] = torch.gather(cache.k[:, b : b + 1], 3, gather_idx)
-            self.dkv.v[:, b : b + 1, :, : sizes[b]] = torch.gather(cache.v[:, b : b + 1], 3, gather_idx)
+        if self.gather_in_kernel:  # hand the kernel the padded index; it reads the dense cache in place
+            for b, idx in enumerate(self.index):
+                self.index_buf[:, b, :, : sizes[b]] = idx[:, 0]
+            self.dkv.index, self.dkv.source = self.index_buf[..., :n], cache  # [L, B, H_kv, N]
+        else:
+            for b, idx in enumerate(self.index):  # gather each row's index into the compact buffer
+                gather_idx = idx.unsqueeze(-1).expand(*idx.shape, D)  # [L, 1, H_kv, N_b, D]
+                self.dkv.k[:, b : b + 1, :, : sizes[b]] = torch.gather(cache.k[:, b : b + 1], 3, gather_idx)
+                self.dkv.v[:, b : b + 1, :, : sizes[b]] = torch.gather(cache.v[:, b : b + 1], 3, gather_idx)
         self.dkv.length = self.dkv.n_index = n
-        self.dkv.n_valid = None if min(sizes) == n else torch.tensor(sizes, device=pending.device)
+        n_valid_dtype = torch.int32 if self.gather_in_kernel else torch.int64
+        self.dkv.n_valid = None if min(sizes) == n else torch.tensor(sizes, dtype=n_valid_dtype, device=pending.device)
         starts = torch.tensor(cache.lengths, device=pending.device)  # [B] position of each pending token
         return self_draft_loop(self.model, self.dkv, pending, starts, k_max, budgets, policy, sp, generator)
 
@@ -87,6 +105,8 @@ class _IndexedSelfDrafter(ABC):
     @property
     def nbytes(self) -> int:
         idx = sum(i.numel() * i.element_size() for i in self.index if i is not None)
+        if self.index_buf is not None:
+            idx += self.index_buf.numel() * self.index_buf.element_size()
         return idx + 2 * self.dkv.k.numel() * self.dkv.k.element_size()
 
 
