@@ -77,6 +77,9 @@ class BenchConfig:
     hf_tokens: int = 32
     seed: int = 0
     text: str | None = None
+    #: end-to-end runs only where batch x context <= this (each call prefills every row; on a CPU
+    #: a 8 x 8K prefill alone takes minutes); None = everywhere
+    e2e_max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.random_weights and not self.shape:
@@ -525,7 +528,7 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] = log.info) -
             progress(f"ctx {P} B {B}: AR {steps['ar_step_s'] * 1e3:.1f} ms ({steps['ar_step_x_roofline']:.2f}x roofline), "
                      f"verify {steps['verify_importance_s'] * 1e3:.1f} ms, draft {steps['draft_step_s'] * 1e3:.1f} ms, "
                      f"gamma {steps['gamma']:.3f} (roofline {steps['gamma_roofline']:.3f})")
-            if engine is not None:
+            if engine is not None and (cfg.e2e_max_tokens is None or B * P <= cfg.e2e_max_tokens):
                 e2e = bench_e2e(engine, prompts, cfg, steps)
                 if hf_row is not None and B == 1:
                     ar = next(r for r in e2e if r["method"] == AR)
@@ -715,6 +718,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, argparse
     p.add_argument("--e2e-reps", type=int, default=2, help="interleaved end-to-end repetitions")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps-only", action="store_true", help="skip the end-to-end runs")
+    p.add_argument("--e2e-max-tokens", type=int, default=None,
+                   help="end-to-end runs only where batch x context <= this (prefill of every row is slow on CPU)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers generate reference")
     p.add_argument("--hf-tokens", type=int, default=32)
     p.add_argument("--text", default=None, help="plain-text file for the prompts (default: a shared public-domain book)")
@@ -736,7 +741,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, argparse
                           methods=methods, k=a.k, method_k=a.k if a.method_k is None else a.method_k,
                           budget_frac=a.budget_frac, gen_tokens=a.gen_tokens, reps=a.reps, e2e_reps=a.e2e_reps,
                           warmup=a.warmup, steps_only=a.steps_only, hf=not a.no_hf, hf_tokens=a.hf_tokens,
-                          seed=a.seed, text=a.text)
+                          seed=a.seed, text=a.text, e2e_max_tokens=a.e2e_max_tokens)
     except ValueError as e:
         p.error(str(e))
     return cfg, a
