@@ -496,6 +496,11 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] = log.info) -
     from sparsespec.engine import _DTYPES, Engine
 
     model, tokenizer, name = load_model(cfg)
+    window = model.cfg.max_position_embeddings
+    too_long = [P for P in cfg.context_lengths if P + cfg.gen_tokens + cfg.k + 2 > window]
+    if too_long:  # checked before measuring anything
+        raise ValueError(f"context(s) {too_long} + {cfg.gen_tokens} generated + {cfg.k + 2} draft tokens exceed "
+                         f"the model's window ({window}); the longest that fits is {window - cfg.gen_tokens - cfg.k - 2}")
     dtype = _DTYPES[cfg.dtype]
     machine = measure_machine(cfg.device, dtype)
     progress(f"machine: read {machine['read_bytes_per_s'] / 1e9:.1f} GB/s, "
@@ -507,9 +512,6 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] = log.info) -
 
         engine = Engine(model, tokenizer if tokenizer is not None else IdTokenizer(), name=name)
     for P in cfg.context_lengths:
-        if P + cfg.gen_tokens + cfg.k + 2 > model.cfg.max_position_embeddings:
-            raise ValueError(f"context {P} + {cfg.gen_tokens} generated tokens exceeds the model's window "
-                             f"({model.cfg.max_position_embeddings})")
         base_prompts = make_prompts(tokenizer, model.cfg.vocab_size, max(cfg.batch_sizes), P, cfg.text, cfg.seed)
         prefill_s = time_prefill(model, base_prompts[0], cfg)
         progress(f"ctx {P}: prefill {prefill_s:.2f} s")

@@ -148,3 +148,9 @@ def test_ray_fan_out_merges_context_lengths_in_order(ray_session, tmp_path):
     assert [r["context_len"] for r in steps] == [128, 192]
     assert all(r["machine"]["read_bytes_per_s"] > 0 for r in result["rows"])
     assert result["meta"]["config"]["context_lengths"] == (128, 192)
+
+
+def test_contexts_that_do_not_fit_the_window_fail_before_measuring():
+    cfg = BenchConfig(shape="tiny", random_weights=True, context_lengths=(128, 4090), batch_sizes=(1,))
+    with pytest.raises(ValueError, match=r"\[4090\].*longest that fits is 4022"):
+        bench.run_bench(cfg, progress=lambda _: pytest.fail("measured before rejecting the context"))
