@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
+from pathlib import Path
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 __all__ = [
+    "ENV_DATA_DIR",
+    "shared_data_dir",
+    "resolve_benchmark_dir",
     "has_chat_template",
     "chat_wrap",
     "encode",
@@ -67,3 +72,27 @@ def add_argument_once(parser: argparse.ArgumentParser, *flags: str, **kwargs: An
     if any(f in parser._option_string_actions for f in flags):  # noqa: SLF001
         return
     parser.add_argument(*flags, **kwargs)
+
+
+#: Environment variable naming the shared data root (or one benchmark's folder).
+ENV_DATA_DIR = "SPARSESPEC_DATA_DIR"
+
+
+def shared_data_dir(name: str) -> Path:
+    """``<project root>/../shared/data/<name>``: where the offline sample files live."""
+    return Path(__file__).resolve().parents[1].parent / "shared" / "data" / name
+
+
+def resolve_benchmark_dir(data_dir: str | os.PathLike | None, name: str) -> Path:
+    """Precedence: explicit ``data_dir`` > ``$SPARSESPEC_DATA_DIR`` > :func:`shared_data_dir`.
+
+    ``$SPARSESPEC_DATA_DIR`` may point at the shared data root (then its ``<name>/`` is used) or
+    directly at the benchmark's folder.
+    """
+    if data_dir:
+        return Path(data_dir)
+    env = os.environ.get(ENV_DATA_DIR)
+    if env:
+        root = Path(env)
+        return root / name if (root / name).is_dir() else root
+    return shared_data_dir(name)

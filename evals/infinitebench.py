@@ -88,7 +88,16 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from evals.base import Sample
-from evals.common import add_argument_once, chat_wrap, encode, encode_prompt, has_chat_template
+from evals.common import (
+    ENV_DATA_DIR,
+    add_argument_once,
+    chat_wrap,
+    encode,
+    encode_prompt,
+    has_chat_template,
+    resolve_benchmark_dir,
+    shared_data_dir,
+)
 from evals.metrics import normalize_answer, normalize_zh_answer
 
 __all__ = [
@@ -121,7 +130,6 @@ __all__ = [
 
 BENCHMARK = "infinitebench"
 HF_DATASET = "xinrongzhang2022/InfiniteBench"
-ENV_DATA_DIR = "SPARSESPEC_DATA_DIR"
 
 #: The 12 tasks, in the order of the official ``ALL_TASKS`` (compute_scores.py).
 TASKS = (
@@ -278,22 +286,13 @@ def resolve_prompt_set(name: str | None) -> str:
 
 def default_data_dir() -> Path:
     """``<project root>/../shared/data/infinitebench``."""
-    return Path(__file__).resolve().parents[1].parent / "shared" / "data" / "infinitebench"
+    return shared_data_dir("infinitebench")
 
 
 def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
-    """Precedence: explicit ``data_dir`` > ``$SPARSESPEC_DATA_DIR`` > :func:`default_data_dir`.
-
-    ``$SPARSESPEC_DATA_DIR`` may point at the shared data root (then its ``infinitebench/`` is
-    used) or directly at the folder of task files.
-    """
-    if data_dir:
-        return Path(data_dir)
-    env = os.environ.get(ENV_DATA_DIR)
-    if env:
-        root = Path(env)
-        return root / "infinitebench" if (root / "infinitebench").is_dir() else root
-    return default_data_dir()
+    """Explicit ``data_dir`` > ``$SPARSESPEC_DATA_DIR`` (the shared root, or this benchmark's
+    folder) > :func:`default_data_dir` (see :func:`evals.common.resolve_benchmark_dir`)."""
+    return resolve_benchmark_dir(data_dir, "infinitebench")
 
 
 def _variant_files(data_dir: Path, task: str) -> list[Path]:

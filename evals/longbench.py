@@ -60,7 +60,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from evals.base import Sample
-from evals.common import add_argument_once, chat_wrap, encode, encode_prompt, has_chat_template
+from evals.common import (
+    ENV_DATA_DIR,
+    add_argument_once,
+    chat_wrap,
+    encode,
+    encode_prompt,
+    has_chat_template,
+    resolve_benchmark_dir,
+    shared_data_dir,
+)
 from evals.metrics import (
     LONGBENCH_E_TASKS,
     longbench_base_task,
@@ -154,7 +163,6 @@ NO_CHAT_TASKS = frozenset({"trec", "triviaqa", "samsum", "lsht", "lcc", "repoben
 #: Fields of an official LongBench v1 record.
 REQUIRED_FIELDS = ("input", "context", "answers", "length", "dataset", "language", "all_classes", "_id")
 
-ENV_DATA_DIR = "SPARSESPEC_DATA_DIR"
 
 #: Hub dataset of LongBench v1 / LongBench-E (config = task name, ``<task>_e`` for -E; split test).
 HUB_REPO = "THUDM/LongBench"
@@ -189,22 +197,13 @@ def _check_task(task: str) -> str:
 
 def default_data_dir() -> Path:
     """``<project root>/../shared/data/longbench_v1``."""
-    return Path(__file__).resolve().parents[1].parent / "shared" / "data" / "longbench_v1"
+    return shared_data_dir("longbench_v1")
 
 
 def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
-    """Precedence: explicit ``data_dir`` > ``$SPARSESPEC_DATA_DIR`` > :func:`default_data_dir`.
-
-    ``$SPARSESPEC_DATA_DIR`` may point at the shared data root (then its ``longbench_v1/`` is
-    used) or directly at the folder of task files.
-    """
-    if data_dir:
-        return Path(data_dir)
-    env = os.environ.get(ENV_DATA_DIR)
-    if env:
-        root = Path(env)
-        return root / "longbench_v1" if (root / "longbench_v1").is_dir() else root
-    return default_data_dir()
+    """Explicit ``data_dir`` > ``$SPARSESPEC_DATA_DIR`` (the shared root, or this benchmark's
+    folder) > :func:`default_data_dir` (see :func:`evals.common.resolve_benchmark_dir`)."""
+    return resolve_benchmark_dir(data_dir, "longbench_v1")
 
 
 def available_tasks(data_dir: str | os.PathLike) -> list[str]:

@@ -56,7 +56,16 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from evals.base import Sample
-from evals.common import add_argument_once, chat_wrap, encode, encode_prompt, has_chat_template
+from evals.common import (
+    ENV_DATA_DIR,
+    add_argument_once,
+    chat_wrap,
+    encode,
+    encode_prompt,
+    has_chat_template,
+    resolve_benchmark_dir,
+    shared_data_dir,
+)
 from evals.records import RecordError, iter_json_records
 
 __all__ = [
@@ -121,7 +130,6 @@ LETTERS = ("A", "B", "C", "D")
 
 HUB_REPO = "THUDM/LongBench-v2"
 HUB_SPLIT = "train"
-ENV_DATA_DIR = "SPARSESPEC_DATA_DIR"
 #: File names looked for (in this order) in a data folder; otherwise its only *.json / *.jsonl.
 DATA_FILE_NAMES = ("data.json", "longbench_v2.json", "longbench_v2.jsonl", "data.jsonl")
 
@@ -133,19 +141,13 @@ DATA_FILE_NAMES = ("data.json", "longbench_v2.json", "longbench_v2.jsonl", "data
 
 def default_data_dir() -> Path:
     """``<project root>/../shared/data/longbench_v2``."""
-    return Path(__file__).resolve().parents[1].parent / "shared" / "data" / "longbench_v2"
+    return shared_data_dir("longbench_v2")
 
 
 def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
-    """Precedence: explicit ``data_dir`` (a folder or a file) > ``$SPARSESPEC_DATA_DIR`` (the
-    shared data root, then its ``longbench_v2/`` is used, or the folder itself) > the default."""
-    if data_dir:
-        return Path(data_dir)
-    env = os.environ.get(ENV_DATA_DIR)
-    if env:
-        root = Path(env)
-        return root / "longbench_v2" if (root / "longbench_v2").is_dir() else root
-    return default_data_dir()
+    """Explicit ``data_dir`` > ``$SPARSESPEC_DATA_DIR`` (the shared root, or this benchmark's
+    folder) > :func:`default_data_dir` (see :func:`evals.common.resolve_benchmark_dir`)."""
+    return resolve_benchmark_dir(data_dir, "longbench_v2")
 
 
 def find_data_file(data_dir: str | os.PathLike | None = None) -> Path | None:
