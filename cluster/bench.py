@@ -250,6 +250,7 @@ def bench_steps(model, prompts: list[list[int]], cfg: BenchConfig, machine: dict
     from sparsespec.config import SamplingParams, SpecConfig
     from sparsespec.drafters.sparse_self import SparseSelfDrafter
     from sparsespec.kv.cache import KVCache
+    from sparsespec.sampling import BatchSampling
 
     dev = model.device
     B, P, K = len(prompts), len(prompts[0]), cfg.k
@@ -272,6 +273,7 @@ def bench_steps(model, prompts: list[list[int]], cfg: BenchConfig, machine: dict
     tok1 = torch.full((B, 1), 42, dtype=torch.long, device=dev)
     tokv = torch.full((B, K + 1), 42, dtype=torch.long, device=dev)
     sp = SamplingParams(max_new_tokens=K + 2)
+    sampling = BatchSampling([sp] * B, [None] * B)
     reps, warm = cfg.reps, cfg.warmup
 
     def ar_step():
@@ -297,10 +299,10 @@ def bench_steps(model, prompts: list[list[int]], cfg: BenchConfig, machine: dict
         drafter.commit(cache, None, counts)
 
     def gather():
-        drafter.propose(cache, tok1, 0, [0] * B, FixedK(1), sp, None)
+        drafter.propose(cache, tok1, [0] * B, [FixedK(0)] * B, sampling)
 
     def draft_phase():
-        drafter.propose(cache, tok1, K, [K] * B, FixedK(K), sp, None)
+        drafter.propose(cache, tok1, [K] * B, [FixedK(K)] * B, sampling)
 
     t = {
         "ar_step_s": time_call(ar_step, dev, reps, warm),
@@ -367,27 +369,27 @@ def time_prefill(model, prompt: list[int], cfg: BenchConfig) -> float:
 # --------------------------------------------------------------------------- end to end
 def _pooled(outputs) -> dict[str, Any]:
     """Batch-level numbers of one ``generate`` call (rows decode together after the last prefill)."""
+    from sparsespec.stats import derive, pool
+
     st = [o.stats for o in outputs]
     decode_s = max(s["total_s"] for s in st) - max(s["ttft_s"] for s in st)
     n_tok = sum(s["num_output_tokens"] - 1 for s in st)
-    drafted = sum(s["num_drafted"] for s in st)
     fwd = sum(s["num_draft_forwards"] for s in st)
     steps = sum(s["num_steps"] for s in st)
-    drafting_steps = sum(sum(n for n in s["accept_hist"].values()) for s in st)
-    # Every row takes part in every batch step (fixed length), so draft_s/verify_s are the same
-    # for all rows; other_s is taken from the batch decode time (a row's own decode time also
-    # holds the prefill of the rows after it).
+    ratios = derive(pool(st))  # pooled alpha, tau, mean k (every ratio comes from derive)
+    # Every row takes part in every batch step (fixed length), so the per-round seconds are the
+    # same for all rows: one row's stats give the batch's step times.
     s0 = max(st, key=lambda s: s["ttft_s"])
     return {
         "decode_s": decode_s,
         "decode_tokens_per_s": n_tok / decode_s if decode_s > 0 else None,
         "num_steps": s0["num_steps"],
-        "alpha": sum(s["num_accepted"] for s in st) / drafted if drafted else None,
-        "tau": sum(s["num_emitted"] for s in st) / steps if steps else None,
-        "mean_k": drafted / drafting_steps if drafting_steps else None,
+        "alpha": ratios["alpha"],
+        "tau": ratios["tau"],
+        "mean_k": ratios["mean_k"],
         "draft_forward_s": s0["draft_s"] / s0["num_draft_forwards"] if s0["num_draft_forwards"] else None,
         "verify_step_s": s0["verify_s"] / s0["num_steps"] if s0["num_steps"] else None,
-        "other_step_s": max(0.0, decode_s - s0["draft_s"] - s0["verify_s"]) / s0["num_steps"] if s0["num_steps"] else None,
+        "other_step_s": s0["other_s"] / s0["num_steps"] if s0["num_steps"] else None,
         "draft_forwards_per_step": fwd / steps if steps else 0.0,
         "token_ids": [o.token_ids for o in outputs],
     }
@@ -395,6 +397,8 @@ def _pooled(outputs) -> dict[str, Any]:
 
 def bench_e2e(engine, prompts: list[list[int]], cfg: BenchConfig, steps: dict[str, Any]) -> list[dict[str, Any]]:
     """Fixed-length generation with ar and every method, interleaved ``e2e_reps`` times."""
+    from sparsespec.stats import ledger_speedup
+
     methods = [AR, *[m for m in cfg.methods if m != AR]]
     opts = {"k": cfg.method_k, "budget_frac": cfg.budget_frac}
     per: dict[str, list[dict]] = {m: [] for m in methods}
@@ -428,7 +432,7 @@ def bench_e2e(engine, prompts: list[list[int]], cfg: BenchConfig, steps: dict[st
             row.update(alpha=alpha, tau=first["tau"], mean_k=mean_k, gamma=gamma,
                        lossless=all(r["token_ids"] == a["token_ids"] for r, a in zip(runs, ar_runs)))
             if alpha is not None and mean_k and gamma is not None:
-                row["ledger_speedup"] = (alpha * mean_k + 1) / (mean_k * gamma + 1)
+                row["ledger_speedup"] = ledger_speedup(alpha, mean_k, gamma)
             # Prediction from this run's step times instead of the ledger's assumptions
             # (verify step == AR step, nothing else per step): tau tokens per cycle of
             # draft + verify + everything else, against tau AR steps.
@@ -444,7 +448,7 @@ def bench_e2e(engine, prompts: list[list[int]], cfg: BenchConfig, steps: dict[st
                     # floors, tokens per cycle from the measured acceptance
                     cyc_roof = mean_k * steps["draft_step_roofline_s"] + steps["verify_roofline_s"]
                     row["roofline_speedup"] = first["tau"] * steps["ar_step_roofline_s"] / cyc_roof
-                    row["ledger_speedup_roofline_gamma"] = (alpha * mean_k + 1) / (mean_k * g_roof + 1)
+                    row["ledger_speedup_roofline_gamma"] = ledger_speedup(alpha, mean_k, g_roof)
         rows.append(row)
     return rows
 

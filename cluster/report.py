@@ -36,6 +36,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from cluster.store import DEFAULT_DB_URL, StoreError, StoreNotFoundError, StoreURLError, open_store, safe_url
+from sparsespec.stats import derive, drafting_steps, ledger_speedup, pool  # noqa: F401  (drafting_steps: re-export)
 
 AR = "ar"
 
@@ -67,37 +68,14 @@ def _ratio(num: float, den: float) -> float | None:
 
 
 def tpot(stats: Mapping[str, Any]) -> float | None:
-    """Time per output token after the first: decode_s / (num_output_tokens - 1)."""
-    n = _num(stats, "num_output_tokens")
-    d = _num(stats, "decode_s")
-    if n < 2 or d <= 0:
-        return None
-    return d / (n - 1)
-
-
-def drafting_steps(stats: Mapping[str, Any]) -> float:
-    """Steps that drafted at least one token, from accept_hist ("k:accepted" -> count)."""
-    hist = stats.get("accept_hist") or {}
-    total = 0.0
-    found = False
-    for key, count in hist.items():
-        try:
-            k = int(str(key).split(":", 1)[0])
-        except ValueError:
-            continue
-        found = True
-        if k > 0:
-            total += float(count)
-    if found or _num(stats, "num_drafted") == 0:
-        return total
-    return _num(stats, "num_steps")  # no histogram: assume every step drafted
+    """Time per output token after the first: decode_s / (num_output_tokens - 1) (``derive``)."""
+    t = derive(stats)["tpot_s"]
+    return t if (t is not None and t > 0) else None
 
 
 def predicted_speedup(alpha: float | None, k: float | None, gamma: float | None) -> float | None:
-    """Ledger prediction S = (alpha*k + 1) / (k*gamma + 1)."""
-    if alpha is None or k is None or gamma is None:
-        return None
-    return (alpha * k + 1.0) / (k * gamma + 1.0)
+    """Ledger prediction S = (alpha*k + 1) / (k*gamma + 1) (``sparsespec.stats.ledger_speedup``)."""
+    return ledger_speedup(alpha, k, gamma)
 
 
 def _group_key(r: Mapping[str, Any]) -> tuple[str, str, str, str]:
@@ -125,17 +103,8 @@ def _grouped(rows: Iterable[Mapping[str, Any]]) -> tuple[dict, dict]:
 
 # --------------------------------------------------------------------------- the report
 def _pooled(rs: Sequence[Mapping[str, Any]]) -> dict[str, float | None]:
-    S = lambda key: sum(_num(r.get("stats") or {}, key) for r in rs)  # noqa: E731
-    drafted = S("num_drafted")
-    dsteps = sum(drafting_steps(r.get("stats") or {}) for r in rs)
-    per_draft = _ratio(S("draft_s"), S("num_draft_forwards"))
-    per_verify = _ratio(S("verify_s"), S("num_steps"))
-    return {
-        "alpha": _ratio(S("num_accepted"), drafted),
-        "tau": _ratio(S("num_emitted"), S("num_steps")),
-        "mean_k": _ratio(drafted, dsteps),
-        "gamma": (per_draft / per_verify) if (per_draft is not None and per_verify) else None,
-    }
+    d = derive(pool(r.get("stats") or {} for r in rs))
+    return {k: d[k] for k in ("alpha", "tau", "mean_k", "gamma")}
 
 
 def compute_report(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -188,9 +157,9 @@ def compute_extras(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     for key in sorted(groups, key=_sort_key):
         rs = groups[key]
         st = [r.get("stats") or {} for r in rs]
-        S = lambda key, st=st: sum(_num(s, key) for s in st)  # noqa: E731
         dec_tokens = sum(max(0.0, _num(s, "num_output_tokens") - 1) for s in st)
         rep = report[key]
+        pooled = derive(pool(st))
         paired = [(ar_by_pair[_pair_key(r)], r) for r in rs if _pair_key(r) in ar_by_pair]
         num = [0.0, 0.0, 0.0, 0.0]  # ar decode_s, ar tokens-1, method decode_s, method tokens-1
         for a, m in paired:
@@ -206,13 +175,13 @@ def compute_extras(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
             "benchmark": key[0], "task": key[1], "model": key[2], "method": method,
             "n": len(rs),
             "num_paired": len(paired),
-            "tokens_per_s": _ratio(S("num_output_tokens"), S("total_s")),
-            "tpot_s": _ratio(S("decode_s"), dec_tokens),
+            "tokens_per_s": pooled["tokens_per_s"],
+            "tpot_s": pooled["tpot_s"] if dec_tokens else None,
             "speedup_total": 1.0 if method == AR else (
                 tpot_ar / tpot_m if (tpot_ar is not None and tpot_m) else None),
             "predicted_speedup": 1.0 if method == AR else predicted_speedup(rep["alpha"], rep["mean_k"], rep["gamma"]),
             "ttft_s": statistics.fmean(prefill) if prefill else None,
-            "budget_frac": _ratio(S("budget_tokens_sum"), S("context_tokens_sum")),
+            "budget_frac": pooled["budget_frac"],
         })
     return out
 

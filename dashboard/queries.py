@@ -17,11 +17,11 @@ from cluster.report import (
     REPORT_KEYS,
     compute_extras,
     compute_report,
-    drafting_steps,
     predicted_speedup,
     tpot,
 )
 from cluster.store import DEFAULT_DB_URL, open_store
+from sparsespec.stats import derive
 
 #: Environment variable naming the store the dashboard reads.
 DB_ENV_VAR = "SPARSESPEC_DB"
@@ -105,18 +105,16 @@ def sample_frame(db_url: str, run_id: str) -> pd.DataFrame:
         st = r["stats"] or {}
         t = tpot(st)
         a = ar_tpot.get((r["task"], r["sample_id"]))
-        drafted = float(st.get("num_drafted") or 0)
-        steps = float(st.get("num_steps") or 0)
-        dsteps = drafting_steps(st)
+        d = derive(st)
         rows.append({
             "task": r["task"], "sample_id": r["sample_id"], "method": r["method"], "score": r["score"],
             "lossless": r["lossless"], "first_divergence": r["first_divergence"],
             "num_input_tokens": r["num_input_tokens"], "num_output_tokens": st.get("num_output_tokens"),
             "tpot_ms": None if t is None else 1000.0 * t,
             "speedup_vs_ar": (a / t) if (a is not None and t) else None,
-            "alpha": (float(st.get("num_accepted") or 0) / drafted) if drafted else None,
-            "tau": (float(st.get("num_emitted") or 0) / steps) if steps else None,
-            "mean_k": (drafted / dsteps) if dsteps else None,
+            "alpha": d["alpha"],
+            "tau": d["tau"],
+            "mean_k": d["mean_k"],
             "prefill_s": st.get("prefill_s"),
             "prediction": r["prediction"], "references": " | ".join(map(str, r["references"] or [])),
         })

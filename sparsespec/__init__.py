@@ -3,14 +3,24 @@
     from sparsespec import Engine
     engine = Engine.from_pretrained("smollm2-135m", dtype="float32")
     outs = engine.generate(["prompt"], method="sparsespec-l", max_new_tokens=64)
+
+    core = engine.core(method="sparsespec-l", max_num_seqs=8)       # continuous batching
+    core.add_request("r1", "prompt", SamplingParams(max_new_tokens=64))
+    while core.has_unfinished_requests():
+        for out in core.step(): ...
 """
-from sparsespec.engine import Engine, GenerationOutput, StreamEvent, methods, resolve_method_options
+from sparsespec.config import SamplingParams
+from sparsespec.engine import (Engine, EngineCore, GenerationOutput, RequestOutput, StreamEvent, methods,
+                               resolve_method_options)
 from sparsespec.provision import PRESETS, ModelNotAvailableError, load_tokenizer, model_max_context, resolve_model
 
 METHODS = tuple(methods())
 
 __all__ = [
     "Engine",
+    "EngineCore",
+    "RequestOutput",
+    "SamplingParams",
     "GenerationOutput",
     "METHODS",
     "PRESETS",

@@ -33,7 +33,9 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-__all__ = ["DraftLengthPolicy", "FixedK", "EntropyAdaptive", "roc_auc"]
+from sparsespec.registry import Registry
+
+__all__ = ["DraftLengthPolicy", "FixedK", "EntropyAdaptive", "StepCosts", "POLICIES", "policy_for", "roc_auc"]
 
 
 def _to_float(x: Any) -> float:
@@ -87,8 +89,8 @@ class FixedK:
     adaptive = False  # the draft loop needs no entropies on the host
 
     def __init__(self, k: int):
-        if not _is_int(k) or k < 1:
-            raise ValueError(f"k must be a positive integer, got {k!r}")
+        if not _is_int(k) or k < 0:
+            raise ValueError(f"k must be an integer >= 0, got {k!r}")
         self.k = int(k)
         self.max_k = self.k
         self._step_max = self.k
@@ -110,12 +112,108 @@ class FixedK:
     def observe_costs(self, draft_step_s: float, verify_step_s: float) -> None:
         pass
 
+    @classmethod
+    def from_spec(cls, spec, costs: "StepCosts | None" = None) -> "FixedK":
+        """The policy of a ``SpecConfig`` with an integer ``k`` (``costs`` unused)."""
+        return cls(spec.k_limit)
+
     @property
     def overhead_s(self) -> float:
         return 0.0  # a length comparison; not worth a clock read
 
     def __repr__(self) -> str:
         return f"FixedK(k={self.k})"
+
+
+class StepCosts:
+    """Measured costs of one speculative round, shared by the controllers of a batch's rows.
+
+    ``C_d``: seconds of one draft forward; ``C_v(k)``: seconds of verifying ``k + 1`` tokens per
+    row (it grows with ``k`` and the batch where the verify is compute-bound); ``C_o``: the rest of
+    a round (sampling, acceptance bookkeeping, cache and index maintenance). All are EMAs with
+    weight ``ema`` (the first measurement replaces the prior). Non-positive or non-finite
+    measurements are ignored.
+
+    ``C_v(k)`` is kept per verify width ``w = k + 1``; a width never measured is interpolated
+    linearly between the measured ones (extrapolated with the slope of the two nearest, never
+    below zero slope). A measurement without a width (``observe(d, v)``) is a width-free
+    fallback used when no width was ever measured. Until a draft cost and a verify cost have
+    both been measured, the unitless prior ``C_v = 1, C_d = init_cost_ratio, C_o = 0`` is used.
+    """
+
+    def __init__(self, ema: float = 0.1, init_cost_ratio: float = 0.3):
+        if not (isinstance(ema, (int, float)) and 0.0 < ema <= 1.0):
+            raise ValueError(f"ema must be in (0, 1], got {ema!r}")
+        if not (isinstance(init_cost_ratio, (int, float)) and math.isfinite(init_cost_ratio) and init_cost_ratio > 0):
+            raise ValueError(f"init_cost_ratio must be a finite number > 0, got {init_cost_ratio!r}")
+        self.ema = float(ema)
+        self.init_cost_ratio = float(init_cost_ratio)
+        self._c_d: float | None = None
+        self._c_v: dict[int | None, float] = {}
+        self._c_o: float | None = None
+        self._last_width: int | None = None
+        self.num_updates = 0
+
+    def _blend(self, old: float | None, x: Any) -> float | None:
+        x = _to_float(x)
+        if not (math.isfinite(x) and x > 0.0):
+            return old
+        return x if old is None else old + self.ema * (x - old)
+
+    def observe(self, draft_forward_s: float, verify_s: float, verify_tokens: int | None = None,
+                other_s: float | None = None) -> None:
+        """One round: mean seconds per draft forward, the verify forward of ``verify_tokens``
+        tokens per row (``None``: width unknown), and the rest of the round."""
+        self._c_d = self._blend(self._c_d, draft_forward_s)
+        key = None if verify_tokens is None else int(verify_tokens)
+        v = self._blend(self._c_v.get(key), verify_s)
+        if v is not None:
+            self._c_v[key] = v
+            self._last_width = key
+        if other_s is not None:
+            o = _to_float(other_s)
+            if math.isfinite(o) and o >= 0.0:
+                self._c_o = o if self._c_o is None else self._c_o + self.ema * (o - self._c_o)
+        self.num_updates += 1
+
+    @property
+    def measured(self) -> bool:
+        return self._c_d is not None and bool(self._c_v)
+
+    def draft(self) -> float:
+        """``C_d`` (seconds once measured, else ``init_cost_ratio``)."""
+        return self._c_d if self.measured else self.init_cost_ratio
+
+    def verify(self, k: int | None = None) -> float:
+        """``C_v(k)``: verifying ``k + 1`` tokens (``None``: the width measured last)."""
+        if not self.measured:
+            return 1.0
+        pts = sorted((w, c) for w, c in self._c_v.items() if w is not None)
+        if k is None or not pts:
+            if self._last_width in self._c_v:
+                return self._c_v[self._last_width]
+            return self._c_v[None] if None in self._c_v else pts[-1][1]
+        w = int(k) + 1
+        if len(pts) == 1:
+            return pts[0][1]
+        for (w0, c0), (w1, c1) in zip(pts, pts[1:]):
+            if w0 <= w <= w1:
+                return c0 + (c1 - c0) * (w - w0) / (w1 - w0)
+        (w0, c0), (w1, c1) = (pts[0], pts[1]) if w < pts[0][0] else (pts[-2], pts[-1])
+        slope = max(0.0, (c1 - c0) / (w1 - w0))
+        return max(0.0, (c0 if w < w0 else c1) + slope * (w - (w0 if w < w0 else w1)))
+
+    def other(self) -> float:
+        """``C_o`` (seconds once measured, else 0)."""
+        return self._c_o if (self.measured and self._c_o is not None) else 0.0
+
+    def round_cost(self, k: int) -> float:
+        """``k*C_d + C_v(k) + C_o``: the cost of a round drafting ``k`` tokens."""
+        return k * self.draft() + self.verify(k) + self.other()
+
+    def state(self) -> dict[str, Any]:
+        return {"cost_draft_s": self._c_d, "cost_other_s": self._c_o,
+                "cost_verify_s": {str(w): c for w, c in self._c_v.items()}}
 
 
 class EntropyAdaptive:
@@ -126,8 +224,11 @@ class EntropyAdaptive:
         and of rejected ones. Per token, in order: every token of the accepted leading run updates
         ``mu_accept``; the first rejected token (if any) updates ``mu_reject``; tokens after the
         first rejection were never judged by the target, their label is unknown and they update
-        nothing. Non-finite entropies are skipped. ``accept_rate`` is an EMA of the same labels
-        (used only as the fallback probability in degenerate cases).
+        nothing. Non-finite entropies are skipped. ``accept_rate`` is a running mean of the same labels
+        (an EMA once ``1 / ema`` labels were seen): the fallback probability in degenerate cases
+        and the predicted acceptance when deciding, before drafting, whether to draft at all
+        (``k = 0`` when no length beats plain decoding; only after ``min_labels`` labels, and
+        every ``probe_every``-th such step drafts anyway).
         ``C_d`` / ``C_v``: EMAs of the measured draft-forward and verify-step seconds. Until both
         have been measured the ratio ``gamma = init_cost_ratio`` is used (``C_v = 1, C_d = gamma``,
         unitless); the first measurement of each replaces its initial value, later ones are blended
@@ -168,6 +269,9 @@ class EntropyAdaptive:
         init_cost_ratio: float = 0.3,
         sharpness: float = 3.0,
         min_spread: float = 1e-3,
+        costs: StepCosts | None = None,
+        skip_unprofitable: bool = True,
+        probe_every: int = 8,
     ):
         try:
             cands = list(candidates)
@@ -196,8 +300,16 @@ class EntropyAdaptive:
         self.mu_accept = float(init_accept_entropy)
         self.mu_reject = float(init_reject_entropy)
         self.accept_rate = 0.5
-        self._c_d: float | None = None  # seconds, once measured
-        self._c_v: float | None = None
+        # measured round costs, shared with the other rows of the batch when given
+        self.costs = costs if costs is not None else StepCosts(ema, init_cost_ratio)
+        self.skip_unprofitable = bool(skip_unprofitable)
+        if not _is_int(probe_every) or probe_every < 1:
+            raise ValueError(f"probe_every must be an integer >= 1, got {probe_every!r}")
+        self.probe_every = int(probe_every)
+        self._skipped = 0  # consecutive steps the row chose k = 0
+        self.num_skipped = 0
+        self.num_labels = 0  # draft tokens with a known outcome seen so far
+        self.min_labels = 16  # skipping needs this much evidence of the row's acceptance
         self._step_max = self.max_k
         self._step_cands: tuple[int, ...] = self.candidates
         # per-step cache of converted entropies / probabilities, reused by object identity so a
@@ -215,12 +327,12 @@ class EntropyAdaptive:
     @property
     def cost_draft(self) -> float:
         """``C_d``: seconds once both costs are measured, else ``init_cost_ratio`` (unitless)."""
-        return self._c_d if (self._c_d is not None and self._c_v is not None) else self.init_cost_ratio
+        return self.costs.draft()
 
     @property
     def cost_verify(self) -> float:
-        """``C_v``: seconds once both costs are measured, else ``1.0`` (unitless)."""
-        return self._c_v if (self._c_d is not None and self._c_v is not None) else 1.0
+        """``C_v`` at the width measured last: seconds once both costs are measured, else ``1.0``."""
+        return self.costs.verify()
 
     @property
     def gamma(self) -> float:
@@ -257,12 +369,12 @@ class EntropyAdaptive:
         return total
 
     def objective(self, ps: Sequence[float], k: int) -> float:
-        """``E(k) = (1 + sum_{m<=k} prod_{i<=m} p_i) / (k*C_d + C_v)``, using ``ps[:k]``."""
+        """``E(k) = (1 + sum_{m<=k} prod_{i<=m} p_i) / (k*C_d + C_v(k) + C_o)``, using ``ps[:k]``."""
         if not _is_int(k) or k < 0:
             raise ValueError(f"k must be an integer >= 0, got {k!r}")
         if k > len(ps):
             raise ValueError(f"k={k} needs at least k probabilities, got {len(ps)}")
-        return self.expected_tokens(ps[:k]) / (k * self.cost_draft + self.cost_verify)
+        return self.expected_tokens(ps[:k]) / self.costs.round_cost(k)
 
     def best_k(self, ps: Sequence[float]) -> int:
         """Argmax of ``E(k)`` over the candidates ``k <= len(ps)`` (ties -> the shorter k)."""
@@ -295,17 +407,17 @@ class EntropyAdaptive:
         longer = {k for k in self._step_cands if k > m}
         if m >= self._step_max or not longer:
             return False
-        c_d, c_v = self.cost_draft, self.cost_verify
+        cost = self.costs.round_cost
         num, run = 1.0, 1.0  # numerator of E and prod_{i<=j} p_i, built incrementally
         for p in ps:
             run *= p
             num += run
-        e_stop = num / (m * c_d + c_v)
+        e_stop = num / cost(m)
         p_next = ps[-1]
         for k in range(m + 1, max(longer) + 1):
             run *= p_next
             num += run
-            if k in longer and num / (k * c_d + c_v) > e_stop * (1.0 + 1e-12):
+            if k in longer and num / cost(k) > e_stop * (1.0 + 1e-12):
                 return True
         return False
 
@@ -313,6 +425,8 @@ class EntropyAdaptive:
     def start_step(self, budget: int) -> int:
         t0 = time.perf_counter()
         self._step_max = max(0, min(self.max_k, int(budget)))
+        if self._step_max and self._unprofitable():
+            self._step_max = 0  # k = 0: speculation does not pay for this row now
         self._step_cands = tuple(sorted({min(c, self._step_max) for c in self.candidates})) if self._step_max else ()
         self._cache_raw, self._cache_p = [], []
         self.num_steps += 1
@@ -343,25 +457,65 @@ class EntropyAdaptive:
             h = _to_float(h)
             if math.isfinite(h):
                 self.mu_accept += a * (h - self.mu_accept)
-            self.accept_rate += a * (1.0 - self.accept_rate)
+            self._label(1.0)
         if num_accepted < m:  # the first rejection; later tokens have no label
             h = _to_float(entropies[num_accepted])
             if math.isfinite(h):
                 self.mu_reject += a * (h - self.mu_reject)
-            self.accept_rate += a * (0.0 - self.accept_rate)
+            self._label(0.0)
         self._cache_raw, self._cache_p = [], []
         self.num_updates += 1
         self._overhead_s += time.perf_counter() - t0
 
-    def observe_costs(self, draft_step_s: float, verify_step_s: float) -> None:
+    def _unprofitable(self) -> bool:
+        """Before drafting: is no draft length expected to beat plain decoding (``k = 0``)?
+
+        The first token's acceptance is predicted by ``accept_rate`` (its entropy is not known
+        yet) and later ones likewise. Only decided on measured costs; every ``probe_every``-th
+        skipped step drafts anyway, so the row keeps measuring its acceptance.
+        """
+        if not (self.skip_unprofitable and self.costs.measured and self.num_labels >= self.min_labels):
+            return False
+        p = min(max(self.accept_rate, 0.0), 1.0)
+        e0 = 1.0 / self.costs.round_cost(0)
+        best, num, run = 0.0, 1.0, 1.0
+        for k in range(1, self._step_max + 1):
+            run *= p
+            num += run
+            if k in self.candidates or k == self._step_max:
+                best = max(best, num / self.costs.round_cost(k))
+        if best > e0:
+            self._skipped = 0
+            return False
+        self._skipped += 1
+        if self._skipped >= self.probe_every:  # probe: draft once to refresh accept_rate
+            self._skipped = 0
+            return False
+        self.num_skipped += 1
+        return True
+
+    def _label(self, y: float) -> None:
+        """One draft token's outcome into ``accept_rate``: a running mean over the first
+        ``1 / ema`` labels (so the prior 0.5 is forgotten at once), an EMA after."""
+        self.num_labels += 1
+        w = max(self.ema, 1.0 / self.num_labels)
+        self.accept_rate += w * (y - self.accept_rate)
+
+    def observe_costs(self, draft_step_s: float, verify_step_s: float, verify_tokens: int | None = None,
+                      other_s: float | None = None) -> None:
+        """Measured mean draft-forward seconds, verify seconds (of ``verify_tokens`` tokens per
+        row when known) and other seconds of the round (see ``StepCosts.observe``)."""
         t0 = time.perf_counter()
-        d, v = _to_float(draft_step_s), _to_float(verify_step_s)
-        if math.isfinite(d) and d > 0.0:
-            self._c_d = d if self._c_d is None else self._c_d + self.ema * (d - self._c_d)
-        if math.isfinite(v) and v > 0.0:
-            self._c_v = v if self._c_v is None else self._c_v + self.ema * (v - self._c_v)
+        self.costs.observe(draft_step_s, verify_step_s, verify_tokens, other_s)
         self.num_cost_updates += 1
         self._overhead_s += time.perf_counter() - t0
+
+    @classmethod
+    def from_spec(cls, spec, costs: StepCosts | None = None) -> EntropyAdaptive:
+        """The controller of a ``SpecConfig`` with ``k="auto"``: candidates up to ``max_k``."""
+        base = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+        cands = tuple(sorted({c for c in base if c <= spec.max_k} | {spec.max_k}))
+        return cls(candidates=cands, costs=costs)
 
     # --------------------------------------------------------------- report
     def state(self) -> dict[str, float | int | None]:
@@ -371,8 +525,8 @@ class EntropyAdaptive:
             "mu_reject": self.mu_reject,
             "accept_rate_ema": self.accept_rate,
             "gamma": self.gamma,
-            "cost_draft_s": self._c_d,
-            "cost_verify_s": self._c_v,
+            **self.costs.state(),
+            "num_skipped": self.num_skipped,
             "num_steps": self.num_steps,
             "num_decisions": self.num_decisions,
             "overhead_s": self._overhead_s,
@@ -381,6 +535,19 @@ class EntropyAdaptive:
     def __repr__(self) -> str:
         return (f"EntropyAdaptive(candidates={self.candidates}, ema={self.ema}, mu_accept={self.mu_accept:.3f}, "
                 f"mu_reject={self.mu_reject:.3f}, gamma={self.gamma:.3f})")
+
+
+POLICIES: Registry = Registry("draft-length policy")
+POLICIES.register("fixed")(FixedK)
+POLICIES.register("entropy")(EntropyAdaptive)
+
+
+def policy_for(spec, costs: StepCosts | None = None):
+    """A fresh per-row policy for ``spec``: ``"entropy"`` for ``k="auto"``, else ``"fixed"``
+    (``spec`` None: the null drafter's ``FixedK(0)``)."""
+    if spec is None:
+        return FixedK(0)
+    return POLICIES.get("entropy" if spec.k == "auto" else "fixed").from_spec(spec, costs)
 
 
 def roc_auc(scores: Sequence[float], labels: Sequence[Any]) -> float | None:

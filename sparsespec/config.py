@@ -180,8 +180,9 @@ class SamplingParams:
         seed: seeds the sampling generator (same seed, same output); None = nondeterministic.
         stop: strings that end generation; the text stops before them, tokens up to the one
             that completed them.
-        eos_token_ids: token ids that end generation (kept as the last token): the model's EOS
-            ids plus any ``stop_token_ids`` of the request.
+        eos_token_ids: token ids that end generation (kept as the last token); None = the
+            model's EOS ids (resolved when the request is added).
+        stop_token_ids: extra ids that end generation like EOS (vLLM's ``stop_token_ids``).
         ignore_eos: generate exactly ``max_new_tokens`` tokens (speed runs); stop strings too
             are ignored.
         min_new_tokens: the ``eos_token_ids`` cannot be generated before this many tokens (their
@@ -195,9 +196,16 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    eos_token_ids: tuple[int, ...] = field(default=())
+    eos_token_ids: tuple[int, ...] | None = None
     ignore_eos: bool = False
     min_new_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation: ``eos_token_ids`` (resolved) plus ``stop_token_ids``."""
+        eos = tuple(self.eos_token_ids or ())
+        return eos + tuple(t for t in self.stop_token_ids if t not in eos)
 
     def __post_init__(self) -> None:
         from sparsespec.sampling import validate_sampling
@@ -205,10 +213,20 @@ class SamplingParams:
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         validate_sampling(self.temperature, self.top_k, self.top_p, self.seed)
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        for name in ("stop", "stop_token_ids") + (("eos_token_ids",) if self.eos_token_ids is not None else ()):
+            if not isinstance(getattr(self, name), tuple):
+                try:
+                    object.__setattr__(self, name, tuple(getattr(self, name)))
+                except TypeError:
+                    raise ValueError(f"{name} must be a list, got {getattr(self, name)!r}") from None
+        for name in ("eos_token_ids", "stop_token_ids"):
+            ids = getattr(self, name)
+            if ids is not None and not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+                raise ValueError(f"{name} must be non-negative ints, got {ids!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.eos_token_ids):
-            raise ValueError(f"eos_token_ids must be non-negative ints, got {self.eos_token_ids!r}")
         m = self.min_new_tokens
         if not isinstance(m, int) or isinstance(m, bool) or not 0 <= m < self.max_new_tokens:
             raise ValueError(f"min_new_tokens must be an integer in [0, max_new_tokens={self.max_new_tokens}), got {m!r}")

@@ -1,34 +1,46 @@
-"""The decoding engine: one loop for every method, batched over ragged rows.
+"""The decoding engine: one step loop for every method, with continuous batching.
 
-    prefill (per row, chunked) -> [propose -> verify -> accept -> commit]*     (AR: no drafter)
+``EngineCore`` follows vLLM's ``LLMEngine`` convention (``add_request`` / ``step`` /
+``abort_request`` / ``has_unfinished_requests``). Each ``step`` runs, as named phases::
 
-``stream`` is the loop (a generator of per-row commits); ``generate`` collects it.
+    admit + prefill new rows (chunked) -> plan (per-row k) -> propose -> verify -> accept
+        -> commit (cache rollback) -> index (window push + rebuild) -> record
+
+over the rows running in a preallocated pool of ``max_num_seqs`` slots; finished and aborted rows
+leave between steps and waiting requests take their slots. ``ar`` is the registered null
+drafter (it drafts nothing, so a step verifies only the pending token). ``Engine.generate`` and
+``Engine.stream`` are thin wrappers over a core.
 """
 from __future__ import annotations
 
+import dataclasses
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+import numpy as np
 import torch
 
 import sparsespec.drafters  # noqa: F401  (registers the drafters)
-from sparsespec.adaptive import EntropyAdaptive, FixedK
+from sparsespec.adaptive import StepCosts, policy_for
 from sparsespec.config import SamplingParams, SpecConfig
+from sparsespec.drafters.base import Draft, empty_draft
 from sparsespec.kv.cache import KVCache
 from sparsespec.model import Transformer
 from sparsespec.provision import resolve_model
 from sparsespec.registry import DRAFTERS
 from sparsespec.rejection import greedy_verify_batch, rejection_sample
-from sparsespec.sampling import logits_to_probs, make_generator, sample
+from sparsespec.sampling import BatchSampling, make_generator
 from sparsespec.stats import Clock, RunStats
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+AR = "ar"
 
 
 def methods() -> list[str]:
-    """Every method key accepted by ``Engine.generate`` (``"ar"`` plus the registered drafters)."""
-    return ["ar", *DRAFTERS.keys()]
+    """Every method key (``"ar"``, the null drafter, first; then the registered drafters)."""
+    return DRAFTERS.keys()
 
 
 def resolve_method_options(method: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -37,25 +49,23 @@ def resolve_method_options(method: str, options: dict[str, Any] | None = None) -
     Raises:
         ValueError: unknown method or invalid option.
     """
-    if method not in methods():
-        DRAFTERS.get(method)
-    if method == "ar":
+    DRAFTERS.get(method)  # raises with the list and a suggestion
+    if method == AR:
         return {}
-    import dataclasses
-
     return dataclasses.asdict(SpecConfig.from_options(options))
 
 
 @dataclass
 class GenerationOutput:
-    """Result of one prompt.
+    """Result of one request.
 
     Attributes:
         token_ids: generated token ids (an EOS token that ended generation is included; tokens
             after a stop are not).
         text: ``token_ids`` decoded with special tokens skipped, cut before a stop string.
-        stats: raw counts and seconds (keys in the README).
-        finish_reason: ``"stop"`` (EOS or stop string) or ``"length"`` (``max_new_tokens``).
+        stats: raw counts and seconds (keys in the README; ratios from ``sparsespec.stats.derive``).
+        finish_reason: ``"stop"`` (EOS, stop id or stop string), ``"length"``
+            (``max_new_tokens``) or ``"abort"``.
     """
 
     token_ids: list[int]
@@ -65,12 +75,25 @@ class GenerationOutput:
 
 
 @dataclass
-class StreamEvent:
-    """Tokens committed for one row in one step (what a streaming client receives).
+class RequestOutput:
+    """What one request got in one ``EngineCore.step``.
 
-    ``token_ids``: the new tokens; ``text``: the new text (stop strings already cut);
-    ``finished``: the row is done, ``output`` then holds its final ``GenerationOutput``.
+    ``new_token_ids``: tokens committed in this step; ``text``: the new text (a delta: the deltas
+    of a request concatenate to its final text; a partial multi-byte character or a possible
+    stop-string prefix is held back until it resolves); ``finished``: the request is done and
+    ``output`` holds its ``GenerationOutput``.
     """
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str
+    finished: bool = False
+    output: GenerationOutput | None = None
+
+
+@dataclass
+class StreamEvent:
+    """``Engine.stream``'s event: a ``RequestOutput`` keyed by the prompt's index ``row``."""
 
     row: int
     token_ids: list[int]
@@ -80,18 +103,388 @@ class StreamEvent:
 
 
 @dataclass
-class _Row:
-    index: int
+class _Request:
+    request_id: str
     prompt: list[int]
+    params: SamplingParams
+    arrival_s: float
     stats: RunStats
+    policy: Any
+    generator: torch.Generator | None
+    slot: int = -1
     out: list[int] = field(default_factory=list)
-    text: str = ""  # emitted text so far
+    decoded: str = ""  # text of ``out`` (before any stop cut)
+    text: str = ""  # final text so far (cut before a stop string)
+    emitted: str = ""  # text already streamed
     finish_reason: str | None = None
-    stopped_text: str | None = None
+
+
+@dataclass
+class _Step:
+    """What the phases of one decode step hand each other (B running rows)."""
+
+    rows: list[_Request]
+    cache: KVCache  # the pool's view of the B running slots
+    sampling: BatchSampling
+    limits: list[int]
+    index_sizes: list[int]
+    draft: Draft | None = None
+    logits: torch.Tensor | None = None  # [B, K+1, V]
+    importance: torch.Tensor | None = None  # [L, B, H_kv, K+1, S]
+    accepted: list[int] = field(default_factory=list)
+    out_ids: list[list[int]] = field(default_factory=list)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    index_s: float = 0.0
+
+
+class EngineCore:
+    """Continuous batching over one method; see the module docstring.
+
+    Args:
+        engine: the loaded ``Engine`` (model + tokenizer).
+        method: ``"ar"`` or a registered drafter key (``sparsespec.METHODS``).
+        method_options: ``SpecConfig`` fields, e.g. ``{"k": 4}``, ``{"k": "auto"}``.
+        max_num_seqs: slots of the preallocated KV pool (rows decoded together); further
+            requests wait in a FIFO queue until a slot frees.
+        max_model_len: positions per slot (prompt + generated tokens must fit); default the
+            model's window.
+        prefill_chunk: prefill chunk size in tokens (attention memory O(chunk x prompt)).
+
+    Raises:
+        ValueError: unknown method or option, ``max_num_seqs < 1``, ``max_model_len`` outside
+            ``[1, engine.max_context]``.
+    """
+
+    def __init__(self, engine: Engine, method: str = "sparsespec-l", method_options: dict[str, Any] | None = None,
+                 max_num_seqs: int = 8, max_model_len: int | None = None, prefill_chunk: int = 512):
+        drafter_cls = DRAFTERS.get(method)
+        if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
+        window = engine.max_context if max_model_len is None else max_model_len
+        if not isinstance(window, int) or not 1 <= window <= engine.max_context:
+            raise ValueError(f"max_model_len must be an integer in [1, {engine.max_context}], got {max_model_len!r}")
+        self.engine, self.model, self.tokenizer = engine, engine.model, engine.tokenizer
+        self.method = method
+        spec = SpecConfig.from_options(method_options)  # validated for every method ...
+        self.spec = None if method == AR else spec  # ... and unused by the null drafter
+        self.k_max = 0 if self.spec is None else self.spec.k_limit
+        self.max_num_seqs, self.max_model_len, self.prefill_chunk = max_num_seqs, window, prefill_chunk
+        m = self.model
+        # a row shorter than the batch's draft is padded to it in the verify forward: room for K+1 more
+        capacity = window + self.k_max + 1
+        self.cache = KVCache(m.cfg, max_num_seqs, capacity, m.dtype, m.device)  # [L, slots, H_kv, S_max, D]
+        self.drafter = drafter_cls(m, self.spec, capacity, max_num_seqs, self.k_max)
+        self.costs = StepCosts()  # measured round costs, shared by the rows' controllers
+        self.clock = engine.clock
+        self.waiting: deque[_Request] = deque()
+        self.running: list[_Request] = []  # running[slot]
+        self._ids: set[str] = set()
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None) -> None:
+        """Queue a request; it joins the running batch at the next step with a free slot.
+
+        ``prompt``: a string (tokenised as given, no chat template) or token ids. ``params``
+        default ``SamplingParams()``; ``eos_token_ids=None`` means the model's EOS ids.
+
+        Raises:
+            ValueError: naming the request: duplicate id, empty prompt, ids outside the
+                vocabulary, prompt + ``max_new_tokens`` over ``max_model_len``.
+        """
+        request_id = str(request_id)
+        if request_id in self._ids:
+            raise ValueError(f"request {request_id!r} already exists")
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"request {request_id!r}: params must be a SamplingParams, got {type(params).__name__}")
+        if params.eos_token_ids is None:
+            params = dataclasses.replace(params, eos_token_ids=tuple(self.model.cfg.eos_token_ids))
+        ids = self.engine._encode(prompt, f"request {request_id!r}")
+        if len(ids) + params.max_new_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: {len(ids)} prompt tokens + max_new_tokens={params.max_new_tokens} exceed "
+                f"the window of {self.max_model_len} tokens (max_model_len); shorten it"
+            )
+        stats = RunStats(method=self.method, k=0 if self.spec is None else self.spec.k, num_prompt_tokens=len(ids))
+        req = _Request(request_id, ids, params, self.clock(), stats, policy_for(self.spec, self.costs),
+                       make_generator(params.seed, self.model.device))
+        self._ids.add(request_id)
+        self.waiting.append(req)
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a waiting or running request (no output is produced for it); unknown ids are ignored."""
+        request_id = str(request_id)
+        for req in list(self.waiting):
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                self._ids.discard(request_id)
+                return
+        for req in self.running:
+            if req.request_id == request_id:
+                req.finish_reason = "abort"
+                self._release(req)
+                return
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """Admit and prefill waiting requests into free slots, then one speculative round for
+        every running row. Returns the outputs of every request that got tokens."""
+        outputs = self._prefill_new()
+        if self.running:
+            outputs += self._decode_round()
+        self.num_steps += 1
+        return outputs
+
+    # phase: admit + prefill ----------------------------------------------------
+    def _prefill_new(self) -> list[RequestOutput]:
+        outputs = []
+        m, dev = self.model, self.model.device
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            req = self.waiting.popleft()
+            req.slot = len(self.running)
+            self.running.append(req)
+            t0 = self.clock()
+            self.cache.lengths[req.slot] = 0
+            view = self.cache.row(req.slot)
+            prompt = torch.tensor([req.prompt], dtype=torch.long, device=dev)  # [1, P]
+            logits, imp = m.prefill(prompt, view, chunk_size=self.prefill_chunk,
+                                    want_rows=self.drafter.want_rows_prefill)  # [1, V], [L, 1, H_kv, W, P]
+            self.cache.lengths[req.slot] = view.lengths[0]
+            logits = _min_tokens_mask(logits[:, None], [req], [0])[:, 0]
+            first = int(BatchSampling([req.params], [req.generator]).sample(logits)[0])  # SYNC: first token
+            self.drafter.prefill_row(req.slot, self.cache, imp, req.prompt)  # a draft model's prefill: TTFT
+            now = self.clock()
+            req.stats.prefill_s = now - t0
+            req.stats.ttft_s = now - req.arrival_s
+            req.stats.emit_times.append(req.stats.ttft_s)
+            kept, _ = self._append(req, [first])
+            outputs.append(self._output(req, kept))
+        for req in [r for r in self.running if r.finish_reason is not None]:
+            self._finalize(req, outputs)
+        return outputs
+
+    # phase: plan -----------------------------------------------------------------
+    def _plan(self) -> _Step:
+        rows = list(self.running)
+        B = len(rows)
+        budgets = [r.params.max_new_tokens - len(r.out) - 1 for r in rows]  # never draft past the budget
+        limits = [max(0, min(r.policy.start_step(b), b)) for r, b in zip(rows, budgets)]
+        return _Step(rows, self.cache.head(B), BatchSampling([r.params for r in rows], [r.generator for r in rows]),
+                     limits, self.drafter.index_sizes()[:B])
+
+    # phase: propose ----------------------------------------------------------------
+    def _propose(self, st: _Step, pending: torch.Tensor) -> None:
+        t0 = self.clock()
+        if max(st.limits) > 0:
+            history = [r.prompt + r.out for r in st.rows]
+            policies = [r.policy for r in st.rows]
+            st.draft = self.drafter.propose(st.cache, pending, st.limits, policies, st.sampling, history)  # [B, K]
+        else:
+            st.draft = empty_draft(pending)
+        st.draft_s = self.clock() - t0
+
+    # phase: verify + accept -----------------------------------------------------------
+    def _verify(self, st: _Step, pending: torch.Tensor) -> None:
+        t0 = self.clock()
+        draft = st.draft
+        inp = torch.cat([pending, draft.token_ids], dim=1)  # [B, K + 1]
+        want = self.drafter.want_rows and inp.shape[1]
+        logits, st.importance = self.model.forward_dense(inp, st.cache, want_rows=want)  # [B, K+1, V]
+        logits = _min_tokens_mask(logits, st.rows, [len(r.out) for r in st.rows])
+        n_draft = torch.tensor(draft.num_draft, device=inp.device)  # [B]
+        if st.sampling.all_greedy:
+            out_ids, n_acc = greedy_verify_batch(draft.token_ids, logits, n_draft)
+        else:
+            p = st.sampling.probs(logits)  # [B, K+1, V]
+            q = draft.q_probs if draft.q_probs is not None else p[:, :0]  # [B, K, V]
+            out_ids, n_acc = rejection_sample(draft.token_ids, q, p, n_draft, st.sampling.generators)
+        st.accepted = n_acc.tolist()  # SYNC: one per verify step
+        st.out_ids = out_ids.tolist()
+        st.verify_s = self.clock() - t0
+
+    # phase: commit (cache) + index -------------------------------------------------------
+    def _commit_cache(self, st: _Step, base: list[int]) -> None:
+        st.cache.rollback([base[b] + 1 + a for b, a in enumerate(st.accepted)])  # pending + accepted stay
+        self.cache.lengths[: len(st.rows)] = st.cache.lengths
+        t0 = self.clock()
+        self.drafter.commit(st.cache, st.importance, [a + 1 for a in st.accepted])  # window push + rebuild
+        st.index_s = self.clock() - t0
+
+    # phase: record ---------------------------------------------------------------------
+    def _record(self, st: _Step, base: list[int]) -> list[tuple[_Request, int]]:
+        draft = st.draft
+        K = draft.token_ids.shape[1]
+        ents = draft.entropies.tolist() if K else [[] for _ in st.rows]
+        events = []
+        for b, req in enumerate(st.rows):
+            nd, a = draft.num_draft[b], st.accepted[b]
+            if nd:
+                req.policy.update(ents[b][:nd], a)  # the target judged all nd drafts
+            kept, stopped = self._append(req, st.out_ids[b][: a + 1])
+            s = req.stats
+            s.num_steps += 1
+            s.num_emitted += kept
+            s.verify_s += st.verify_s
+            s.index_s += st.index_s
+            if nd:
+                # drafts after a stop inside the committed block are neither drafted nor accepted
+                n_counted = min(nd, kept) if stopped else nd
+                a_counted = min(a, kept)
+                s.num_drafting_steps += 1
+                s.num_drafted += n_counted
+                s.num_accepted += a_counted
+                s.num_draft_forwards += K
+                s.draft_s += st.draft_s
+                s.accept_hist[(n_counted, a_counted)] += 1
+                if st.index_sizes[b]:  # methods without a KV index (n-gram) report no budget
+                    s.budget_tokens_sum += st.index_sizes[b]
+                    s.context_tokens_sum += base[b]
+                # entropy vs acceptance labels: accepted run = 1, first rejection = 0
+                for i in range(min(n_counted, a_counted + 1)):
+                    s.draft_entropies.append(ents[b][i])
+                    s.draft_labels.append(1 if i < a_counted else 0)
+            events.append((req, kept))
+        return events
+
+    def _decode_round(self) -> list[RequestOutput]:
+        t0 = self.clock()
+        st = self._plan()
+        base = list(st.cache.lengths)
+        pending = torch.tensor([[r.out[-1]] for r in st.rows], dtype=torch.long, device=self.model.device)  # [B, 1]
+        self._propose(st, pending)
+        self._verify(st, pending)
+        self._commit_cache(st, base)
+        events = self._record(st, base)
+        now = self.clock()
+        other_s = (now - t0) - st.draft_s - st.verify_s
+        K = st.draft.token_ids.shape[1]
+        self.costs.observe(st.draft_s / K if K else 0.0, st.verify_s, K + 1, other_s)
+        outputs = []
+        for req, kept in events:
+            req.stats.other_s += other_s
+            req.stats.emit_times.extend([now - req.arrival_s] * kept)
+            req.stats.controller_s = req.policy.overhead_s
+            outputs.append(self._output(req, kept))
+        for req in [r for r in st.rows if r.finish_reason is not None]:
+            self._finalize(req, outputs)
+        return outputs
+
+    # ------------------------------------------------------------------ rows
+    def _append(self, req: _Request, tokens: list[int]) -> tuple[int, bool]:
+        """Append ``tokens`` to ``req`` up to the first stop; returns (kept, stopped)."""
+        p = req.params
+        stop_ids = p.stop_ids
+        kept = 0
+        for tok in tokens:
+            kept += 1
+            req.out.append(tok)
+            if not p.ignore_eos and tok in stop_ids:
+                req.finish_reason = "stop"
+                break
+            if p.stop and not p.ignore_eos:
+                full = self.tokenizer.decode(req.out, skip_special_tokens=True)
+                window_start = max(0, len(req.decoded) - max(len(s) for s in p.stop))
+                hits = [i for s in p.stop if (i := full.find(s, window_start)) >= 0]
+                req.decoded = full
+                if hits:
+                    req.text = full[: min(hits)]
+                    req.finish_reason = "stop"
+                    return kept, True
+            if len(req.out) >= p.max_new_tokens:
+                req.finish_reason = "length"
+                break
+        req.decoded = self.tokenizer.decode(req.out, skip_special_tokens=True)
+        req.text = req.decoded
+        return kept, req.finish_reason == "stop"
+
+    def _output(self, req: _Request, kept: int) -> RequestOutput:
+        """The step's output of ``req``: its new tokens and the text delta that is safe to stream."""
+        if req.finish_reason is not None:
+            target = req.text
+        else:
+            target = req.text.rstrip("\ufffd")  # a multi-byte character split across tokens
+            if req.params.stop and not req.params.ignore_eos:  # a stop string may still cut this tail
+                target = target[: max(len(req.emitted), len(target) - (max(len(s) for s in req.params.stop) - 1))]
+        delta = ""
+        if target.startswith(req.emitted):
+            delta = target[len(req.emitted):]
+            req.emitted = target
+        elif req.finish_reason is not None:  # the decoded text changed under the stream (rare)
+            common = len(_common_prefix(req.emitted, target))
+            delta, req.emitted = target[common:], target
+        return RequestOutput(req.request_id, req.out[len(req.out) - kept:], delta, req.finish_reason is not None)
+
+    def _finalize(self, req: _Request, outputs: list[RequestOutput]) -> None:
+        s = req.stats
+        s.total_s = s.emit_times[-1] if s.emit_times else 0.0
+        s.kv_bytes = self.slot_bytes
+        s.controller_s = req.policy.overhead_s
+        final = GenerationOutput(list(req.out), req.text, s.to_dict(len(req.out), self.model.device),
+                                 req.finish_reason)
+        for o in outputs:
+            if o.request_id == req.request_id:
+                o.output = final
+        self._release(req)
+
+    def _release(self, req: _Request) -> None:
+        """Free ``req``'s slot: the last running row moves into it (the running rows stay in
+        slots ``0 .. B-1``)."""
+        slot, last = req.slot, len(self.running) - 1
+        if slot != last:
+            moved = self.running[last]
+            self.cache.move(last, slot)
+            self.drafter.move(last, slot)
+            self.running[slot], moved.slot = moved, slot
+        self.running.pop()
+        self._ids.discard(req.request_id)
+        req.slot = -1
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes one slot reserves: its dense KV plus its share of the drafter's state."""
+        return (self.cache.nbytes + self.drafter.nbytes) // self.max_num_seqs
+
+
+def _common_prefix(a: str, b: str) -> str:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return a[:n]
+
+
+def _min_tokens_mask(logits: torch.Tensor, rows: Sequence[_Request], num_out: list[int]) -> torch.Tensor:
+    """Mask each row's stop ids in ``logits`` ``[B, T, V]`` where position ``j`` would be output
+    token ``num_out[b] + j < min_new_tokens`` (returns ``logits`` itself when nothing is masked)."""
+    masked_rows = [(b, r) for b, r in enumerate(rows)
+                   if r.params.min_new_tokens > num_out[b] and r.params.stop_ids]
+    if not masked_rows:
+        return logits
+    logits = logits.clone()
+    for b, r in masked_rows:
+        n = max(0, min(logits.shape[1], r.params.min_new_tokens - num_out[b]))
+        logits[b, :n, torch.tensor(r.params.stop_ids, device=logits.device)] = float("-inf")
+    return logits
+
+
+def _row_seed(seed: int | None, i: int) -> int | None:
+    """Row ``i``'s seed of a ``generate(seed=...)`` batch (independent streams per row)."""
+    if seed is None:
+        return None
+    return int(np.random.SeedSequence([int(seed), i]).generate_state(1, dtype=np.uint64)[0])
 
 
 class Engine:
-    """A loaded target model plus its tokenizer; see ``generate`` and ``stream``."""
+    """A loaded target model plus its tokenizer; see ``core``, ``generate`` and ``stream``."""
 
     def __init__(self, model: Transformer, tokenizer, name: str = "model"):
         self.model = model
@@ -120,14 +513,19 @@ class Engine:
         """The model's window in tokens: prompt + generated tokens must fit in it."""
         return self.model.cfg.max_position_embeddings
 
-    # ------------------------------------------------------------------ public API
+    def core(self, method: str = "sparsespec-l", method_options: dict[str, Any] | None = None,
+             max_num_seqs: int = 8, max_model_len: int | None = None) -> EngineCore:
+        """A continuous-batching core for ``method`` (see ``EngineCore``)."""
+        return EngineCore(self, method, method_options, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+
+    # ------------------------------------------------------------------ batch API
     def generate(self, prompts, method: str = "sparsespec-l", method_options: dict[str, Any] | None = None,
                  max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int | None = None, stop: Sequence[str] | None = None,
                  eos_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
                  truncate_prompt: bool = False, stop_token_ids: Sequence[int] | None = None,
                  min_new_tokens: int = 0) -> list[GenerationOutput]:
-        """Decode every prompt (one batch of ragged rows) with ``method``.
+        """Decode every prompt with ``method`` (all prompts join one core at once).
 
         Args:
             prompts: strings (tokenised as given, no chat template) or lists of token ids.
@@ -135,16 +533,14 @@ class Engine:
             method_options: ``SpecConfig`` fields, e.g. ``{"k": 4}``, ``{"k": "auto"}``.
             max_new_tokens: generated-token cap per prompt (>= 1).
             temperature, top_p, top_k: sampling (applied identically to p and q); 0 = greedy.
-            seed: seeds sampling (same seed and batch, same output).
+            seed: seeds sampling: row ``i`` gets its own stream derived from ``(seed, i)``.
             stop: strings that end a row (cut from the text).
             eos_token_ids: ids that end a row (default: the model's EOS ids).
             ignore_eos: generate exactly ``max_new_tokens`` tokens (speed runs).
-            stop_token_ids: ids that end a row like EOS, added to ``eos_token_ids`` (vLLM's
-                ``stop_token_ids``; e.g. LongBench samsum's newline id).
+            stop_token_ids: ids that end a row like EOS (vLLM's ``stop_token_ids``).
             min_new_tokens: EOS and stop token ids cannot end a row before this many tokens:
-                their target logits are masked at those positions (vLLM's ``min_tokens``).
-                Drafts are not masked: verification against the masked target keeps the output
-                exactly that of AR decoding with the same mask.
+                their target logits are masked there (vLLM's ``min_tokens``); drafts are
+                verified against the masked target, so every method stays identical to AR.
             truncate_prompt: keep only the last ``max_context - max_new_tokens`` prompt tokens
                 of a prompt that does not fit (default: such a prompt is an error).
 
@@ -171,217 +567,50 @@ class Engine:
                min_new_tokens: int = 0) -> Iterator[StreamEvent]:
         """Same arguments as ``generate``; yields a ``StreamEvent`` per row each time tokens are
         committed (never anything after a stop). Arguments are validated before the first yield."""
-        if method not in methods():
-            DRAFTERS.get(method)  # raises with the list and a suggestion
-        spec = SpecConfig.from_options(method_options)
-        eos = list(self.model.cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
-        eos += [t for t in (stop_token_ids or ()) if t not in eos]
-        if isinstance(stop, str):
-            stop = [stop]
+        DRAFTERS.get(method)
         sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                            seed=seed, stop=tuple(stop or ()), eos_token_ids=tuple(eos), ignore_eos=ignore_eos,
-                            min_new_tokens=min_new_tokens)
+                            seed=seed, stop=tuple([stop] if isinstance(stop, str) else (stop or ())),
+                            eos_token_ids=None if eos_token_ids is None else tuple(eos_token_ids),
+                            ignore_eos=ignore_eos, min_new_tokens=min_new_tokens,
+                            stop_token_ids=tuple(stop_token_ids or ()))
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
             raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
-        encoded = [self._encode(p, i, sp, truncate_prompt) for i, p in enumerate(prompts)]
-        return self._loop(encoded, method, spec, sp)
+        encoded = [self._encode(p, f"prompts[{i}]", sp.max_new_tokens if truncate_prompt else None)
+                   for i, p in enumerate(prompts)]
+        for i, ids in enumerate(encoded):
+            if len(ids) + sp.max_new_tokens > self.max_context:
+                raise ValueError(
+                    f"prompts[{i}]: {len(ids)} prompt tokens + max_new_tokens={sp.max_new_tokens} exceed the "
+                    f"model's context window of {self.max_context} tokens; shorten it or pass truncate_prompt=True"
+                )
+        window = max(len(p) for p in encoded) + sp.max_new_tokens
+        core = EngineCore(self, method, None if method == AR else method_options, max_num_seqs=len(encoded),
+                          max_model_len=window)
+        for i, ids in enumerate(encoded):
+            core.add_request(str(i), ids, dataclasses.replace(sp, seed=_row_seed(seed, i)))
+        return self._drive(core)
 
-    def _encode(self, prompt, i: int, sp: SamplingParams, truncate: bool = False) -> list[int]:
+    @staticmethod
+    def _drive(core: EngineCore) -> Iterator[StreamEvent]:
+        while core.has_unfinished_requests():
+            for out in core.step():
+                yield StreamEvent(int(out.request_id), out.new_token_ids, out.text, out.finished, out.output)
+
+    def _encode(self, prompt, name: str, truncate_for: int | None = None) -> list[int]:
+        """Token ids of a string or id-list prompt (``name`` in errors); ``truncate_for``: keep
+        the last ``max_context - truncate_for`` ids of a prompt that would not fit."""
         if isinstance(prompt, str):
             ids = self.tokenizer(prompt, add_special_tokens=True).input_ids
         else:
             try:
                 ids = [int(t) for t in prompt]
             except (TypeError, ValueError):
-                raise ValueError(f"prompts[{i}] must be a string or a list of int token ids") from None
+                raise ValueError(f"{name} must be a string or a list of int token ids") from None
         V = self.model.cfg.vocab_size
         if not ids:
-            raise ValueError(f"prompts[{i}] is empty")
+            raise ValueError(f"{name} is empty")
         if min(ids) < 0 or max(ids) >= V:
-            raise ValueError(f"prompts[{i}] has token ids outside [0, {V})")
-        if len(ids) + sp.max_new_tokens > self.max_context and truncate and sp.max_new_tokens < self.max_context:
-            ids = ids[len(ids) + sp.max_new_tokens - self.max_context :]  # keep the end (the question)
-        if len(ids) + sp.max_new_tokens > self.max_context:
-            raise ValueError(
-                f"prompts[{i}]: {len(ids)} prompt tokens + max_new_tokens={sp.max_new_tokens} exceed the "
-                f"model's context window of {self.max_context} tokens; shorten it or pass truncate_prompt=True"
-            )
+            raise ValueError(f"{name} has token ids outside [0, {V})")
+        if truncate_for is not None and len(ids) + truncate_for > self.max_context and truncate_for < self.max_context:
+            ids = ids[len(ids) + truncate_for - self.max_context :]  # keep the end (the question)
         return ids
-
-    # ------------------------------------------------------------------ the loop
-    def _loop(self, prompts: list[list[int]], method: str, spec: SpecConfig, sp: SamplingParams) -> Iterator[StreamEvent]:
-        model, now = self.model, self.clock
-        dev = model.device
-        k_max = 0 if method == "ar" else spec.k_limit
-        policy = FixedK(max(1, k_max)) if method == "ar" or spec.k != "auto" else EntropyAdaptive(candidates=_candidates(spec.max_k))
-        gen = make_generator(sp.seed, dev)
-        rows = [_Row(i, p, RunStats(method=method, k=spec.k if method != "ar" else 0, num_prompt_tokens=len(p)))
-                for i, p in enumerate(prompts)]
-        capacity = max(len(p) for p in prompts) + sp.max_new_tokens + k_max + 1
-        cache = KVCache(model.cfg, len(rows), capacity, model.dtype, dev)
-        drafter = None if method == "ar" else DRAFTERS.get(method)(model, spec, capacity, len(rows), k_max)
-        want = drafter.want_rows if drafter else 0  # attention rows from every verification
-        want_prefill = getattr(drafter, "want_rows_prefill", want)  # ... and from the prompt's last queries
-
-        t_start = now()
-        for b, row in enumerate(rows):  # prefill row by row (compute-bound; no padding waste)
-            t0 = now()
-            view = cache.row(b)
-            prompt = torch.tensor([row.prompt], dtype=torch.long, device=dev)  # [1, P]
-            logits, imp = model.prefill(prompt, view, want_rows=min(want_prefill, len(row.prompt)))  # [1, V]
-            cache.lengths[b] = view.lengths[0]
-            first = self._pick(self._min_tokens_mask(logits[:, None], [0], sp)[:, 0], sp, gen)[0]  # SYNC: first token
-            if drafter is not None:  # the drafter's own prefill (e.g. a draft model) is part of TTFT
-                drafter.prefill_row(b, cache, imp, row.prompt)
-            row.stats.prefill_s = now() - t0
-            row.stats.ttft_s = now() - t_start
-            row.stats.emit_times.append(row.stats.ttft_s)
-            yield self._finish(row, self._commit(row, [first], sp), self._kv_bytes(cache, drafter))
-        active = [r for r in rows if r.finish_reason is None]
-        self._drop_finished(rows, active, cache, drafter)
-
-        while active:
-            B = len(active)
-            pending = torch.tensor([[r.out[-1]] for r in active], dtype=torch.long, device=dev)  # [B, 1]
-            budgets = [sp.max_new_tokens - len(r.out) - 1 for r in active]  # never draft past the budget
-            k_step = policy.start_step(max(budgets)) if drafter is not None else 0
-            base = list(cache.lengths)
-            index_sizes = drafter.index_sizes() if drafter is not None else [0] * B
-            if k_step > 0:
-                td = now()
-                history = [r.prompt + r.out for r in active]
-                draft = drafter.propose(cache, pending, k_step, budgets, policy, sp, gen, history)  # [B, K]
-                drafts, num_draft = draft.token_ids, draft.num_draft
-                t1 = now()
-                draft_s = t1 - td
-            else:
-                draft, drafts, num_draft = None, pending[:, :0], [0] * B
-                t1, draft_s = now(), 0.0
-            inp = torch.cat([pending, drafts], dim=1)  # [B, K + 1]
-            logits, imp = model.forward_dense(inp, cache, want_rows=want and inp.shape[1])  # [B, K+1, V]
-            logits = self._min_tokens_mask(logits, [len(r.out) for r in active], sp)
-            n_draft_t = torch.tensor(num_draft, device=dev)
-            if sp.temperature == 0:
-                out_ids, n_acc = greedy_verify_batch(drafts, logits, n_draft_t)
-            else:
-                p = logits_to_probs(logits, sp.temperature, sp.top_k, sp.top_p)  # [B, K+1, V]
-                q = draft.q_probs if draft is not None else p[:, :0]
-                out_ids, n_acc = rejection_sample(drafts, q, p, n_draft_t, gen)
-            accepted = n_acc.tolist()  # SYNC: one per verify step
-            out_rows = out_ids.tolist()
-            t2 = now()
-            cache.rollback([base[b] + 1 + a for b, a in enumerate(accepted)])  # pending + accepted drafts stay
-            if drafter is not None:
-                drafter.commit(cache, imp, [a + 1 for a in accepted])
-            ents = draft.entropies.tolist() if draft is not None else [[]] * B
-            verify_s = t2 - t1
-            n_fwd = draft.token_ids.shape[1] if draft is not None else 0
-            for b, row in enumerate(active):
-                nd, a = num_draft[b], accepted[b]
-                if nd:
-                    policy.update(ents[b][:nd], a)
-                ev = self._commit(row, out_rows[b][: a + 1], sp)
-                kept = len(ev.token_ids)
-                st = row.stats
-                st.num_steps += 1
-                st.num_emitted += kept
-                st.emit_times.extend([now() - t_start] * kept)
-                st.draft_s += draft_s
-                st.verify_s += verify_s
-                if nd:
-                    st.num_drafted += nd
-                    st.num_draft_forwards += n_fwd
-                    st.num_accepted += min(a, kept)
-                    st.accept_hist[(nd, min(a, kept))] += 1
-                    if index_sizes[b]:  # methods without a KV index (n-gram) report no budget
-                        st.budget_tokens_sum += index_sizes[b]
-                        st.context_tokens_sum += base[b]
-                    # entropy vs acceptance labels: accepted run = 1, first rejection = 0
-                    for i in range(min(nd, a + 1)):
-                        st.draft_entropies.append(ents[b][i])
-                        st.draft_labels.append(1 if i < a else 0)
-                yield self._finish(row, ev, self._kv_bytes(cache, drafter))
-            if n_fwd:
-                policy.observe_costs(draft_s / n_fwd, verify_s)
-            for row in active:
-                row.stats.controller_s = policy.overhead_s
-            still = [r for r in active if r.finish_reason is None]
-            if len(still) < len(active):
-                self._drop_finished(active, still, cache, drafter)
-            active = still
-
-    @staticmethod
-    def _min_tokens_mask(logits: torch.Tensor, num_out: list[int], sp: SamplingParams) -> torch.Tensor:
-        """Mask the stop ids in ``logits`` ``[B, T, V]`` where position ``j`` of row ``b`` would be
-        output token ``num_out[b] + j < sp.min_new_tokens`` (a no-op copy-free pass otherwise)."""
-        if sp.min_new_tokens == 0 or min(num_out) >= sp.min_new_tokens or not sp.eos_token_ids:
-            return logits
-        logits = logits.clone()
-        ids = torch.tensor(sp.eos_token_ids, device=logits.device)
-        for b, n in enumerate(num_out):
-            masked = max(0, min(logits.shape[1], sp.min_new_tokens - n))
-            if masked:
-                logits[b, :masked, ids] = float("-inf")
-        return logits
-
-    def _pick(self, logits: torch.Tensor, sp: SamplingParams, gen) -> list[int]:
-        """First token from prefill logits ``[B, V]``."""
-        if sp.temperature == 0:
-            return logits.argmax(dim=-1).tolist()
-        return sample(logits_to_probs(logits, sp.temperature, sp.top_k, sp.top_p), gen).tolist()
-
-    @staticmethod
-    def _kv_bytes(cache: KVCache, drafter) -> int:
-        return cache.nbytes + (drafter.nbytes if drafter is not None else 0)
-
-    @staticmethod
-    def _drop_finished(before: list[_Row], after: list[_Row], cache: KVCache, drafter) -> None:
-        if len(after) == len(before) or not after:
-            return
-        keep = [i for i, r in enumerate(before) if r.finish_reason is None]
-        cache.select(keep)
-        if drafter is not None:
-            drafter.select(keep)
-
-    def _commit(self, row: _Row, tokens: list[int], sp: SamplingParams) -> StreamEvent:
-        """Append ``tokens`` to ``row``, cutting at the first stop; returns the stream event."""
-        kept: list[int] = []
-        text_before = row.text
-        for tok in tokens:
-            kept.append(tok)
-            row.out.append(tok)
-            if not sp.ignore_eos and tok in sp.eos_token_ids:
-                row.finish_reason = "stop"
-                break
-            if sp.stop and not sp.ignore_eos:
-                full = self.tokenizer.decode(row.out, skip_special_tokens=True)
-                window_start = max(0, len(row.text) - max(len(s) for s in sp.stop))
-                hits = [i for s in sp.stop if (i := full.find(s, window_start)) >= 0]
-                if hits:
-                    row.stopped_text = full[: min(hits)]
-                    row.finish_reason = "stop"
-                    break
-                row.text = full
-            if len(row.out) >= sp.max_new_tokens:
-                row.finish_reason = "length"
-                break
-        if row.stopped_text is not None:
-            row.text = row.stopped_text
-        else:
-            row.text = self.tokenizer.decode(row.out, skip_special_tokens=True)
-        delta = row.text[len(text_before):] if row.text.startswith(text_before) else row.text
-        return StreamEvent(row.index, kept, delta, finished=row.finish_reason is not None)
-
-    def _finish(self, row: _Row, ev: StreamEvent, kv_bytes: int) -> StreamEvent:
-        """Attach the final output to a row's last event (after its counters are updated)."""
-        if ev.finished:
-            row.stats.total_s = row.stats.emit_times[-1] if row.stats.emit_times else 0.0
-            row.stats.kv_bytes = kv_bytes
-            ev.output = GenerationOutput(list(row.out), row.text, row.stats.to_dict(len(row.out), self.model.device),
-                                         row.finish_reason)
-        return ev
-
-
-def _candidates(max_k: int) -> tuple[int, ...]:
-    base = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-    return tuple(sorted({c for c in base if c <= max_k} | {max_k}))

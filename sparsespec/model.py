@@ -45,6 +45,23 @@ from sparsespec.config import ModelConfig
 from sparsespec.kv.cache import KVCache
 
 
+def prefill_chunks(length: int, chunk_size: int, min_last: int = 0) -> list[tuple[int, int]]:
+    """``[start, end)`` chunks covering ``length`` tokens, each at most ``chunk_size`` long, the
+    last one at least ``min(min_last, length)`` long (so its queries include the prompt's last
+    ``min_last`` positions, whose attention rows the drafters recycle)."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    min_last = min(max(0, min_last), length)
+    bounds = [(s, min(s + chunk_size, length)) for s in range(0, length, chunk_size)]
+    s, e = bounds[-1]
+    if e - s < min_last:  # move the boundary back: the previous chunk gives up its tail
+        cut = length - min_last
+        if min_last > chunk_size:
+            raise ValueError(f"min_last={min_last} exceeds chunk_size={chunk_size}")
+        bounds = [(a, min(b, cut)) for a, b in bounds[:-1] if a < cut] + [(cut, length)]
+    return bounds
+
+
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse RoPE frequencies ``[D/2]`` float32, with Llama-3.x scaling when configured."""
     d = cfg.head_dim
@@ -305,15 +322,20 @@ class Transformer(torch.nn.Module):
     def prefill(self, input_ids: torch.Tensor, cache: KVCache, chunk_size: int = 512, want_rows: int = 0):
         """Chunked prefill of ``input_ids`` ``[B, P]``: attention memory is O(chunk * P).
 
-        Returns last-position logits ``[B, V]`` and rows of the last ``want_rows`` prompt queries.
+        Returns last-position logits ``[B, V]`` and rows ``[L, B, H_kv, min(want_rows, P), S]`` of
+        the last ``want_rows`` prompt queries, whatever the chunk boundaries (the last chunk is
+        made at least that long, see ``prefill_chunks``).
         """
         P = input_ids.shape[1]
+        if P == 0:
+            raise ValueError("prefill needs at least one token")
+        want = min(want_rows, P)
+        bounds = prefill_chunks(P, chunk_size, want)
         logits = rows = None
-        for s in range(0, P, chunk_size):
-            last = s + chunk_size >= P
-            chunk = input_ids[:, s : s + chunk_size]
-            w = min(want_rows, chunk.shape[1]) if last else 0
-            logits, rows = self.forward_dense(chunk, cache, want_rows=w, logits_for="last")
+        for i, (s, e) in enumerate(bounds):
+            last = i == len(bounds) - 1
+            logits, rows = self.forward_dense(input_ids[:, s:e], cache, want_rows=want if last else 0,
+                                              logits_for="last")
         return logits[:, -1], rows
 
     @torch.inference_mode()

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparsespec.sampling import race_argmax
+from sparsespec.sampling import race_argmax, uniforms
 
 
 @dataclass(frozen=True)
@@ -118,8 +118,9 @@ def rejection_sample(
             scores draft i; position K only ever serves as the bonus distribution).
         num_draft: ``[B]`` int64 valid drafts per row (values are clamped to [0, K]); ``None``
             means K for every row.
-        generator: ``torch.Generator`` on the probabilities' device, or ``None``. The amount of
-            randomness drawn is fixed by the shapes (``[B, K]`` uniforms, ``[B, V]``
+        generator: ``torch.Generator`` on the probabilities' device, ``None``, or a list of one
+            per row (each row draws only from its own). The amount of randomness drawn is fixed
+            by the shapes (``[B, K]`` uniforms, ``[B, V]``
             exponentials), so a seeded generator gives reproducible results.
 
     Returns:
@@ -149,7 +150,7 @@ def rejection_sample(
     p_x = target_probs[:, :k].gather(-1, safe_ids).squeeze(-1)  # [B, K]
     q_x = draft_probs.gather(-1, safe_ids).squeeze(-1)  # [B, K]
     # float64 uniforms: P(u == 0) is 2**-53, not float32's 2**-24.
-    u = torch.rand((batch, k), dtype=torch.float64, device=device, generator=generator)  # [B, K]
+    u = uniforms((batch, k), generator, device)  # [B, K]
     accept = valid & (p_x.double() > u * q_x.double())  # [B, K]
     num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [B] leading run
 

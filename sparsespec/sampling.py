@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from numbers import Integral, Real
+from typing import Sequence
 
 import torch
 
@@ -110,15 +111,45 @@ def race_argmax(weights: torch.Tensor, generator: torch.Generator | None = None)
     Args:
         weights: ``[..., V]`` float, >= 0 (negatives count as 0). An all-zero row returns 0
             (the distribution is undefined there).
-        generator: a ``torch.Generator`` on ``weights.device``, or ``None`` for the global one.
+        generator: a ``torch.Generator`` on ``weights.device``, ``None`` for the global one, or
+            a list of them, one per row of a ``[B, V]`` ``weights`` (each row draws from its own).
 
     Returns:
         ``[...]`` int64 indices.
     """
     w = weights.float().clamp(min=0.0)  # [..., V]
-    e = torch.empty_like(w).exponential_(generator=generator)  # [..., V]
+    e = _exponentials(w, generator)  # [..., V]
     e.clamp_(min=torch.finfo(torch.float32).tiny)  # exponential_ must not give log(0)
     return (w.log() - e.log()).argmax(dim=-1)  # [...]
+
+
+Generators = "torch.Generator | None | Sequence[torch.Generator | None]"
+
+
+def _per_row(generator) -> bool:
+    return isinstance(generator, (list, tuple))
+
+
+def _exponentials(w: torch.Tensor, generator) -> torch.Tensor:
+    """Exp(1) draws shaped like ``w``; per row of dim 0 from its own generator when given a list."""
+    if not _per_row(generator):
+        return torch.empty_like(w).exponential_(generator=generator)
+    if len(generator) != w.shape[0]:
+        raise ValueError(f"need one generator per row: {w.shape[0]} rows, {len(generator)} generators")
+    if all(g is None for g in generator):
+        return torch.empty_like(w).exponential_()
+    return torch.stack([torch.empty_like(w[b]).exponential_(generator=g) for b, g in enumerate(generator)])
+
+
+def uniforms(shape: tuple[int, ...], generator, device, dtype=torch.float64) -> torch.Tensor:
+    """U[0, 1) draws ``[B, ...]``; per row from its own generator when ``generator`` is a list."""
+    if not _per_row(generator):
+        return torch.rand(shape, dtype=dtype, device=device, generator=generator)
+    if len(generator) != shape[0]:
+        raise ValueError(f"need one generator per row: {shape[0]} rows, {len(generator)} generators")
+    if all(g is None for g in generator):
+        return torch.rand(shape, dtype=dtype, device=device)
+    return torch.stack([torch.rand(shape[1:], dtype=dtype, device=device, generator=g) for g in generator])
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -144,3 +175,53 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     gen = torch.Generator(device=device)
     gen.manual_seed(int(seed))
     return gen
+
+
+class BatchSampling:
+    """The sampling parameters of the rows of one batch (each request keeps its own).
+
+    ``params[b]`` is any object with ``temperature``, ``top_k``, ``top_p`` (a ``SamplingParams``);
+    ``generators[b]`` row b's generator (``None`` = the global one). Rows with equal
+    (temperature, top_k, top_p) are processed together, so a uniform batch costs one call.
+    """
+
+    def __init__(self, params: Sequence, generators: Sequence[torch.Generator | None]):
+        if len(params) != len(generators):
+            raise ValueError(f"{len(params)} rows of parameters but {len(generators)} generators")
+        self.params = list(params)
+        self.generators = list(generators)
+        self.keys = [(float(p.temperature), int(p.top_k), float(p.top_p)) for p in self.params]
+        self.all_greedy = all(k[0] == 0 for k in self.keys)
+        self.greedy = [k[0] == 0 for k in self.keys]
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def select(self, rows: Sequence[int]) -> "BatchSampling":
+        return BatchSampling([self.params[b] for b in rows], [self.generators[b] for b in rows])
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits_to_probs`` per row: logits ``[B, ..., V]`` -> float32 probabilities ``[B, ..., V]``."""
+        groups: dict[tuple, list[int]] = {}
+        for b, key in enumerate(self.keys):
+            groups.setdefault(key, []).append(b)
+        if len(groups) == 1:
+            (t, k, p), = groups
+            return logits_to_probs(logits, t, k, p)
+        out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        for (t, k, p), rows in groups.items():
+            idx = torch.tensor(rows, device=logits.device)
+            out[idx] = logits_to_probs(logits[idx], t, k, p)
+        return out
+
+    def sample(self, logits: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per row from logits ``[B, V]``: the argmax for greedy rows, else a draw from
+        ``probs`` (``self.probs(logits)`` when not given) with the row's own generator. ``[B]`` int64."""
+        if self.all_greedy:
+            return logits.argmax(dim=-1)
+        probs = self.probs(logits) if probs is None else probs
+        drawn = race_argmax(probs, self.generators)  # [B]
+        if any(self.greedy):
+            greedy = torch.tensor(self.greedy, device=logits.device)
+            drawn = torch.where(greedy, logits.argmax(dim=-1), drawn)
+        return drawn

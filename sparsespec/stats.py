@@ -1,13 +1,33 @@
-"""Per-request counters and clocks (raw counts and seconds; ratios are derived when read)."""
+"""Per-request counters and clocks, and the one place ratios are derived from them.
+
+A request's ``stats`` hold raw counts and seconds only (what the store keeps); ``derive`` turns
+them (one request's, or ``pool``-ed sums over many) into alpha, tau, mean k, gamma, TPOT, the
+ledger's predicted speedup and the full-round prediction. The report, the dashboard, the speed
+benchmark and the controller all read ratios through ``derive`` (the controller through the same
+per-round costs it is given, see ``sparsespec.adaptive.StepCosts``).
+"""
 from __future__ import annotations
 
+import math
 import resource
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 import torch
+
+#: Additive raw keys of a request's stats (pooling sums them).
+SUM_KEYS = (
+    "num_prompt_tokens", "num_output_tokens", "num_steps", "num_drafting_steps", "num_emitted", "num_drafted",
+    "num_accepted", "num_draft_forwards", "prefill_s", "ttft_s", "decode_s", "draft_s", "verify_s", "index_s",
+    "other_s", "total_s", "controller_s", "budget_tokens_sum", "context_tokens_sum",
+)
+
+#: Every key ``derive`` returns.
+DERIVED_KEYS = ("alpha", "tau", "mean_k", "gamma", "tpot_s", "tokens_per_s", "budget_frac", "round_s",
+                "predicted_speedup", "predicted_speedup_round")
 
 
 class Clock:
@@ -24,10 +44,19 @@ class Clock:
 
 @dataclass
 class RunStats:
+    """Raw counts and seconds of one request (see the README for each key).
+
+    Seconds of a step shared by the batch are charged to every row that took part in it:
+    ``draft_s`` only to rows that drafted in that step, ``verify_s`` / ``index_s`` / ``other_s``
+    to every running row. ``other_s`` is the measured rest of each round (sampling, acceptance
+    bookkeeping, cache and index maintenance: it includes ``index_s``).
+    """
+
     method: str
     k: int | str
     num_prompt_tokens: int
     num_steps: int = 0
+    num_drafting_steps: int = 0
     num_emitted: int = 0
     num_drafted: int = 0
     num_accepted: int = 0
@@ -40,6 +69,8 @@ class RunStats:
     draft_labels: list[int] = field(default_factory=list)
     draft_s: float = 0.0
     verify_s: float = 0.0
+    index_s: float = 0.0
+    other_s: float = 0.0
     total_s: float = 0.0
     budget_tokens_sum: int = 0
     context_tokens_sum: int = 0
@@ -47,6 +78,7 @@ class RunStats:
     emit_times: list[float] = field(default_factory=list)
 
     def to_dict(self, num_output_tokens: int, device: torch.device) -> dict:
+        """The request's stats: counts, seconds and bytes only (no ratios; see ``derive``)."""
         from sparsespec.adaptive import roc_auc
 
         decode_s = max(0.0, self.total_s - self.ttft_s)
@@ -56,15 +88,13 @@ class RunStats:
             peak = int(torch.cuda.max_memory_allocated(device))
         else:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # process peak RSS
-        drafting_steps = sum(self.accept_hist.values())
-        mean_draft = self.draft_s / self.num_draft_forwards if self.num_draft_forwards else None
-        mean_verify = self.verify_s / self.num_steps if self.num_steps else None
         return {
             "method": self.method,
             "k": self.k,
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_output_tokens": num_output_tokens,
             "num_steps": self.num_steps,
+            "num_drafting_steps": self.num_drafting_steps,
             "num_emitted": self.num_emitted,
             "num_drafted": self.num_drafted,
             "num_accepted": self.num_accepted,
@@ -75,7 +105,8 @@ class RunStats:
             "decode_s": decode_s,
             "draft_s": self.draft_s,
             "verify_s": self.verify_s,
-            "other_s": max(0.0, decode_s - self.draft_s - self.verify_s),
+            "index_s": self.index_s,
+            "other_s": self.other_s,
             "total_s": self.total_s,
             "controller_s": self.controller_s,
             "num_entropy_labels": len(self.draft_labels),
@@ -87,14 +118,98 @@ class RunStats:
             "itl_p99_s": pct(99),
             "budget_tokens_sum": self.budget_tokens_sum,
             "context_tokens_sum": self.context_tokens_sum,
-            "budget_frac": (self.budget_tokens_sum / self.context_tokens_sum) if self.context_tokens_sum else None,
             "kv_bytes": self.kv_bytes,
-            # convenience ratios for this one request (reports recompute them pooled from the raw keys)
-            "alpha": self.num_accepted / self.num_drafted if self.num_drafted else None,
-            "tau": self.num_emitted / self.num_steps if self.num_steps else None,
-            "mean_k": self.num_drafted / drafting_steps if drafting_steps else None,
-            "gamma": mean_draft / mean_verify if mean_draft is not None and mean_verify else None,
-            "tokens_per_s": num_output_tokens / self.total_s if self.total_s > 0 else None,
-            "tpot_s": decode_s / (num_output_tokens - 1) if num_output_tokens > 1 else None,
             "peak_mem_bytes": peak,
         }
+
+
+def _num(st: Mapping[str, Any], key: str) -> float:
+    """``st[key]`` as a finite float; 0 when missing, non-numeric or not finite."""
+    v = st.get(key)
+    if v is None or isinstance(v, bool):
+        return 0.0
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return 0.0
+    return f if math.isfinite(f) else 0.0
+
+
+def drafting_steps(st: Mapping[str, Any]) -> float:
+    """Steps that drafted at least one token: ``num_drafting_steps``; for rows stored before it
+    existed, the histogram's steps with ``k > 0`` (no histogram but drafts: every step)."""
+    if "num_drafting_steps" in st:
+        return _num(st, "num_drafting_steps")
+    total, found = 0.0, False
+    for key, count in (st.get("accept_hist") or {}).items():
+        try:
+            k = int(str(key).split(":", 1)[0])
+        except ValueError:
+            continue
+        found = True
+        if k > 0:
+            total += float(count)
+    if found or _num(st, "num_drafted") == 0:
+        return total
+    return _num(st, "num_steps")
+
+
+def pool(stats: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """Sum the raw keys of many requests' stats (``derive`` of the result pools them)."""
+    out = dict.fromkeys(SUM_KEYS, 0.0)
+    out["num_decode_tokens"] = 0.0  # sum of (output tokens - 1): what pooled TPOT divides by
+    for st in stats:
+        for key in SUM_KEYS:
+            out[key] += drafting_steps(st) if key == "num_drafting_steps" else _num(st, key)
+        out["num_decode_tokens"] += max(0.0, _num(st, "num_output_tokens") - 1)
+    return out
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def ledger_speedup(alpha: float | None, k: float | None, gamma: float | None) -> float | None:
+    """The ledger ``S = (alpha*k + 1) / (k*gamma + 1)`` (None when a term is unknown)."""
+    if alpha is None or k is None or gamma is None:
+        return None
+    return (alpha * k + 1.0) / (k * gamma + 1.0)
+
+
+def derive(st: Mapping[str, Any], ar: Mapping[str, Any] | None = None) -> dict[str, float | None]:
+    """Every ratio, from raw counts and seconds (one request's stats or ``pool``-ed sums).
+
+    alpha = accepted / drafted; tau = emitted / steps; mean_k = drafted / drafting steps;
+    gamma = (draft_s / draft forwards) / (verify_s / steps); tpot_s = decode_s / (output - 1)
+    (pooled: / the sum of each request's output - 1);
+    tokens_per_s = output / total_s; budget_frac = index tokens / context tokens;
+    round_s = (draft_s + verify_s + other_s) / steps (the full round ``T_round``);
+    predicted_speedup = the ledger ``S`` at (alpha, mean_k, gamma);
+    predicted_speedup_round = ``tau * T_AR / T_round`` with ``T_AR`` the round of ``ar``'s stats
+    (given as ``ar``, else None).
+    """
+    drafted, steps = _num(st, "num_drafted"), _num(st, "num_steps")
+    alpha = _ratio(_num(st, "num_accepted"), drafted)
+    tau = _ratio(_num(st, "num_emitted"), steps)
+    mean_k = _ratio(drafted, drafting_steps(st))
+    per_draft = _ratio(_num(st, "draft_s"), _num(st, "num_draft_forwards"))
+    per_verify = _ratio(_num(st, "verify_s"), steps)
+    gamma = per_draft / per_verify if (per_draft is not None and per_verify) else None
+    round_s = _ratio(_num(st, "draft_s") + _num(st, "verify_s") + _num(st, "other_s"), steps)
+    ar_round = None
+    if ar is not None:
+        ar_round = _ratio(_num(ar, "draft_s") + _num(ar, "verify_s") + _num(ar, "other_s"), _num(ar, "num_steps"))
+    out_tokens = _num(st, "num_output_tokens")
+    dec_tokens = _num(st, "num_decode_tokens") if "num_decode_tokens" in st else out_tokens - 1
+    return {
+        "alpha": alpha,
+        "tau": tau,
+        "mean_k": mean_k,
+        "gamma": gamma,
+        "tpot_s": _ratio(_num(st, "decode_s"), dec_tokens) if dec_tokens > 0 else None,
+        "tokens_per_s": _ratio(out_tokens, _num(st, "total_s")),
+        "budget_frac": _ratio(_num(st, "budget_tokens_sum"), _num(st, "context_tokens_sum")),
+        "round_s": round_s,
+        "predicted_speedup": ledger_speedup(alpha, mean_k, gamma) if drafted else (1.0 if steps else None),
+        "predicted_speedup_round": (tau * ar_round / round_s) if (tau and ar_round and round_s) else None,
+    }

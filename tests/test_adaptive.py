@@ -55,7 +55,7 @@ def test_fixed_k_stops_exactly_at_k_and_honours_budget():
     assert pol.overhead_s == 0.0
 
 
-@pytest.mark.parametrize("k", [0, -1, 2.5, True, "4"])
+@pytest.mark.parametrize("k", [-1, 2.5, True, "4"])
 def test_fixed_k_validation(k):
     with pytest.raises(ValueError, match="k"):
         FixedK(k)
@@ -229,12 +229,23 @@ def test_efficiency_inversion_large_gamma_prefers_short_drafts():
     assert all(x >= y for x, y in zip(ks, ks[1:]))  # longer drafts only pay while gamma is small
     # the same through measured costs and the online rule
     h = 0.9  # p ~ 0.87 under the initial centroids
-    cheap, dear = EntropyAdaptive(), EntropyAdaptive()
+    cheap, dear = EntropyAdaptive(), EntropyAdaptive(skip_unprofitable=False)
     cheap.observe_costs(0.0002, 0.010)  # gamma = 0.02
     dear.observe_costs(0.009, 0.010)  # gamma = 0.9: a draft costs almost a verify
     k_cheap, _ = draft_step(cheap, lambda i: h, lambda e: len(e))
     k_dear, _ = draft_step(dear, lambda i: h, lambda e: len(e))
     assert k_cheap >= 6 and k_dear == 1
+    # allowed to skip, the dear row does not speculate at all (accept_rate 0.5: E(1) < E(0))
+    skip = EntropyAdaptive()
+    skip.observe_costs(0.009, 0.010)
+    assert skip.start_step(16) == 16, "no skipping before the row's acceptance is known"
+    for _ in range(8):
+        skip.update([1.0, 1.0], 1)  # half the drafts pass
+    assert skip.accept_rate == pytest.approx(0.5, abs=0.05) and skip.num_labels == 16
+    assert skip.start_step(16) == 0 and skip.num_skipped == 1
+    for _ in range(skip.probe_every - 2):
+        assert skip.start_step(16) == 0
+    assert skip.start_step(16) == 16, "every probe_every-th step drafts again"
 
 
 # -------------------------------------------------------------------------------- roc_auc

@@ -38,12 +38,13 @@ from typing import Sequence
 
 import torch
 
-from sparsespec.config import SamplingParams, SpecConfig
-from sparsespec.drafters.base import Draft, draft_loop
+from sparsespec.config import SpecConfig
+from sparsespec.drafters.base import Draft, draft_loop, empty_draft
 from sparsespec.kv.cache import KVCache
 from sparsespec.model import Transformer
 from sparsespec.provision import resolve_model
 from sparsespec.registry import DRAFTERS
+from sparsespec.sampling import BatchSampling
 
 # (folder, dtype, device) -> loaded draft model; repeated generate calls reuse it
 _MODELS: dict[tuple[str, torch.dtype, str], Transformer] = {}
@@ -89,6 +90,7 @@ class DraftModelDrafter:
     """A separate causal LM drafts with its own ragged KV cache; see the module docstring."""
 
     want_rows = 0
+    want_rows_prefill = 0
 
     def __init__(self, model: Transformer, spec: SpecConfig, capacity: int, batch_size: int, max_k: int):
         if spec.draft_model is None:
@@ -118,6 +120,7 @@ class DraftModelDrafter:
 
     # ------------------------------------------------------------------ protocol
     def prefill_row(self, b: int, cache: KVCache, rows: torch.Tensor | None, prompt: Sequence[int] = ()) -> None:
+        self.retired[b] = False  # a new request in this slot
         if len(prompt) >= self.window:  # the pending token (position len(prompt)) would not fit
             self.retired[b] = True
             self.dcache.lengths[b] = 0
@@ -128,21 +131,22 @@ class DraftModelDrafter:
         self.draft.prefill(ids, view)
         self.dcache.lengths[b] = view.lengths[0]
 
-    def propose(self, cache: KVCache, pending: torch.Tensor, k_max: int, budgets: Sequence[int], policy,
-                sp: SamplingParams, generator, history: Sequence[Sequence[int]] = ()) -> Draft:
+    def propose(self, cache: KVCache, pending: torch.Tensor, limits: Sequence[int], policies: Sequence,
+                sampling: BatchSampling, history: Sequence[Sequence[int]] = ()) -> Draft:
         B = pending.shape[0]
         if len(history) != B:
             raise ValueError("draft-model needs the token history of every row")
-        dc, dev = self.dcache, self.draft.device
-        limits = []
+        dev = self.draft.device
+        row_limits = []
         for b in range(B):
             P = len(history[b]) - 1  # position of the pending token
             if not self.retired[b] and P >= self.window:
                 self.retired[b] = True
-                dc.lengths[b] = 0
-            limits.append(0 if self.retired[b] else max(0, min(k_max, int(budgets[b]), self.window - P)))
-        if max(limits, default=0) == 0:
-            return Draft(pending[:, :0], None, torch.zeros(B, 0, device=pending.device), [0] * B)
+                self.dcache.lengths[b] = 0
+            row_limits.append(0 if self.retired[b] else max(0, min(int(limits[b]), self.window - P)))
+        if max(row_limits, default=0) == 0:
+            return empty_draft(pending)
+        dc = self.dcache.head(B)  # the running rows' slots
 
         # catch-up: row b feeds history[b][dlen_b:] (lacking committed tokens + the pending one)
         feed: list[list[int]] = []
@@ -171,16 +175,18 @@ class DraftModelDrafter:
             logits, _ = self.draft.forward_dense(tok, dc, logits_for="last")  # [B, 1, V]
             return logits[:, -1]
 
-        return draft_loop(step, pending, k_max, limits, policy, sp, generator)  # limits: budget, window, retired
+        try:
+            return draft_loop(step, pending, row_limits, policies, sampling)  # limits: budget, window, retired
+        finally:
+            self.dcache.lengths[:B] = dc.lengths
 
     def commit(self, cache: KVCache, rows: torch.Tensor | None, counts: Sequence[int]) -> None:
-        self.dcache.rollback([0 if self.retired[b] else min(n, cache.lengths[b])
-                              for b, n in enumerate(self.dcache.lengths)])
+        for b in range(cache.batch_size):
+            self.dcache.lengths[b] = 0 if self.retired[b] else min(self.dcache.lengths[b], cache.lengths[b])
 
-    def select(self, keep: Sequence[int]) -> None:
-        keep = list(keep)
-        self.dcache.select(keep)
-        self.retired = [self.retired[b] for b in keep]
+    def move(self, src: int, dst: int) -> None:
+        self.dcache.move(src, dst)
+        self.retired[dst] = self.retired[src]
 
     def index_sizes(self) -> list[int]:
         return [0 if r else n for r, n in zip(self.retired, self.dcache.lengths)]

@@ -15,10 +15,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from sparsespec.config import SamplingParams, SpecConfig
+from sparsespec.config import SpecConfig
 from sparsespec.drafters.base import Draft
 from sparsespec.kv.cache import KVCache
 from sparsespec.registry import DRAFTERS
+from sparsespec.sampling import BatchSampling
 
 
 def ngram_propose(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -51,6 +52,7 @@ def ngram_propose(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list
 @DRAFTERS.register("ngram")
 class NgramDrafter:
     want_rows = 0
+    want_rows_prefill = 0
 
     def __init__(self, model, spec: SpecConfig, capacity: int, batch_size: int, max_k: int):
         self.spec = spec
@@ -63,8 +65,8 @@ class NgramDrafter:
     def commit(self, cache: KVCache, rows, counts: Sequence[int]) -> None:
         pass
 
-    def select(self, keep: Sequence[int]) -> None:
-        self.batch_size = len(keep)
+    def move(self, src: int, dst: int) -> None:
+        pass  # stateless
 
     def index_sizes(self) -> list[int]:
         return [0] * self.batch_size
@@ -73,17 +75,17 @@ class NgramDrafter:
     def nbytes(self) -> int:
         return 0
 
-    def propose(self, cache: KVCache, pending: torch.Tensor, k_max: int, budgets: Sequence[int], policy,
-                sp: SamplingParams, generator, history: Sequence[Sequence[int]] = ()) -> Draft:
+    def propose(self, cache: KVCache, pending: torch.Tensor, limits: Sequence[int], policies: Sequence,
+                sampling: BatchSampling, history: Sequence[Sequence[int]] = ()) -> Draft:
         B, dev = pending.shape[0], pending.device
-        props = [ngram_propose(h, min(k_max, int(budget)), self.spec.ngram_min, self.spec.ngram_max)
-                 for h, budget in zip(history, budgets)]
+        props = [ngram_propose(h, int(limit), self.spec.ngram_min, self.spec.ngram_max)
+                 for h, limit in zip(history, limits)]
         K = max((len(p) for p in props), default=0)
         ids = torch.zeros(B, K, dtype=torch.long)
         for b, p in enumerate(props):
             ids[b, : len(p)] = torch.tensor(p, dtype=torch.long)
         ids = ids.to(dev)  # [B, K]
         q = None
-        if sp.temperature != 0:  # one-hot q: the proposal is deterministic
+        if not sampling.all_greedy:  # one-hot q: the proposal is deterministic
             q = torch.nn.functional.one_hot(ids, self.vocab_size).float()  # [B, K, V]
         return Draft(ids, q, torch.zeros(B, K, device=dev), [len(p) for p in props])

@@ -24,10 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from sparsespec import kernels
-from sparsespec.config import SamplingParams, SpecConfig
+from sparsespec.config import SpecConfig
 from sparsespec.drafters.base import Draft, self_draft_loop
 from sparsespec.kv.cache import KVCache
 from sparsespec.kv.index import ImportanceWindow, build_index
+from sparsespec.sampling import BatchSampling
 from sparsespec.model import DraftKV, Transformer
 from sparsespec.registry import DRAFTERS
 
@@ -36,6 +37,7 @@ class _IndexedSelfDrafter(ABC):
     """Shared machinery; subclasses set ``want_rows`` and implement ``_rebuild``."""
 
     want_rows = 0
+    want_rows_prefill = 0
 
     def __init__(self, model: Transformer, spec: SpecConfig, capacity: int, batch_size: int, max_k: int):
         cfg = model.cfg
@@ -54,7 +56,7 @@ class _IndexedSelfDrafter(ABC):
         if self.gather_in_kernel:
             self.index_buf = torch.zeros(cfg.num_layers, batch_size, cfg.num_kv_heads, max(1, self.n_max),
                                          dtype=torch.int32, device=model.device)
-        self.index: list[torch.Tensor | None] = [None] * batch_size  # per row [L, 1, H_kv, N_b] int64
+        self.index: list[torch.Tensor | None] = [None] * batch_size  # per slot [L, 1, H_kv, N_b] int64
 
     def _max_index(self, capacity: int) -> int:
         return self.spec.budget(capacity)
@@ -70,41 +72,41 @@ class _IndexedSelfDrafter(ABC):
         for b in range(cache.batch_size):
             self._rebuild(cache, b)
 
-    def select(self, keep: Sequence[int]) -> None:
-        keep = list(keep)
-        idx = torch.tensor(keep, dtype=torch.long, device=self.dkv.k.device)
-        self.dkv.k = self.dkv.k.index_select(1, idx)
-        self.dkv.v = self.dkv.v.index_select(1, idx)
-        if self.index_buf is not None:
-            self.index_buf = self.index_buf.index_select(1, idx)
-        self.index = [self.index[b] for b in keep]
+    def move(self, src: int, dst: int) -> None:
+        self.index[dst] = self.index[src]  # the compact buffers are refilled at every propose
 
-    def propose(self, cache: KVCache, pending: torch.Tensor, k_max: int, budgets: Sequence[int], policy,
-                sp: SamplingParams, generator, history: Sequence[Sequence[int]] = ()) -> Draft:
-        sizes = self.index_sizes()
+    def propose(self, cache: KVCache, pending: torch.Tensor, limits: Sequence[int], policies: Sequence,
+                sampling: BatchSampling, history: Sequence[Sequence[int]] = ()) -> Draft:
+        B = cache.batch_size
+        sizes = self.index_sizes()[:B]
         n = max(sizes)
         D = cache.k.shape[-1]
+        dkv = DraftKV(self.dkv.k[:, :B], self.dkv.v[:, :B], 0)  # the running rows' slots
         if self.gather_in_kernel:  # hand the kernel the padded index; it reads the dense cache in place
-            for b, idx in enumerate(self.index):
-                self.index_buf[:, b, :, : sizes[b]] = idx[:, 0]
-            self.dkv.index, self.dkv.source = self.index_buf[..., :n], cache  # [L, B, H_kv, N]
+            for b in range(B):
+                self.index_buf[:, b, :, : sizes[b]] = self.index[b][:, 0]
+            dkv.index, dkv.source = self.index_buf[:, :B, :, :n], cache  # [L, B, H_kv, N]
         else:
-            for b, idx in enumerate(self.index):  # gather each row's index into the compact buffer
+            for b in range(B):  # gather each row's index into the compact buffer
+                idx = self.index[b]
                 gather_idx = idx.unsqueeze(-1).expand(*idx.shape, D)  # [L, 1, H_kv, N_b, D]
-                self.dkv.k[:, b : b + 1, :, : sizes[b]] = torch.gather(cache.k[:, b : b + 1], 3, gather_idx)
-                self.dkv.v[:, b : b + 1, :, : sizes[b]] = torch.gather(cache.v[:, b : b + 1], 3, gather_idx)
-        self.dkv.length = self.dkv.n_index = n
+                dkv.k[:, b : b + 1, :, : sizes[b]] = torch.gather(cache.k[:, b : b + 1], 3, gather_idx)
+                dkv.v[:, b : b + 1, :, : sizes[b]] = torch.gather(cache.v[:, b : b + 1], 3, gather_idx)
+        dkv.length = dkv.n_index = n
         n_valid_dtype = torch.int32 if self.gather_in_kernel else torch.int64
-        self.dkv.n_valid = None if min(sizes) == n else torch.tensor(sizes, dtype=n_valid_dtype, device=pending.device)
+        dkv.n_valid = None if min(sizes) == n else torch.tensor(sizes, dtype=n_valid_dtype, device=pending.device)
         starts = torch.tensor(cache.lengths, device=pending.device)  # [B] position of each pending token
-        return self_draft_loop(self.model, self.dkv, pending, starts, k_max, budgets, policy, sp, generator)
+        return self_draft_loop(self.model, dkv, pending, starts, limits, policies, sampling)
 
     def index_sizes(self) -> list[int]:
         return [0 if idx is None else int(idx.shape[-1]) for idx in self.index]
 
     @property
     def nbytes(self) -> int:
-        idx = sum(i.numel() * i.element_size() for i in self.index if i is not None)
+        """Reserved bytes: each slot's index at its largest (``n_max`` int64 positions per layer
+        and KV head), the padded kernel index, and the compact draft KV."""
+        L, B, H = self.dkv.k.shape[:3]
+        idx = L * B * H * self.n_max * 8
         if self.index_buf is not None:
             idx += self.index_buf.numel() * self.index_buf.element_size()
         return idx + 2 * self.dkv.k.numel() * self.dkv.k.element_size()
@@ -117,7 +119,7 @@ class SparseSelfDrafter(_IndexedSelfDrafter):
     def __init__(self, model: Transformer, spec: SpecConfig, capacity: int, batch_size: int, max_k: int):
         super().__init__(model, spec, capacity, batch_size, max_k)
         cfg = model.cfg
-        self.want_rows = spec.window
+        self.want_rows = self.want_rows_prefill = spec.window
         self.window = ImportanceWindow(cfg.num_layers, batch_size, cfg.num_kv_heads, spec.window, capacity, model.device)
 
     def _rebuild(self, cache: KVCache, b: int) -> None:
@@ -126,12 +128,9 @@ class SparseSelfDrafter(_IndexedSelfDrafter):
         self.index[b] = build_index(scores, S, self.spec.budget(S), self.spec.n_sink, self.spec.n_recent)
 
     def prefill_row(self, b: int, cache: KVCache, rows: torch.Tensor | None, prompt: Sequence[int] = ()) -> None:
+        self.window.reset(b)
         if rows is not None:
-            counts = [0] * cache.batch_size
-            counts[b] = rows.shape[3]
-            padded = rows.new_zeros(rows.shape[0], cache.batch_size, *rows.shape[2:])
-            padded[:, b] = rows[:, 0]
-            self.window.push(padded, counts)
+            self.window.push_row(b, rows[:, 0])
         self._rebuild(cache, b)
 
     def commit(self, cache: KVCache, rows: torch.Tensor | None, counts: Sequence[int]) -> None:
@@ -139,9 +138,9 @@ class SparseSelfDrafter(_IndexedSelfDrafter):
             self.window.push(rows, list(counts))
         super().commit(cache, rows, counts)
 
-    def select(self, keep: Sequence[int]) -> None:
-        super().select(keep)
-        self.window.select(list(keep))
+    def move(self, src: int, dst: int) -> None:
+        super().move(src, dst)
+        self.window.move(src, dst)
 
     @property
     def nbytes(self) -> int:
@@ -225,7 +224,6 @@ class SnapKVDrafter(_IndexedSelfDrafter):
         since = torch.arange(P, S, device=cache.k.device).expand(*sel.shape[:3], S - P)
         self.index[b] = torch.cat([sel, since], dim=-1)
 
-    def select(self, keep: Sequence[int]) -> None:
-        super().select(keep)
-        self.selected = [self.selected[b] for b in keep]
-        self.prompt_len = [self.prompt_len[b] for b in keep]
+    def move(self, src: int, dst: int) -> None:
+        super().move(src, dst)
+        self.selected[dst], self.prompt_len[dst] = self.selected[src], self.prompt_len[src]

@@ -52,6 +52,28 @@ class KVCache:
         """A one-row view sharing storage (writes land in this cache); copy its length back."""
         return KVCache._wrap(self.k[:, b : b + 1], self.v[:, b : b + 1], [self.lengths[b]])
 
+    def head(self, n: int) -> KVCache:
+        """A view of the first ``n`` rows (slots), sharing storage; ``lengths`` is a copy, so
+        write it back with ``self.lengths[:n] = view.lengths`` after the view's forwards.
+
+        The engine core keeps its running rows in slots ``0 .. B-1`` of a preallocated pool and
+        runs each step on ``head(B)``: a prefix along dim 1 keeps every layer's
+        ``[B, H_kv, S_max, D]`` block contiguous.
+        """
+        if not 0 <= n <= self.batch_size:
+            raise ValueError(f"head({n}) of a cache with {self.batch_size} rows")
+        return KVCache._wrap(self.k[:, :n], self.v[:, :n], list(self.lengths[:n]))
+
+    def move(self, src: int, dst: int) -> None:
+        """Copy row ``src``'s valid positions and length into row ``dst`` (compacting the pool
+        when a row leaves: the last running row moves into the freed slot)."""
+        if src == dst:
+            return
+        n = self.lengths[src]
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.lengths[dst] = n
+
     def rollback(self, lengths: Sequence[int] | int) -> None:
         """Forget every position at or after each row's new length (cheap: no data moves)."""
         lengths = [lengths] if isinstance(lengths, int) else list(lengths)

@@ -38,24 +38,39 @@ class ImportanceWindow:
         ``counts[b]``: how many of the T rows are committed for batch row ``b`` (the first ones);
         default all T.
         """
-        T, S = new_rows.shape[3], new_rows.shape[4]
-        counts = [T] * new_rows.shape[1] if counts is None else counts
+        counts = [new_rows.shape[3]] * new_rows.shape[1] if counts is None else counts
         for b, t in enumerate(counts):
-            src = new_rows[:, b, :, :t]
-            if t > self.window:
-                src, t = src[:, :, t - self.window :], self.window
-            if t == 0:
-                continue
-            slots = torch.tensor([(self._next[b] + i) % self.window for i in range(t)], device=self.rows.device)
-            self.rows[:, b, :, slots, :S] = src.float()
-            self.rows[:, b, :, slots, S:] = 0.0
-            self._next[b] = (self._next[b] + t) % self.window
-            self.count[b] += t
+            self.push_row(b, new_rows[:, b, :, :t])
+
+    def push_row(self, b: int, new_rows: torch.Tensor) -> None:
+        """Append query rows ``[L, H_kv, T, S]`` (oldest first) to batch row ``b`` only."""
+        T, S = new_rows.shape[2], new_rows.shape[3]
+        if T > self.window:
+            new_rows, T = new_rows[:, :, T - self.window :], self.window
+        if T == 0:
+            return
+        slots = torch.tensor([(self._next[b] + i) % self.window for i in range(T)], device=self.rows.device)
+        self.rows[:, b, :, slots, :S] = new_rows.float()
+        self.rows[:, b, :, slots, S:] = 0.0
+        self._next[b] = (self._next[b] + T) % self.window
+        self.count[b] += T
 
     def scores(self, length: int, b: int | None = None) -> torch.Tensor:
         """Importance of the first ``length`` keys: ``[L, B, H_kv, length]`` (or ``[L, 1, H_kv, length]`` for row b)."""
         rows = self.rows if b is None else self.rows[:, b : b + 1]
         return rows[..., :length].sum(dim=3)
+
+    def move(self, src: int, dst: int) -> None:
+        """Copy row ``src``'s window into row ``dst`` (pool compaction)."""
+        if src == dst:
+            return
+        self.rows[:, dst] = self.rows[:, src]
+        self.count[dst], self._next[dst] = self.count[src], self._next[src]
+
+    def reset(self, b: int) -> None:
+        """Empty row ``b``'s window (a new request takes the slot)."""
+        self.rows[:, b] = 0.0
+        self.count[b], self._next[b] = 0, 0
 
     def select(self, keep: list[int]) -> None:
         idx = torch.tensor(keep, dtype=torch.long, device=self.rows.device)

@@ -1,0 +1,203 @@
+"""Targeted mutation testing of the engine: does each fault that would change an output or a
+metric turn a fast test red?
+
+mutmut over these modules would make thousands of mutants, and each needs the engine tests
+(about two minutes here), so it does not fit this machine; this is the equivalent for the
+faults that matter: a fixed list of hand-written mutants (each one a real fault: an output, a
+distribution or a counter changes), applied one at a time to a copy of the tree, each run
+against the fast tests with ``-x``. A mutant is *killed* when a test fails, *survives* when all
+pass, and is *n/a* when its anchor text is not in this version of the code (so the same list
+scores an older commit: ``--root``).
+
+    .venv/bin/python benchmarks/mutation.py [--root DIR] [--only NAME,...] [--jobs 2] [--json-out F]
+
+Run it by hand, alone on the machine (it is a measurement of the tests, not a test).
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FAST_TESTS = ["tests/test_engine_core.py", "tests/test_rejection.py", "tests/test_sampling.py",
+              "tests/test_adaptive.py", "tests/test_engine_units.py", "tests/test_baselines.py",
+              "tests/test_draft_model.py", "tests/test_engine_min_tokens.py", "tests/test_sampling_engine.py",
+              "tests/test_kernels.py"]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str
+    variants: tuple[tuple[str, str], ...]  # (original, replacement) per code version; first match applies
+    what: str
+
+
+def M(name, path, what, *variants):
+    return Mutant(name, path, tuple(variants), what)
+
+
+MUTANTS = [
+    # ---- the importance window and the index (sparsespec-l)
+    M("window_push_rejected", "sparsespec/drafters/sparse_self.py", "push every verified query, rejected ones too",
+      ("self.window.push(rows, list(counts))", "self.window.push(rows, None)")),
+    M("window_wiped_each_step", "sparsespec/drafters/sparse_self.py", "wipe the window before each push",
+      ("        if rows is not None:\n            self.window.push(rows, list(counts))",
+       "        self.window.rows.zero_()\n        if rows is not None:\n            self.window.push(rows, list(counts))")),
+    M("index_rebuild_skipped", "sparsespec/drafters/sparse_self.py", "never rebuild the index after a verify",
+      ("        for b in range(cache.batch_size):\n            self._rebuild(cache, b)",
+       "        pass")),
+    M("window_scores_max", "sparsespec/kv/index.py", "score keys by the max over the window, not the sum",
+      ("return rows[..., :length].sum(dim=3)", "return rows[..., :length].amax(dim=3)")),
+    M("index_top_offset", "sparsespec/kv/index.py", "top positions off by the sink count",
+      ("top = torch.topk(middle, n_top, dim=-1, sorted=False).indices + n_sink",
+       "top = torch.topk(middle, n_top, dim=-1, sorted=False).indices")),
+    M("index_recent_shift", "sparsespec/kv/index.py", "recent window one position early",
+      ("recent = torch.arange(length - n_recent, length, device=device)",
+       "recent = torch.arange(length - n_recent - 1, length - 1, device=device)")),
+    M("prefill_rows_last_chunk_only", "sparsespec/model.py", "importance rows only from the last prefill chunk",
+      ("bounds = prefill_chunks(P, chunk_size, want)", "bounds = prefill_chunks(P, chunk_size, 0)")),
+    M("snapkv_last_query_votes", "sparsespec/drafters/sparse_self.py", "SnapKV votes with the last query only",
+      ("votes = rows[..., : length - w].sum(dim=3)", "votes = rows[..., -1, : length - w]")),
+    M("streaming_window_shift", "sparsespec/drafters/sparse_self.py", "StreamingLLM window one position early",
+      ("torch.arange(length - (budget - n_sink), length, device=device)",
+       "torch.arange(length - (budget - n_sink) - 1, length - 1, device=device)")),
+    M("ngram_oldest_match", "sparsespec/drafters/ngram.py", "continue the oldest match, not the most recent",
+      ("start = int(hits[-1]) + n", "start = int(hits[0]) + n")),
+    M("draft_model_no_rollback", "sparsespec/drafters/draft_model.py", "keep rejected drafts in the draft cache",
+      ("0 if self.retired[b] else min(self.dcache.lengths[b], cache.lengths[b])",
+       "0 if self.retired[b] else self.dcache.lengths[b]"),
+      ("[0 if self.retired[b] else min(n, cache.lengths[b])", "[0 if self.retired[b] else n")),
+    # ---- drafting, q and the verifier
+    M("q_unprocessed", "sparsespec/drafters/base.py", "q = the raw softmax, not the processed distribution",
+      ("            q = sampling.probs(logits)  # [B, V]", "            q = torch.softmax(logits.float(), -1)"),
+      ("            q = logits_to_probs(logits, sp.temperature, sp.top_k, sp.top_p)  # [B, V]",
+       "            q = torch.softmax(logits.float(), -1)")),
+    M("q_reported_unprocessed", "sparsespec/drafters/base.py", "sample from processed q, verify with the raw one",
+      ("            qs.append(q)\n", "            qs.append(torch.softmax(logits.float(), -1))\n")),
+    M("entropy_wrong", "sparsespec/drafters/base.py", "entropy of the draft token miscomputed",
+      ("ents.append(-(logp.exp() * logp).sum(-1))", "ents.append(-logp.sum(-1) / logp.shape[-1])")),
+    M("accept_ignores_q", "sparsespec/rejection.py", "accept with p(x) > u instead of p(x) > u q(x)",
+      ("accept = valid & (p_x.double() > u * q_x.double())", "accept = valid & (p_x.double() > u)")),
+    M("recover_from_p", "sparsespec/rejection.py", "recover from p instead of norm(max(0, p - q))",
+      ("residual = (p_last - q_last).clamp(min=0.0)", "residual = p_last")),
+    M("bonus_residual_swap", "sparsespec/rejection.py", "bonus from the residual, recovery from p",
+      ("weights = torch.where(rejected, residual, p_last)", "weights = torch.where(rejected, p_last, residual)")),
+    M("greedy_not_leading_run", "sparsespec/rejection.py", "count every match, not the leading run",
+      ("num_accepted = match.long().cumprod(dim=1).sum(dim=1)  # [B]",
+       "num_accepted = match.long().sum(dim=1)  # [B]")),
+    M("top_k_off_by_one", "sparsespec/sampling.py", "top-k keeps k+1 tokens",
+      ("keep_sorted[..., top_k:] = False", "keep_sorted[..., top_k + 1 :] = False")),
+    M("top_p_loose", "sparsespec/sampling.py", "nucleus boundary 5 % too wide",
+      ("in_nucleus = mass_above < (top_p - _TOP_P_SLACK)", "in_nucleus = mass_above < (top_p + 0.05)")),
+    # ---- the engine loop
+    M("draft_clip_ignores_budget", "sparsespec/engine.py", "draft up to the remaining budget, not budget - 1",
+      ("budgets = [r.params.max_new_tokens - len(r.out) - 1 for r in rows]",
+       "budgets = [r.params.max_new_tokens - len(r.out) for r in rows]"),
+      ("budgets = [sp.max_new_tokens - len(r.out) - 1 for r in active]",
+       "budgets = [sp.max_new_tokens - len(r.out) for r in active]")),
+    M("controller_no_costs", "sparsespec/engine.py", "the controller is never given measured costs",
+      ("        self.costs.observe(st.draft_s / K if K else 0.0, st.verify_s, K + 1, other_s)\n", ""),
+      ("                policy.observe_costs(draft_s / n_fwd, verify_s)", "                pass")),
+    M("stop_accounting", "sparsespec/engine.py", "drafts after a stop inside a block still counted",
+      ("n_counted = min(nd, kept) if stopped else nd", "n_counted = nd"),
+      ("                    st.num_accepted += min(a, kept)", "                    st.num_accepted += a")),
+    M("draft_time_every_row", "sparsespec/engine.py", "draft time charged to rows that drafted nothing",
+      ("            s.verify_s += st.verify_s\n", "            s.verify_s += st.verify_s\n            s.draft_s += st.draft_s\n")),
+    M("rollback_keeps_rejected", "sparsespec/engine.py", "the dense cache keeps one rejected draft",
+      ("st.cache.rollback([base[b] + 1 + a for b, a in enumerate(st.accepted)])",
+       "st.cache.rollback([min(base[b] + 2 + a, base[b] + 1 + len(st.draft.token_ids[b])) for b, a in enumerate(st.accepted)])"),
+      ("cache.rollback([base[b] + 1 + a for b, a in enumerate(accepted)])",
+       "cache.rollback([min(base[b] + 2 + a, base[b] + 1 + drafts.shape[1]) for b, a in enumerate(accepted)])")),
+    M("min_tokens_off_by_one", "sparsespec/engine.py", "min_new_tokens masks one position too few",
+      ("n = max(0, min(logits.shape[1], r.params.min_new_tokens - num_out[b]))",
+       "n = max(0, min(logits.shape[1], r.params.min_new_tokens - num_out[b] - 1))"),
+      ("masked = max(0, min(logits.shape[1], sp.min_new_tokens - n))",
+       "masked = max(0, min(logits.shape[1], sp.min_new_tokens - n - 1))")),
+    M("stream_no_holdback", "sparsespec/engine.py", "stream a split UTF-8 character's replacement glyph",
+      ('target = req.text.rstrip("\\ufffd")', "target = req.text")),
+    M("rows_share_a_seed", "sparsespec/engine.py", "every row of generate(seed=s) samples the same stream",
+      ("    return int(np.random.SeedSequence([int(seed), i]).generate_state(1, dtype=np.uint64)[0])",
+       "    return int(seed)")),
+    M("move_drops_last_position", "sparsespec/kv/cache.py", "pool compaction drops a row's last position",
+      ("        self.k[:, dst, :, :n] = self.k[:, src, :, :n]", "        self.k[:, dst, :, : n - 1] = self.k[:, src, :, : n - 1]")),
+    # ---- the controller
+    M("labels_include_rejected", "sparsespec/adaptive.py", "the first rejected token updates mu_accept",
+      ("for h in list(entropies)[:num_accepted]:", "for h in list(entropies)[: num_accepted + 1]:")),
+    M("expected_tokens_no_product", "sparsespec/adaptive.py", "E(k) without the running product",
+      ("            run *= float(p)\n", "            run = float(p)\n")),
+    M("accept_prob_sign", "sparsespec/adaptive.py", "high entropy predicts acceptance",
+      ("return _sigmoid(2.0 * self.sharpness * (mid - h) / s)", "return _sigmoid(2.0 * self.sharpness * (h - mid) / s)")),
+]
+
+
+def run_one(m: Mutant, root: Path, tests: list[str], timeout: float) -> dict:
+    src = (root / m.path).read_text()
+    for old, new in m.variants:
+        if old in src:
+            break
+    else:
+        return {"name": m.name, "status": "n/a", "what": m.what}
+    tmp = Path(tempfile.mkdtemp(prefix=f"mut-{m.name}-"))
+    try:
+        for d in ("sparsespec", "tests", "cluster", "evals", "dashboard"):
+            if (root / d).exists():
+                shutil.copytree(root / d, tmp / d, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy(root / "pyproject.toml", tmp / "pyproject.toml")
+        (tmp / m.path).write_text(src.replace(old, new, 1))
+        env = dict(os.environ, PYTHONPATH=str(tmp), OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+        present = [t for t in tests if (tmp / t).exists()]
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-m", "not slow and not gpu", "-p", "no:cacheprovider",
+               *present]
+        t0 = time.perf_counter()
+        try:
+            p = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
+            status = "survived" if p.returncode == 0 else "killed"
+            tail = (p.stdout.strip().splitlines() or [""])[-1]
+        except subprocess.TimeoutExpired:
+            status, tail = "killed", "timeout"
+        return {"name": m.name, "status": status, "what": m.what, "seconds": round(time.perf_counter() - t0, 1),
+                "result": tail}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--root", type=Path, default=ROOT, help="tree to mutate (default: this checkout)")
+    ap.add_argument("--only", default="", help="comma list of mutant names")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--json-out", type=Path)
+    a = ap.parse_args(argv)
+    chosen = [m for m in MUTANTS if not a.only or m.name in a.only.split(",")]
+    clean = run_one(M("unmutated", "sparsespec/engine.py", "no change", ("", "")), a.root.resolve(), FAST_TESTS,
+                    a.timeout)
+    print(f"unmutated tree: {clean['status']} in {clean['seconds']} s ({clean['result']})")
+    if clean["status"] != "survived":  # every mutant would count as killed
+        print("the unmutated tree fails its fast tests: no score")
+        return 1
+    with cf.ThreadPoolExecutor(max_workers=a.jobs) as pool:
+        results = list(pool.map(lambda m: run_one(m, a.root.resolve(), FAST_TESTS, a.timeout), chosen))
+    for r in results:
+        print(f"{r['status']:9s} {r['name']:28s} {r.get('seconds', ''):>7} {r['what']}")
+    applicable = [r for r in results if r["status"] != "n/a"]
+    killed = sum(r["status"] == "killed" for r in applicable)
+    print(f"\nscore: {killed}/{len(applicable)} killed ({len(results) - len(applicable)} n/a)")
+    if a.json_out:
+        a.json_out.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
