@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 from collections import defaultdict
@@ -36,7 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from cluster.store import DEFAULT_DB_URL, StoreError, StoreNotFoundError, StoreURLError, open_store, safe_url
-from sparsespec.stats import derive, drafting_steps, ledger_speedup, pool  # noqa: F401  (drafting_steps: re-export)
+from sparsespec.stats import _num, derive, drafting_steps, ledger_speedup, pool  # noqa: F401  (drafting_steps: re-export)
 
 AR = "ar"
 
@@ -52,17 +51,6 @@ EXTRA_KEYS = (
 
 
 # --------------------------------------------------------------------------- helpers
-def _num(stats: Mapping[str, Any], key: str) -> float:
-    v = stats.get(key)
-    if v is None:
-        return 0.0
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return 0.0
-    return f if math.isfinite(f) else 0.0
-
-
 def _ratio(num: float, den: float) -> float | None:
     return num / den if den > 0 else None
 
