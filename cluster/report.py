@@ -1,14 +1,16 @@
 """Report: derive speedup, acceptance and quality from the raw counts in the store.
 
-One row per (benchmark, task, model, method). Definitions (docs/CONTRACTS.md, DESIGN.md section 4-5);
+One row per (benchmark, task, model, context_length, batch_size, method): a sweep's cells stay apart. Definitions (docs/CONTRACTS.md, DESIGN.md section 4-5);
 every ratio is pooled over samples (sum of numerators / sum of denominators), never a mean of
 per-sample ratios, except the speedup, which is a median of paired per-sample ratios:
 
     n             number of result rows (samples) in the group
     score         mean per-sample score, in [0, 1] (the table prints it x100)
-    speedup       median over paired samples of TPOT_ar / TPOT_method, where
-                  TPOT = decode_s / (num_output_tokens - 1); a pair = same run, task, sample_id;
-                  samples with < 2 output tokens or no decode time are skipped. ar: 1.0
+    speedup       median over paired batches of TPOT_ar / TPOT_method, where a batch's
+                  TPOT = (batch_wall_s - batch_prefill_s) / sum(num_output_tokens - 1)
+                  (``sparsespec.stats.batch_tpot``; for batch 1 the row's own TPOT); a pair =
+                  the same batch (same run, same samples, same actor) run with ar and the method;
+                  batches with no decoded tokens are skipped. ar: 1.0
     alpha         sum(num_accepted) / sum(num_drafted)                         (ar: None)
     tau           sum(num_emitted) / sum(num_steps)                            (ar: 1.0)
     mean_k        sum(num_drafted) / sum(steps that drafted)                   (ar: None)
@@ -35,17 +37,17 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from cluster.store import DEFAULT_DB_URL, StoreError, StoreNotFoundError, StoreURLError, open_store, safe_url
-from sparsespec.stats import _num, derive, drafting_steps, ledger_speedup, pool  # noqa: F401  (drafting_steps: re-export)
+from sparsespec.stats import _num, batch_tpot, derive, drafting_steps, ledger_speedup, pool  # noqa: F401
 
 AR = "ar"
 
 REPORT_KEYS = (
-    "benchmark", "task", "model", "method", "n", "score", "speedup",
+    "benchmark", "task", "model", "context_length", "batch_size", "method", "n", "score", "speedup",
     "alpha", "tau", "mean_k", "gamma", "lossless_rate",
 )
 
 EXTRA_KEYS = (
-    "benchmark", "task", "model", "method", "n", "num_paired", "tokens_per_s", "tpot_s",
+    "benchmark", "task", "model", "context_length", "batch_size", "method", "n", "num_paired", "tokens_per_s", "tpot_s",
     "speedup_total", "predicted_speedup", "ttft_s", "budget_frac",
 )
 
@@ -66,21 +68,50 @@ def predicted_speedup(alpha: float | None, k: float | None, gamma: float | None)
     return ledger_speedup(alpha, k, gamma)
 
 
-def _group_key(r: Mapping[str, Any]) -> tuple[str, str, str, str]:
-    return (r["benchmark"], r["task"], r["model"], r["method"])
+GROUP_KEYS = ("benchmark", "task", "model", "context_length", "batch_size", "method")
+
+
+def _group_key(r: Mapping[str, Any]) -> tuple:
+    return (r["benchmark"], r["task"], r["model"], r.get("context_length"), int(r.get("batch_size") or 1),
+            r["method"])
 
 
 def _pair_key(r: Mapping[str, Any]) -> tuple[str, str, str, str, str]:
     return (r["run_id"], r["benchmark"], r["task"], r["model"], str(r["sample_id"]))
 
 
-def _sort_key(k: tuple[str, str, str, str]) -> tuple:
-    b, t, m, meth = k
-    return (b, t, m, meth != AR, meth)
+def _batch_key(r: Mapping[str, Any]) -> tuple[str, str]:
+    """The batch a row was decoded in (rows stored before batches: the sample itself)."""
+    st = r.get("stats") or {}
+    return (r["run_id"], str(st.get("batch_key") or f"{r['task']}/{r['sample_id']}"))
+
+
+def _sort_key(k: tuple) -> tuple:
+    b, t, m, L, B, meth = k
+    return (b, t, m, -1 if L is None else L, B, meth != AR, meth)
+
+
+def batch_speedups(rs: Sequence[Mapping[str, Any]], ar_rows: Sequence[Mapping[str, Any]]) -> list[float]:
+    """Paired per-batch ratios TPOT_ar / TPOT_method (``rs``: one method's rows)."""
+    def by_batch(rows: Iterable[Mapping[str, Any]]) -> dict[tuple[str, str], list[Mapping[str, Any]]]:
+        out: dict[tuple[str, str], list[Mapping[str, Any]]] = defaultdict(list)
+        for r in rows:
+            out[_batch_key(r)].append(r.get("stats") or {})
+        return out
+
+    mine, ref = by_batch(rs), by_batch(ar_rows)
+    ratios = []
+    for key, st in mine.items():
+        if key not in ref:
+            continue
+        t_ar, t_m = batch_tpot(ref[key]), batch_tpot(st)
+        if t_ar is not None and t_m is not None:
+            ratios.append(t_ar / t_m)
+    return ratios
 
 
 def _grouped(rows: Iterable[Mapping[str, Any]]) -> tuple[dict, dict]:
-    groups: dict[tuple[str, str, str, str], list[Mapping[str, Any]]] = defaultdict(list)
+    groups: dict[tuple, list[Mapping[str, Any]]] = defaultdict(list)
     ar_by_pair: dict[tuple, Mapping[str, Any]] = {}
     for r in rows:
         groups[_group_key(r)].append(r)
@@ -101,27 +132,19 @@ def compute_report(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for key in sorted(groups, key=_sort_key):
         rs = groups[key]
-        benchmark, task, model, method = key
+        method = key[-1]
         scores = [float(r["score"]) for r in rs if r.get("score") is not None]
         row: dict[str, Any] = {
-            "benchmark": benchmark, "task": task, "model": model, "method": method,
+            **dict(zip(GROUP_KEYS, key)),
             "n": len(rs),
             "score": statistics.fmean(scores) if scores else None,
         }
         if method == AR:
             row.update(speedup=1.0, alpha=None, tau=1.0, mean_k=None, gamma=None, lossless_rate=None)
         else:
-            ratios = []
-            verdicts = []
-            for r in rs:
-                ar = ar_by_pair.get(_pair_key(r))
-                if ar is None:
-                    continue
-                if r.get("lossless") is not None:
-                    verdicts.append(bool(r["lossless"]))
-                t_ar, t_m = tpot(ar.get("stats") or {}), tpot(r.get("stats") or {})
-                if t_ar is not None and t_m is not None:
-                    ratios.append(t_ar / t_m)
+            verdicts = [bool(r["lossless"]) for r in rs
+                        if _pair_key(r) in ar_by_pair and r.get("lossless") is not None]
+            ratios = batch_speedups(rs, groups.get(key[:-1] + (AR,), []))
             row["speedup"] = statistics.median(ratios) if ratios else None
             row.update(_pooled(rs))
             row["lossless_rate"] = (sum(verdicts) / len(verdicts)) if verdicts else None
@@ -140,7 +163,7 @@ def compute_extras(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """
     rows = list(rows)
     groups, ar_by_pair = _grouped(rows)
-    report = {(r["benchmark"], r["task"], r["model"], r["method"]): r for r in compute_report(rows)}
+    report = {tuple(r[k] for k in GROUP_KEYS): r for r in compute_report(rows)}
     out = []
     for key in sorted(groups, key=_sort_key):
         rs = groups[key]
@@ -158,9 +181,9 @@ def compute_extras(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
             num[2] += _num(sm, "decode_s"); num[3] += _num(sm, "num_output_tokens") - 1  # noqa: E702
         tpot_ar, tpot_m = _ratio(num[0], num[1]), _ratio(num[2], num[3])
         prefill = [_num(s, "prefill_s") for s in st if s.get("prefill_s") is not None]
-        method = key[3]
+        method = key[-1]
         out.append({
-            "benchmark": key[0], "task": key[1], "model": key[2], "method": method,
+            **dict(zip(GROUP_KEYS, key)),
             "n": len(rs),
             "num_paired": len(paired),
             "tokens_per_s": pooled["tokens_per_s"],
@@ -206,12 +229,13 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """Plain-text table of report rows; score printed x100 (0-100), ratios to 3 decimals."""
     from tabulate import tabulate
 
-    headers = ["benchmark", "task", "model", "method", "n", "score (x100)", "speedup (median)",
+    headers = ["benchmark", "task", "model", "ctx", "batch", "method", "n", "score (x100)", "speedup (median)",
                "alpha", "tau", "mean_k", "gamma", "lossless_rate"]
     body = []
     for r in rows:
         score = None if r["score"] is None else 100.0 * r["score"]
-        body.append([r["benchmark"], r["task"], r["model"], r["method"], r["n"], _fmt(score, 1),
+        body.append([r["benchmark"], r["task"], r["model"], _fmt(r["context_length"]), r["batch_size"],
+                     r["method"], r["n"], _fmt(score, 1),
                      _fmt(r["speedup"]), _fmt(r["alpha"]), _fmt(r["tau"]), _fmt(r["mean_k"], 2),
                      _fmt(r["gamma"]), _fmt(r["lossless_rate"])])
     return tabulate(body, headers=headers, tablefmt="github", disable_numparse=True)
@@ -219,7 +243,8 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m cluster.report",
-                                description="Per (benchmark, task, model, method) report of stored results.")
+                                description="Per (benchmark, task, model, context length, batch size, method) report "
+                                            "of stored results.")
     p.add_argument("--db", default=DEFAULT_DB_URL, help=f"database URL (default {DEFAULT_DB_URL})")
     p.add_argument("--json", action="store_true", help="print a JSON list with exactly the report keys")
     p.add_argument("--run", action="append", dest="runs", metavar="RUN_ID",

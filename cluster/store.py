@@ -1,11 +1,15 @@
 """Result store: SQLAlchemy 2.x ORM over SQLite or PostgreSQL.
 
-Two tables:
+Tables:
 
 ``runs``
     One row per resolved configuration. ``run_id`` is a deterministic hash of that configuration
     (see :func:`cluster.coordinator.compute_run_id`), so rerunning the same configuration resumes
     the same run instead of starting a new one.
+
+``shards``
+    One row per planned shard (a batch of samples run with every method): status, attempts, the
+    last error and worker. A shard's results and its ``done`` status are written together.
 
 ``results``
     One row per (run, task, sample, method) generation, carrying raw counts and seconds
@@ -134,6 +138,31 @@ class Result(Base):
     # "references" is an SQL keyword; SQLAlchemy quotes it on every dialect.
     references: Mapped[list] = mapped_column("references", JSONType)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ShardRow(Base):
+    """One planned shard of a run (a batch of samples, every method): its status across attempts.
+
+    ``status``: ``running`` (a worker has it), ``done`` (its results are stored, written in the
+    same transaction), ``failed`` (gave up after its retries; ``error`` says why). Resume skips
+    ``done`` shards and retries the others. ``key`` is the planner's stable shard key.
+    """
+
+    __tablename__ = "shards"
+    __table_args__ = (UniqueConstraint("run_id", "key", name="uq_shards_run_key"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(64), ForeignKey("runs.run_id", ondelete="CASCADE"), index=True)
+    key: Mapped[str] = mapped_column(String(512))
+    task: Mapped[str] = mapped_column(String(128))
+    sample_ids: Mapped[list] = mapped_column(JSONType)
+    status: Mapped[str] = mapped_column(String(16), default="running")
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    worker: Mapped[dict | None] = mapped_column(JSONType, nullable=True)  # pid, host, node of the last attempt
+    wall_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    started_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
 class BenchRow(Base):
@@ -347,26 +376,103 @@ class Store:
         clean = [self._clean_result(r) for r in rows]
         if not clean:
             return 0
+        with self._session.begin() as s:
+            return self._insert_results(s, clean)
+
+    def _insert_results(self, s: Any, clean: Sequence[Mapping[str, Any]]) -> int:
         dialect = self.engine.dialect.name
         key = ["run_id", "task", "sample_id", "method"]
         inserted = 0
-        with self._session.begin() as s:
-            if dialect in ("sqlite", "postgresql"):
-                ins = sqlite_insert if dialect == "sqlite" else pg_insert
-                for row in clean:
-                    table = Result.__table__
-                    stmt = (ins(table).values(**row).on_conflict_do_nothing(index_elements=key)
-                            .returning(table.c.id))  # rowcount is -1 on psycopg 3: count RETURNING rows
-                    inserted += len(s.execute(stmt).all())
-            else:  # any other dialect: check-then-insert inside the transaction
-                for row in clean:
-                    exists = s.scalar(
-                        select(Result.id).where(*(getattr(Result, k) == row[k] for k in key)).limit(1)
-                    )
-                    if exists is None:
-                        s.add(Result(**row))
-                        inserted += 1
+        if dialect in ("sqlite", "postgresql"):
+            ins = sqlite_insert if dialect == "sqlite" else pg_insert
+            table = Result.__table__
+            for row in clean:
+                stmt = (ins(table).values(**row).on_conflict_do_nothing(index_elements=key)
+                        .returning(table.c.id))  # rowcount is -1 on psycopg 3: count RETURNING rows
+                inserted += len(s.execute(stmt).all())
+        else:  # any other dialect: check-then-insert inside the transaction
+            for row in clean:
+                exists = s.scalar(select(Result.id).where(*(getattr(Result, k) == row[k] for k in key)).limit(1))
+                if exists is None:
+                    s.add(Result(**row))
+                    inserted += 1
         return inserted
+
+    # --------------------------------------------------------------- shards
+    def _shard(self, s: Any, run_id: str, key: str, task: str, sample_ids: Sequence[str]) -> ShardRow:
+        row = s.scalars(select(ShardRow).filter_by(run_id=run_id, key=key)).first()
+        if row is None:
+            row = ShardRow(run_id=run_id, key=key, task=task, sample_ids=list(sample_ids), status="pending",
+                           attempts=0)
+            s.add(row)
+        return row
+
+    def start_shard(self, run_id: str, key: str, *, task: str, sample_ids: Sequence[str],
+                    worker: Mapping[str, Any] | None = None) -> int:
+        """Mark a shard as running (one more attempt); returns the attempt number (1-based)."""
+        with self._session.begin() as s:
+            row = self._shard(s, run_id, key, task, sample_ids)
+            if row.status == "done":
+                raise StoreError(f"shard {key!r} of run {run_id} is already done")
+            row.status, row.attempts = "running", int(row.attempts or 0) + 1
+            row.worker, row.started_at, row.finished_at = json_safe(dict(worker or {})), utcnow(), None
+            return row.attempts
+
+    def complete_shard(self, run_id: str, key: str, results: Iterable[Mapping[str, Any]], *,
+                       wall_s: float | None = None, worker: Mapping[str, Any] | None = None) -> int:
+        """Store a shard's results and mark it done, in ONE transaction (a crash leaves neither).
+
+        Returns the number of result rows inserted (existing (run, task, sample, method) rows are
+        never written twice). Raises StoreError if the shard was never started.
+        """
+        clean = [self._clean_result(r) for r in results]
+        with self._session.begin() as s:
+            row = s.scalars(select(ShardRow).filter_by(run_id=run_id, key=key)).first()
+            if row is None:
+                raise StoreError(f"complete_shard: shard {key!r} of run {run_id} was never started")
+            n = self._insert_results(s, clean)
+            row.status, row.error, row.finished_at = "done", None, utcnow()
+            row.wall_s = None if wall_s is None else float(wall_s)
+            if worker:
+                row.worker = json_safe(dict(worker))
+            return n
+
+    def fail_shard(self, run_id: str, key: str, error: str, *, final: bool) -> None:
+        """Record a failed attempt; ``final``: no more retries (status ``failed``), else back to
+        ``pending``."""
+        with self._session.begin() as s:
+            row = s.scalars(select(ShardRow).filter_by(run_id=run_id, key=key)).first()
+            if row is None:
+                raise StoreError(f"fail_shard: shard {key!r} of run {run_id} was never started")
+            if row.status == "done":
+                return
+            row.status = "failed" if final else "pending"
+            row.error, row.finished_at = str(error)[:4000], utcnow()
+
+    def release_running(self, run_id: str) -> int:
+        """Shards left ``running`` (interrupted sweep): back to ``pending``. Returns how many."""
+        with self._session.begin() as s:
+            rows = s.scalars(select(ShardRow).filter_by(run_id=run_id, status="running")).all()
+            for r in rows:
+                r.status = "pending"
+            return len(rows)
+
+    def shards(self, run_id: str | Iterable[str] | None = None) -> list[dict[str, Any]]:
+        """Shard rows as plain dicts (all runs, or some), in planning order."""
+        if not self._has_tables or not inspect(self.engine).has_table("shards"):
+            return []
+        q = select(ShardRow).order_by(ShardRow.id)
+        if run_id is not None:
+            ids = [run_id] if isinstance(run_id, str) else list(run_id)
+            q = q.where(ShardRow.run_id.in_(ids))
+        with self._session() as s:
+            return [{c: getattr(r, c) for c in ("run_id", "key", "task", "sample_ids", "status", "attempts",
+                                                 "error", "worker", "wall_s", "started_at", "finished_at")}
+                    for r in s.scalars(q)]
+
+    def done_shards(self, run_id: str) -> set[str]:
+        """Keys of the shards of ``run_id`` whose results are stored."""
+        return {r["key"] for r in self.shards(run_id) if r["status"] == "done"}
 
     @staticmethod
     def _clean_result(row: Mapping[str, Any]) -> dict[str, Any]:
@@ -435,7 +541,8 @@ class Store:
         method: str | None = None,
         task: str | None = None,
     ) -> list[dict[str, Any]]:
-        """Result rows as plain dicts (all columns), optionally filtered, in insertion order."""
+        """Result rows as plain dicts (all columns, plus the run's ``context_length`` and
+        ``batch_size`` from its config), optionally filtered, in insertion order."""
         if not self._has_tables:
             return []
         stmt = select(Result).order_by(Result.id)
@@ -447,7 +554,14 @@ class Store:
         if task is not None:
             stmt = stmt.where(Result.task == task)
         with self._session() as s:
-            return [_result_to_dict(r) for r in s.scalars(stmt).all()]
+            out = [_result_to_dict(r) for r in s.scalars(stmt).all()]
+            cfg = dict(s.execute(select(Run.run_id, Run.config).where(
+                Run.run_id.in_({r["run_id"] for r in out}))).all())
+        for r in out:  # the cell of the run (a sweep's context length and batch size)
+            c = cfg.get(r["run_id"]) or {}
+            r["context_length"] = c.get("context_length")
+            r["batch_size"] = int(c.get("batch_size") or 1)
+        return out
 
     def token_ids(self, run_id: str, method: str) -> dict[tuple[str, str], list[int]]:
         """{(task, sample_id): token_ids} of one method in one run (used to check losslessness)."""

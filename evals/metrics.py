@@ -38,8 +38,6 @@ import string
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
-from rouge import Rouge
-
 __all__ = [
     "normalize_answer",
     "normalize_zh_answer",
@@ -136,6 +134,8 @@ def qa_f1_zh_score(prediction: str, ground_truth: str, **kwargs) -> float:
 
 def rouge_score(prediction: str, ground_truth: str, **kwargs) -> float:
     """ROUGE-L F from ``Rouge().get_scores([pred], [gold], avg=True)``; 0.0 on any exception."""
+    from rouge import Rouge  # lazy (~75 ms to import): only the summarisation tasks need it
+
     try:
         scores = Rouge().get_scores([prediction], [ground_truth], avg=True)
     except Exception:  # official: bare except (empty hypothesis, RecursionError, ...)

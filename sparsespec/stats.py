@@ -213,3 +213,22 @@ def derive(st: Mapping[str, Any], ar: Mapping[str, Any] | None = None) -> dict[s
         "predicted_speedup": ledger_speedup(alpha, mean_k, gamma) if drafted else (1.0 if steps else None),
         "predicted_speedup_round": (tau * ar_round / round_s) if (tau and ar_round and round_s) else None,
     }
+
+
+def batch_tpot(rows: Iterable[Mapping[str, Any]]) -> float | None:
+    """Seconds per decoded token of one batch (the rows' stats, all from the same batch).
+
+    ``(batch_wall_s - batch_prefill_s) / sum(num_output_tokens - 1)``: the batch's decode wall
+    time over the tokens decoded after each row's first (which prefill produced). For a batch of
+    one this is the row's own TPOT. None without decode time or decoded tokens; rows stored
+    before batches existed (no ``batch_wall_s``) fall back to their pooled ``decode_s``.
+    """
+    rows = list(rows)
+    if not rows:
+        return None
+    toks = sum(max(0.0, _num(r, "num_output_tokens") - 1) for r in rows)
+    if "batch_wall_s" in rows[0]:
+        dec = _num(rows[0], "batch_wall_s") - _num(rows[0], "batch_prefill_s")
+    else:
+        dec = sum(_num(r, "decode_s") for r in rows)
+    return dec / toks if toks > 0 and dec > 0 else None

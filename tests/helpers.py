@@ -60,3 +60,24 @@ def write_tiny_llama(folder: Path, *, vocab_size: int, hidden: int = 64, layers:
                   p + "mlp.down_proj.weight": rnd(E, I)})
     save_file(t, str(folder / "model.safetensors"))
     return folder
+
+
+def tiny_model_like(folder: Path, preset: str = "smollm2-135m", *, seed: int = 0, max_pos: int = 8192,
+                    **kwargs) -> Path:
+    """A random-weight tiny Llama with ``preset``'s tokenizer (its vocabulary, chat template and
+    EOS id): a real local Hugging Face folder that every layer (planner, workers, engine) loads
+    as a model, and that decodes in milliseconds."""
+    import json
+    import shutil
+
+    from sparsespec.provision import resolve_model
+
+    src = Path(resolve_model(preset))
+    cfg = json.loads((src / "config.json").read_text())
+    eos = cfg.get("eos_token_id", 2)
+    write_tiny_llama(folder, vocab_size=int(cfg["vocab_size"]), max_pos=max_pos, seed=seed,
+                     eos_token_id=eos[0] if isinstance(eos, list) else eos, **kwargs)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        if (src / name).exists():
+            shutil.copy(src / name, folder / name)
+    return folder

@@ -129,3 +129,34 @@ def test_password_is_masked_in_errors():
     with pytest.raises(StoreError) as e:
         open_store("postgresql+psycopg://user:hunter2@127.0.0.1:1/db")
     assert "hunter2" not in str(e.value)
+
+
+def test_shard_lifecycle_and_atomic_completion(store):
+    from cluster.store import StoreError
+
+    store.start_run("r1", benchmark="ruler", model="m", methods=["ar"], config={"context_length": 512,
+                                                                              "batch_size": 2})
+    with pytest.raises(StoreError, match="never started"):
+        store.complete_shard("r1", "r1/t/0", [_row()])
+    assert store.start_shard("r1", "r1/t/0", task="t", sample_ids=["s1"], worker={"pid": 1}) == 1
+    store.fail_shard("r1", "r1/t/0", "worker died", final=False)
+    assert store.start_shard("r1", "r1/t/0", task="t", sample_ids=["s1"], worker={"pid": 2}) == 2
+    # a row that breaks the transaction (no such run) leaves neither results nor a done mark
+    with pytest.raises(Exception):
+        store.complete_shard("r1", "r1/t/0", [_row(), _row(run_id="nope", sample_id="s2")])
+    assert store.results("r1") == [] and store.done_shards("r1") == set()
+    assert store.complete_shard("r1", "r1/t/0", [_row(), _row(method="x")], wall_s=1.5) == 2
+    assert store.done_shards("r1") == {"r1/t/0"}
+    (sh,) = store.shards("r1")
+    assert (sh["status"], sh["attempts"], sh["error"], sh["wall_s"]) == ("done", 2, None, 1.5)
+    with pytest.raises(StoreError, match="already done"):
+        store.start_shard("r1", "r1/t/0", task="t", sample_ids=["s1"])
+    # results carry the run's cell
+    assert {(r["context_length"], r["batch_size"]) for r in store.results("r1")} == {(512, 2)}
+    # failed for good, then released/resumable; running shards of a dead driver go back to pending
+    store.start_shard("r1", "r1/t/1", task="t", sample_ids=["s3"])
+    store.fail_shard("r1", "r1/t/1", "boom", final=True)
+    store.start_shard("r1", "r1/t/2", task="t", sample_ids=["s4"])
+    assert store.release_running("r1") == 1
+    assert {s["key"]: s["status"] for s in store.shards("r1")} == {
+        "r1/t/0": "done", "r1/t/1": "failed", "r1/t/2": "pending"}

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from evals import infinitebench as ib
+from evals.benchmarks import infinitebench as ib
 from evals.base import Sample
+from evals.records import RecordError
 
 SHARED_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "infinitebench"
 SHARED_PASSKEY = SHARED_DIR / "passkey_8192.depth5.jsonl"
@@ -30,7 +31,17 @@ def _ns(**kw):
     base = dict(data_dir=str(SHARED_DIR), tasks=None, num_samples=None, max_new_tokens=None, max_length=None,
                 prompt_set=None, chat_template=None, no_hub=True, save_samples=None)
     base.update(kw)
-    return types.SimpleNamespace(**base)
+    return base
+
+
+_SHARED = ("tasks", "num_samples", "max_new_tokens", "context_length")
+
+
+def _build(tokenizer, ns, window):
+    """``ib.benchmark.build_samples`` from a flat dict of shared arguments + options."""
+    kw = dict(vars(ns) if isinstance(ns, types.SimpleNamespace) else ns)
+    shared = {k: kw.pop(k) for k in _SHARED if k in kw}
+    return ib.benchmark.build_samples(tokenizer, window=window, options=kw, **shared)
 
 
 def _need_shared():
@@ -456,9 +467,9 @@ def test_unreachable_hub_gives_clear_error(monkeypatch, tmp_path, smol_tokenizer
     assert str(tmp_path / "kv_retrieval.jsonl") in msg and ib.HF_DATASET in msg and "no network" in msg
     # build_samples with an explicit task and nothing local: the same error
     with pytest.raises(FileNotFoundError, match="kv_retrieval"):
-        ib.build_samples(smol_tokenizer, _ns(data_dir=str(tmp_path), tasks="kv_retrieval", no_hub=False), SMOL_WINDOW)
+        _build(smol_tokenizer, _ns(data_dir=str(tmp_path), tasks="kv_retrieval", no_hub=False), SMOL_WINDOW)
     with pytest.raises(FileNotFoundError, match="no InfiniteBench task files"):
-        ib.build_samples(smol_tokenizer, _ns(data_dir=str(tmp_path)), SMOL_WINDOW)
+        _build(smol_tokenizer, _ns(data_dir=str(tmp_path)), SMOL_WINDOW)
 
 
 # ============================================================== golden scorer tests (hand-worked)
@@ -646,9 +657,10 @@ def test_score_prediction_records_official_format():
 def test_score_prediction_records_errors():
     with pytest.raises(ValueError, match="no prediction records"):
         ib.score_prediction_records("passkey", [])
-    with pytest.raises(ValueError, match=r"record 2 \(id 7\): needs one of"):
+    with pytest.raises(RecordError, match=r"record 1: passkey \(id 7\): needs one of") as info:
         ib.score_prediction_records("passkey", [{"prediction": "1", "ground_truth": "1"}, {"id": 7, "prediction": "1"}])
-    with pytest.raises(ValueError, match=r"record 1: .*expected an integer"):
+    assert info.value.index == 1  # evals.score turns it into FILE:LINE
+    with pytest.raises(RecordError, match=r"record 0: code_run: .*expected an integer"):
         ib.score_prediction_records("code_run", [{"prediction": "1", "ground_truth": ["one"]}])
     with pytest.raises(ValueError, match="unknown InfiniteBench task"):
         ib.score_prediction_records("passkeys", [{"prediction": "1", "ground_truth": "1"}])
@@ -674,7 +686,7 @@ def test_truncate_middle_official_split(smol_tokenizer):
 
 def test_shared_passkey_samples_truncated_to_the_window(smol_tokenizer):
     _need_shared()
-    samples = ib.build_samples(smol_tokenizer, _ns(), SMOL_WINDOW)
+    samples = _build(smol_tokenizer, _ns(), SMOL_WINDOW)
     assert [s.task for s in samples] == ["passkey"] * 5
     assert [s.sample_id for s in samples] == ["1", "2", "3", "4", "5"]
     for s in samples:
@@ -699,7 +711,7 @@ def test_shared_passkey_samples_truncated_to_the_window(smol_tokenizer):
 
 def test_max_length_cap_and_num_samples(smol_tokenizer):
     _need_shared()
-    samples = ib.build_samples(smol_tokenizer, _ns(num_samples=2, max_length=1024), SMOL_WINDOW)
+    samples = _build(smol_tokenizer, _ns(num_samples=2, max_length=1024), SMOL_WINDOW)
     assert len(samples) == 2
     for s in samples:
         assert s.meta["max_length"] == 1024 and s.meta["truncated"]
@@ -710,7 +722,7 @@ def test_max_length_cap_and_num_samples(smol_tokenizer):
 
 def test_fixture_samples_every_task_budgets_and_chat(smol_tokenizer, fixture_dir):
     tasks = [t for t in ib.TASKS if t != "math_calc"]
-    samples = ib.build_samples(smol_tokenizer, _ns(data_dir=str(fixture_dir), tasks=tasks), SMOL_WINDOW)
+    samples = _build(smol_tokenizer, _ns(data_dir=str(fixture_dir), tasks=tasks), SMOL_WINDOW)
     assert [s.task for s in samples] == [t for t in tasks for _ in range(2)]
     for s in samples:
         assert s.max_new_tokens == ib.DATA_NAME_TO_MAX_NEW_TOKENS[s.task]
@@ -723,20 +735,20 @@ def test_fixture_samples_every_task_budgets_and_chat(smol_tokenizer, fixture_dir
     assert ib.score_sample(by_task["code_run"], " -4.") == 1.0
     assert ib.score_sample(by_task["math_find"], "9") == 1.0
     # official 30000 new tokens for math_calc do not fit an 8K window: clear error, override works
-    with pytest.raises(ValueError, match=r"math_calc: max_context=8192 leaves no room.*--max-new-tokens"):
-        ib.build_samples(smol_tokenizer, _ns(data_dir=str(fixture_dir), tasks="math_calc"), SMOL_WINDOW)
-    (calc, _) = ib.build_samples(smol_tokenizer, _ns(data_dir=str(fixture_dir), tasks="math_calc", max_new_tokens=64),
+    with pytest.raises(ValueError, match=r"math_calc: window=8192 leaves no room.*--max-new-tokens"):
+        _build(smol_tokenizer, _ns(data_dir=str(fixture_dir), tasks="math_calc"), SMOL_WINDOW)
+    (calc, _) = _build(smol_tokenizer, _ns(data_dir=str(fixture_dir), tasks="math_calc", max_new_tokens=64),
                                  SMOL_WINDOW)
     assert calc.max_new_tokens == 64
     # API prompt sets are chat turns under --chat-template auto; gpt4 math_calc scores with the GPT-4 rule
-    (gpt, _) = ib.build_samples(smol_tokenizer, _ns(data_dir=str(fixture_dir), tasks="math_calc", max_new_tokens=64,
+    (gpt, _) = _build(smol_tokenizer, _ns(data_dir=str(fixture_dir), tasks="math_calc", max_new_tokens=64,
                                                     prompt_set="gpt4"), SMOL_WINDOW)
     text = smol_tokenizer.decode(list(gpt.prompt_ids))
     assert gpt.meta["chat_template"] and text.startswith("<|im_start|>") and text.endswith("<|im_start|>assistant\n")
     assert "<|im_start|>user\n1 + 3 + 4<|im_end|>" in text
     assert gpt.num_input_tokens_raw == gpt.num_input_tokens > gpt.meta["num_content_tokens"]
     assert ib.score_sample(gpt, "1 1 4 8") == 1.0 and ib.score_sample(calc, "1 1 4 8") == pytest.approx(1 / 3)
-    (off, _) = ib.build_samples(smol_tokenizer, _ns(data_dir=str(fixture_dir), tasks="passkey", prompt_set="gpt4",
+    (off, _) = _build(smol_tokenizer, _ns(data_dir=str(fixture_dir), tasks="passkey", prompt_set="gpt4",
                                                     chat_template="off"), SMOL_WINDOW)
     assert not off.meta["chat_template"]
 
@@ -744,7 +756,7 @@ def test_fixture_samples_every_task_budgets_and_chat(smol_tokenizer, fixture_dir
 def test_small_window_truncates_with_chat_template(smol_tokenizer, tmp_path):
     rec = {**FIXTURES["longbook_qa_eng"], "context": " ".join(f"w{i}" for i in range(3000))}
     _write_task(tmp_path, "longbook_qa_eng", [rec])
-    (s,) = ib.build_samples(smol_tokenizer, _ns(data_dir=str(tmp_path), tasks="longbook_qa_eng",
+    (s,) = _build(smol_tokenizer, _ns(data_dir=str(tmp_path), tasks="longbook_qa_eng",
                                                 chat_template="on"), 1024)
     assert s.meta["chat_template"] and s.meta["truncated"]
     assert s.num_input_tokens + s.max_new_tokens <= 1024 and s.num_input_tokens + s.max_new_tokens >= 1024 - 4
@@ -754,48 +766,63 @@ def test_small_window_truncates_with_chat_template(smol_tokenizer, tmp_path):
     assert "Read the book and answer the question. Be very concise in your answer.\n\nw0 w1" in text
     assert "w2999\n\nQuestion: Whom did Alice meet?\nAnswer:<|im_end|>" in text
     with pytest.raises(ValueError, match="leaves no room"):
-        ib.build_samples(smol_tokenizer, _ns(data_dir=str(tmp_path), tasks="longbook_qa_eng"), 40)
+        _build(smol_tokenizer, _ns(data_dir=str(tmp_path), tasks="longbook_qa_eng"), 40)
 
 
 def test_save_samples_roundtrip(smol_tokenizer, fixture_dir, tmp_path):
     from evals.sample_io import read_samples_jsonl
 
     out = tmp_path / "out" / "ib.jsonl"
-    samples = ib.build_samples(smol_tokenizer, _ns(data_dir=str(fixture_dir), tasks="code_debug,math_find",
+    samples = _build(smol_tokenizer, _ns(data_dir=str(fixture_dir), tasks="code_debug,math_find",
                                                    save_samples=str(out)), SMOL_WINDOW)
     back = read_samples_jsonl(out)
     assert back == samples
     assert ib.score_sample(back[0], "C.") == 1.0
 
 
-def test_main_wires_flags_into_cluster_jobs(monkeypatch, smol_tokenizer, fixture_dir):
+def test_cli_options_reach_build_samples(smol_tokenizer, fixture_dir):
     import argparse
 
-    captured = {}
-
-    def common_parser(description):
-        p = argparse.ArgumentParser(description=description)
-        p.add_argument("--tasks")
-        p.add_argument("--num-samples", type=int)
-        p.add_argument("--max-new-tokens", type=int)
-        return p
-
-    def run(benchmark, args, build_samples, score_sample):
-        captured["benchmark"] = benchmark
-        captured["samples"] = build_samples(smol_tokenizer, args, SMOL_WINDOW)
-        captured["score"] = score_sample
-        return 0
-
-    fake = types.ModuleType("cluster.jobs")
-    fake.common_parser, fake.run = common_parser, run
-    monkeypatch.setitem(sys.modules, "cluster.jobs", fake)
-    rc = ib.main(["--tasks", "passkey", "--num-samples", "1", "--data-dir", str(fixture_dir), "--max-length", "300",
-                  "--prompt-set", "claude2", "--chat-template", "off", "--no-hub"])
-    assert rc == 0 and captured["benchmark"] == "infinitebench"
-    (s,) = captured["samples"]
+    parser = argparse.ArgumentParser()
+    ib.benchmark.add_arguments(parser)
+    assert vars(parser.parse_args([])) == ib.benchmark.option_defaults()
+    opts = vars(parser.parse_args(["--data-dir", str(fixture_dir), "--max-length", "300", "--prompt-set", "claude2",
+                                   "--chat-template", "off", "--no-hub"]))
+    ib.benchmark.check(tasks=["passkey"], options=opts)
+    (s,) = ib.benchmark.build_samples(smol_tokenizer, window=SMOL_WINDOW, tasks=["passkey"], num_samples=1,
+                                      options=opts)
     assert s.task == "passkey" and s.meta["max_length"] == 300 and s.meta["prompt_set"] == "claude2"
     assert smol_tokenizer.decode(list(s.prompt_ids)).endswith("\nWhat is the pass key?\nThe pass key is")
-    assert captured["score"] is ib.score_sample
+
+
+def test_check_fails_fast(tmp_path, fixture_dir):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="no InfiniteBench task files"):
+        ib.benchmark.check(tasks=None, options={"data_dir": str(empty)})
+    with pytest.raises(FileNotFoundError, match="hub disabled"):
+        ib.benchmark.check(tasks=["kv_retrieval"], options={"data_dir": str(empty), "no_hub": True})
+    ib.benchmark.check(tasks=["kv_retrieval"], options={"data_dir": str(empty)})  # the hub: tried at build
+    with pytest.raises(ValueError, match="unknown InfiniteBench prompt set"):
+        ib.benchmark.check(tasks=None, options={"data_dir": str(fixture_dir), "prompt_set": "gpt5"})
+    with pytest.raises(ValueError, match="--chat-template must be one of"):
+        ib.benchmark.check(tasks=None, options={"data_dir": str(fixture_dir), "chat_template": "yes"})
+    _write_task(empty, "passkey", ["{broken"])
+    with pytest.raises(ValueError, match=r"passkey\.jsonl:1: malformed JSON"):
+        ib.benchmark.check(tasks=None, options={"data_dir": str(empty)})
+
+
+def test_score_predictions_model_name():
+    recs = [{"id": 0, "prediction": "1 1 4 8", "ground_truth": [1, 4, 8]}]
+    # without the rule the repeated first number breaks the match after one value: 1/3
+    assert ib.benchmark.score_predictions("math_calc", recs)["score"] == pytest.approx(1 / 3)
+    assert ib.benchmark.score_predictions("math_calc", recs, model_name="yarn-mistral")["score"] == pytest.approx(1 / 3)
+    assert ib.benchmark.score_predictions("math_calc", recs, model_name="gpt4")["score"] == 1.0
+    # only math_calc has a model rule
+    pk = [{"id": 0, "prediction": "12345", "ground_truth": ["12345"]}]
+    assert ib.benchmark.score_predictions("passkey", pk, model_name="gpt4")["score"] == 1.0
+    with pytest.raises(ValueError, match="unknown InfiniteBench model name 'gpt-4'; did you mean 'gpt4'"):
+        ib.benchmark.score_predictions("math_calc", recs, model_name="gpt-4")
 
 
 def test_hub_fallback_when_the_local_file_is_missing(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from evals import longbench as lb
+from evals.benchmarks import longbench as lb
 from evals.base import Sample
 
 DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "longbench_v1"
@@ -25,7 +25,7 @@ def smol_tokenizer():
 @pytest.fixture(scope="module")
 def all_samples(smol_tokenizer):
     args = types.SimpleNamespace(data_dir=str(DATA_DIR), tasks=None, num_samples=None, max_new_tokens=None, max_length=None)
-    return lb.build_samples(smol_tokenizer, args, SMOL_WINDOW)
+    return _build(smol_tokenizer, args, SMOL_WINDOW)
 
 
 def _task_files():
@@ -37,7 +37,17 @@ def _task_files():
 def _ns(**kw):
     base = dict(data_dir=str(DATA_DIR), tasks=None, num_samples=None, max_new_tokens=None, max_length=None)
     base.update(kw)
-    return types.SimpleNamespace(**base)
+    return base
+
+
+_SHARED = ("tasks", "num_samples", "max_new_tokens", "context_length")
+
+
+def _build(tokenizer, ns, window):
+    """``lb.benchmark.build_samples`` from a flat dict of shared arguments + options."""
+    kw = dict(vars(ns) if isinstance(ns, types.SimpleNamespace) else ns)
+    shared = {k: kw.pop(k) for k in _SHARED if k in kw}
+    return lb.benchmark.build_samples(tokenizer, window=window, options=kw, **shared)
 
 
 # ------------------------------------------------------------------ official configuration
@@ -236,13 +246,13 @@ def test_per_task_max_new_tokens_and_override(smol_tokenizer, all_samples):
         assert s.max_new_tokens == lb.DATASET2MAXLEN[s.task]
     got = {s.task: s.max_new_tokens for s in all_samples}
     assert got["gov_report"] == 512 and got["hotpotqa"] == 32 and got["trec"] == 64 and got["samsum"] == 128
-    samples = lb.build_samples(smol_tokenizer, _ns(tasks="hotpotqa,trec", max_new_tokens=7), SMOL_WINDOW)
+    samples = _build(smol_tokenizer, _ns(tasks="hotpotqa,trec", max_new_tokens=7), SMOL_WINDOW)
     assert {s.max_new_tokens for s in samples} == {7}
     assert {s.task for s in samples} == {"hotpotqa", "trec"}
 
 
 def test_max_length_cap_and_num_samples(smol_tokenizer):
-    samples = lb.build_samples(smol_tokenizer, _ns(tasks=["qasper", "lcc"], num_samples=1, max_length=512), SMOL_WINDOW)
+    samples = _build(smol_tokenizer, _ns(tasks=["qasper", "lcc"], num_samples=1, max_length=512), SMOL_WINDOW)
     assert [s.task for s in samples] == ["qasper", "lcc"]
     for s in samples:
         assert s.meta["truncated"] and s.meta["max_length"] == 512
@@ -253,12 +263,12 @@ def test_max_length_cap_and_num_samples(smol_tokenizer):
 
 def test_small_window_budget_is_respected(smol_tokenizer):
     # window 1024: gov_report needs 512 new tokens -> prompt <= 512 tokens, chat template included
-    samples = lb.build_samples(smol_tokenizer, _ns(tasks="gov_report,triviaqa"), 1024)
+    samples = _build(smol_tokenizer, _ns(tasks="gov_report,triviaqa"), 1024)
     for s in samples:
         assert s.num_input_tokens + s.max_new_tokens <= 1024
         assert s.num_input_tokens + s.max_new_tokens >= 1024 - 4
     with pytest.raises(ValueError, match="leaves no room"):
-        lb.build_samples(smol_tokenizer, _ns(tasks="gov_report"), 540)
+        _build(smol_tokenizer, _ns(tasks="gov_report"), 540)
 
 
 def test_score_sample_uses_official_metric(all_samples):
@@ -279,36 +289,23 @@ def test_save_samples_roundtrip(smol_tokenizer, tmp_path):
     from evals.sample_io import read_samples_jsonl
 
     out = tmp_path / "lb.jsonl"
-    samples = lb.build_samples(smol_tokenizer, _ns(tasks="trec", num_samples=1, save_samples=str(out)), SMOL_WINDOW)
+    samples = _build(smol_tokenizer, _ns(tasks="trec", num_samples=1, save_samples=str(out)), SMOL_WINDOW)
     assert read_samples_jsonl(out) == samples
 
 
-def test_main_wires_flags_into_cluster_jobs(monkeypatch, smol_tokenizer, tmp_path):
+def test_cli_options_reach_build_samples(smol_tokenizer):
+    """The options the cluster CLI parses with add_arguments are build_samples' options."""
     import argparse
 
-    captured = {}
-
-    def common_parser(description):
-        p = argparse.ArgumentParser(description=description)
-        p.add_argument("--tasks")
-        p.add_argument("--num-samples", type=int)
-        p.add_argument("--max-new-tokens", type=int)
-        return p
-
-    def run(benchmark, args, build_samples, score_sample):
-        captured["benchmark"] = benchmark
-        captured["samples"] = build_samples(smol_tokenizer, args, SMOL_WINDOW)
-        captured["score"] = score_sample
-        return 0
-
-    fake = types.ModuleType("cluster.jobs")
-    fake.common_parser, fake.run = common_parser, run
-    monkeypatch.setitem(sys.modules, "cluster.jobs", fake)
-    rc = lb.main(["--tasks", "triviaqa", "--num-samples", "1", "--data-dir", str(DATA_DIR), "--max-length", "300"])
-    assert rc == 0 and captured["benchmark"] == "longbench"
-    (s,) = captured["samples"]
+    parser = argparse.ArgumentParser()
+    lb.benchmark.add_arguments(parser)
+    opts = vars(parser.parse_args(["--data-dir", str(DATA_DIR), "--max-length", "300"]))
+    assert set(opts) == set(lb.benchmark.option_defaults()) == {"data_dir", "max_length", "save_samples"}
+    lb.benchmark.check(tasks=["triviaqa"], options=opts)
+    (s,) = lb.benchmark.build_samples(smol_tokenizer, window=SMOL_WINDOW, tasks=["triviaqa"], num_samples=1,
+                                      options=opts)
     assert s.task == "triviaqa" and s.meta["max_length"] == 300
-    assert captured["score"] is lb.score_sample
+    assert lb.benchmark.score_sample(s, s.references[0]) == lb.score_sample(s, s.references[0]) == 1.0
 
 
 # ------------------------------------------------------------------ issue 5: every official template
@@ -583,7 +580,7 @@ def test_longbench_e_files_load_and_build_with_the_base_task_settings(smol_token
     _write_task(tmp_path, "hotpotqa_e", [_rec(1, length=1200), _rec(2, length=5000), _rec(3, length=9000)])
     _write_task(tmp_path, "samsum_e", [_rec(1, "samsum", context="Dialogue: a\nSummary: b", input="Dialogue: c\nSummary:")])
     assert lb.available_tasks(tmp_path) == ["hotpotqa_e", "samsum_e"]
-    samples = lb.build_samples(smol_tokenizer, _ns(data_dir=str(tmp_path)), SMOL_WINDOW)
+    samples = _build(smol_tokenizer, _ns(data_dir=str(tmp_path)), SMOL_WINDOW)
     assert [s.task for s in samples] == ["hotpotqa_e"] * 3 + ["samsum_e"]
     hot = samples[0]
     assert hot.max_new_tokens == 32 and hot.meta["chat_template"]
@@ -725,27 +722,20 @@ def test_hub_data_zip_fallback_when_the_loading_script_is_refused(monkeypatch, t
         lb.load_records(data_dir, "lsht")
 
 
-def test_main_reports_a_missing_dataset_without_a_traceback(monkeypatch, capsys, tmp_path):
+def test_check_reports_a_missing_dataset_in_one_line(monkeypatch, tmp_path):
     _offline_hub(monkeypatch)
-    fake = types.ModuleType("cluster.jobs")
-
-    def common_parser(description):
-        import argparse
-
-        p = argparse.ArgumentParser(description=description)
-        p.add_argument("--tasks")
-        return p
-
-    def run(*a, **k):  # must not be reached
-        raise AssertionError("run() called although the data is missing")
-
-    fake.common_parser, fake.run = common_parser, run
-    monkeypatch.setitem(sys.modules, "cluster.jobs", fake)
-    assert lb.main(["--tasks", "musique", "--data-dir", str(tmp_path)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: no LongBench file for task 'musique'") and "Traceback" not in err
-    assert lb.main(["--data-dir", str(tmp_path / "nowhere")]) == 2
-    assert "LongBench data folder not found" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError) as info:
+        lb.benchmark.check(tasks=["musique"], options={"data_dir": str(tmp_path)})
+    msg = str(info.value)
+    assert msg.startswith("no LongBench file for task 'musique'") and "\n" not in msg
+    with pytest.raises(FileNotFoundError, match="LongBench data folder not found"):
+        lb.benchmark.check(tasks=None, options={"data_dir": str(tmp_path / "nowhere")})
+    with pytest.raises(ValueError, match="unknown LongBench task 'musiqu'; did you mean 'musique'"):
+        lb.benchmark.check(tasks=["musiqu"], options={"data_dir": str(tmp_path)})
+    bad = tmp_path / "trec.jsonl"
+    bad.write_text("{not json\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"trec\.jsonl:1: malformed JSON"):
+        lb.benchmark.check(tasks=None, options={"data_dir": str(tmp_path)})
 
 
 def test_hub_reachability_probe_is_used_when_no_loader_is_injected(monkeypatch, tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from evals import longbench_v2 as v2
+from evals.benchmarks import longbench_v2 as v2
 from evals.base import Sample
 
 DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "longbench_v2"
@@ -29,7 +29,17 @@ OFFICIAL_0SHOT = (
 def _ns(**kw):
     base = dict(data_dir=str(DATA_DIR), tasks=None, num_samples=None, max_new_tokens=None, max_length=None)
     base.update(kw)
-    return types.SimpleNamespace(**base)
+    return base
+
+
+_SHARED = ("tasks", "num_samples", "max_new_tokens", "context_length")
+
+
+def _build(tokenizer, ns, window):
+    """``v2.benchmark.build_samples`` from a flat dict of shared arguments + options."""
+    kw = dict(vars(ns) if isinstance(ns, types.SimpleNamespace) else ns)
+    shared = {k: kw.pop(k) for k in _SHARED if k in kw}
+    return v2.benchmark.build_samples(tokenizer, window=window, options=kw, **shared)
 
 
 def _record(i: int, **kw) -> dict:
@@ -53,7 +63,7 @@ def smol_tokenizer():
 def shared_samples(smol_tokenizer):
     if not SHARED_FILE.is_file():
         pytest.skip(f"no shared data at {SHARED_FILE}")
-    return v2.build_samples(smol_tokenizer, _ns(), SMOL_WINDOW)
+    return _build(smol_tokenizer, _ns(), SMOL_WINDOW)
 
 
 # ------------------------------------------------------------------ official configuration
@@ -220,22 +230,22 @@ def test_shared_samples_fit_and_keep_question_and_choices(smol_tokenizer, shared
 def test_num_samples_max_length_and_task_flags(smol_tokenizer):
     if not SHARED_FILE.is_file():
         pytest.skip(f"no shared data at {SHARED_FILE}")
-    samples = v2.build_samples(smol_tokenizer, _ns(num_samples=2, max_length=600, max_new_tokens=5), SMOL_WINDOW)
+    samples = _build(smol_tokenizer, _ns(num_samples=2, max_length=600, max_new_tokens=5), SMOL_WINDOW)
     assert len(samples) == 2
     for s in samples:
         assert s.max_new_tokens == 5 and s.meta["max_length"] == 600
         assert s.meta["num_content_tokens"] <= 600
         assert s.num_input_tokens <= 600 + s.meta["template_overhead"] + 2
-    assert len(v2.build_samples(smol_tokenizer, _ns(num_samples=1, tasks="longbench_v2"), SMOL_WINDOW)) == 1
+    assert len(_build(smol_tokenizer, _ns(num_samples=1, tasks="longbench_v2"), SMOL_WINDOW)) == 1
     with pytest.raises(ValueError, match="did you mean 'longbench_v2'"):
-        v2.build_samples(smol_tokenizer, _ns(tasks="longbench_v"), SMOL_WINDOW)
+        _build(smol_tokenizer, _ns(tasks="longbench_v"), SMOL_WINDOW)
     with pytest.raises(ValueError, match="leaves no room"):
-        v2.build_samples(smol_tokenizer, _ns(num_samples=1), 150)
+        _build(smol_tokenizer, _ns(num_samples=1), 150)
 
 
 def test_fixture_record_prompt_is_untruncated(smol_tokenizer, tmp_path):
     (tmp_path / "data.json").write_text(json.dumps([_record(1)]), encoding="utf-8")
-    (s,) = v2.build_samples(smol_tokenizer, _ns(data_dir=str(tmp_path)), SMOL_WINDOW)
+    (s,) = _build(smol_tokenizer, _ns(data_dir=str(tmp_path)), SMOL_WINDOW)
     assert not s.meta["truncated"]
     assert smol_tokenizer.decode(list(s.prompt_ids)) == smol_tokenizer.apply_chat_template(
         [{"role": "user", "content": v2.build_prompt(_record(1))}], tokenize=False, add_generation_prompt=True
@@ -318,53 +328,36 @@ def test_score_prediction_records_re_extracts_from_response():
 # ------------------------------------------------------------------ CLI wiring
 
 
-def _fake_jobs(monkeypatch, captured, tokenizer):
+def test_cli_options_reach_build_samples(smol_tokenizer, tmp_path):
     import argparse
 
-    def common_parser(description):
-        p = argparse.ArgumentParser(description=description)
-        p.add_argument("--tasks")
-        p.add_argument("--num-samples", type=int)
-        p.add_argument("--max-new-tokens", type=int)
-        return p
-
-    def run(benchmark, args, build_samples, score_sample):
-        captured["benchmark"] = benchmark
-        captured["samples"] = build_samples(tokenizer, args, SMOL_WINDOW)
-        captured["score"] = score_sample
-        return 0
-
-    fake = types.ModuleType("cluster.jobs")
-    fake.common_parser, fake.run = common_parser, run
-    monkeypatch.setitem(sys.modules, "cluster.jobs", fake)
-
-
-def test_main_wires_flags_into_cluster_jobs(monkeypatch, smol_tokenizer, tmp_path):
     (tmp_path / "data.json").write_text(json.dumps([_record(1), _record(2)]), encoding="utf-8")
-    captured = {}
-    _fake_jobs(monkeypatch, captured, smol_tokenizer)
-    rc = v2.main(["--num-samples", "1", "--data-dir", str(tmp_path), "--max-length", "300"])
-    assert rc == 0 and captured["benchmark"] == "longbench_v2"
-    (s,) = captured["samples"]
+    parser = argparse.ArgumentParser()
+    v2.benchmark.add_arguments(parser)
+    opts = vars(parser.parse_args(["--data-dir", str(tmp_path), "--max-length", "300"]))
+    assert set(opts) == set(v2.benchmark.option_defaults()) == {"data_dir", "max_length", "save_samples"}
+    v2.benchmark.check(tasks=None, options=opts)
+    (s,) = v2.benchmark.build_samples(smol_tokenizer, window=SMOL_WINDOW, num_samples=1, options=opts)
     assert s.sample_id == "id1" and s.meta["max_length"] == 300
-    assert captured["score"] is v2.score_sample
 
 
-def test_main_missing_data_is_one_line(monkeypatch, capsys, smol_tokenizer, tmp_path):
+def test_check_missing_data_is_one_line(monkeypatch, tmp_path):
     from evals import hub
 
     monkeypatch.setattr(hub, "LOADER", lambda *a, **k: (_ for _ in ()).throw(ConnectionError("offline")))
-    captured = {}
-    _fake_jobs(monkeypatch, captured, smol_tokenizer)
-    assert v2.main(["--data-dir", str(tmp_path)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: no LongBench v2 file") and "Traceback" not in err and not captured
-    assert v2.main(["--tasks", "nope", "--data-dir", str(tmp_path)]) == 2
-    assert "unknown LongBench v2 task 'nope'" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError) as info:
+        v2.benchmark.check(tasks=None, options={"data_dir": str(tmp_path)})
+    assert str(info.value).startswith("no LongBench v2 file") and "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="unknown LongBench v2 task 'nope'"):
+        v2.benchmark.check(tasks=["nope"], options={"data_dir": str(tmp_path)})
 
 
 def test_runs_as_a_script_help():
+    import importlib.util
     import subprocess
+
+    if importlib.util.find_spec("cluster.cli") is None:
+        pytest.skip("cluster.cli (benchmark_main) is not there yet")
 
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, str(root / "evals" / "longbench_v2.py"), "--help"], cwd=root,

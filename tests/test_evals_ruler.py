@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from evals import ruler
+from evals.benchmarks import ruler
 from evals.base import Sample
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +49,8 @@ OFFICIAL = {
     "variable_tracking": {
         "tokens_to_generate": 30,
         "template": """Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\nQuestion: Find all variables that are assigned the value {query} in the text above.""",
-        "answer_prefix": """ Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are assgined the value {query}, they are: """,
+        # "assigned" since upstream commit 4a216f4 ("fix typo", 2025-05-13); it read "assgined" before
+        "answer_prefix": """ Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are assigned the value {query}, they are: """,
     },
     "common_words_extraction": {
         "tokens_to_generate": 120,
@@ -100,14 +101,24 @@ def _ns(**kw):
     base = dict(tasks=None, num_samples=None, context_length=None, seed=None, haystack=None, max_new_tokens=None,
                 qa_data=None, qa2_data=None)
     base.update(kw)
-    return types.SimpleNamespace(**base)
+    return base
+
+
+_SHARED = ("tasks", "num_samples", "max_new_tokens", "context_length")
+
+
+def _build(tokenizer, ns, window):
+    """``ruler.benchmark.build_samples`` from a flat dict of shared arguments + options."""
+    kw = dict(vars(ns) if isinstance(ns, types.SimpleNamespace) else ns)
+    shared = {k: kw.pop(k) for k in _SHARED if k in kw}
+    return ruler.benchmark.build_samples(tokenizer, window=window, options=kw, **shared)
 
 
 @pytest.fixture(scope="module")
 def all_samples(smol_tokenizer):
     """One sample of every task at 2K, 4K and 8K (~4 s)."""
     return {
-        ctx: {s.task: s for s in ruler.build_samples(
+        ctx: {s.task: s for s in _build(
             smol_tokenizer, _ns(tasks="all", num_samples=1, context_length=ctx, qa2_data=str(HOTPOT)), 8192)}
         for ctx in LENGTHS
     }
@@ -120,6 +131,19 @@ def _text(tok, sample: Sample) -> str:
 # ------------------------------------------------------------------------------------------------
 # Official strings and configs
 # ------------------------------------------------------------------------------------------------
+
+
+def test_vt_answer_prefix_is_the_current_upstream_string():
+    """NVIDIA/RULER scripts/data/synthetic/constants.py at c3f5e3b (the typo "assgined" was fixed
+    upstream in 4a216f4): the exact string, and the rendered prefix of a vt sample."""
+    upstream = (" Answer: According to the chain(s) of variable assignment in the text above, {num_v} "
+                "variables are assigned the value {query}, they are: ")
+    assert ruler.VT_ANSWER_PREFIX == upstream
+    assert ruler.TASKS["variable_tracking"]["answer_prefix"] == upstream
+    assert "assgined" not in ruler.VT_ANSWER_PREFIX
+    assert ruler._vt_format("ctx", "12345", 5)[1] == (
+        " Answer: According to the chain(s) of variable assignment in the text above, 5 variables are "
+        "assigned the value 12345, they are: ")
 
 
 def test_templates_are_the_official_strings():
@@ -301,9 +325,9 @@ def test_vt_chain_and_one_shot_example(smol_tokenizer, all_samples):
         example, task = user.split("\n\nMemorize and track the chain(s)", 1)
         assert re.search(r"they are:  [A-Z]{3} [A-Z]{3} [A-Z]{3} [A-Z]{3} [A-Z]{3}$", example)
         assert "12345" not in example and value not in example
-        assert "5 variables are assgined the value" in example
+        assert "5 variables are assigned the value" in example
         assert text.endswith(f"<|im_start|>assistant\n Answer: According to the chain(s) of variable assignment "
-                             f"in the text above, 5 variables are assgined the value {value}, they are: ")
+                             f"in the text above, 5 variables are assigned the value {value}, they are: ")
         assert len(smol_tokenizer(example)["input_ids"]) <= 520
 
 
@@ -361,7 +385,7 @@ def test_qa_prompts(smol_tokenizer, all_samples):
 
 
 def test_qa_questions_in_file_order_and_small_dataset_limits(smol_tokenizer, tmp_path):
-    samples = ruler.build_samples(smol_tokenizer, _ns(tasks="qa_2", num_samples=3, context_length=1024,
+    samples = _build(smol_tokenizer, _ns(tasks="qa_2", num_samples=3, context_length=1024,
                                                       qa2_data=str(HOTPOT)), 8192)
     assert [s.references for s in samples] == [("the Selwick River",), ("the viola",), ("1934",)]
     with pytest.raises(ValueError, match="has only 3 answerable questions"):
@@ -411,9 +435,9 @@ def test_depth_spread_over_samples(smol_tokenizer):
 
 
 def test_build_samples_defaults_ids_and_max_new_tokens_override(smol_tokenizer):
-    samples = ruler.build_samples(smol_tokenizer, _ns(num_samples=1, context_length=1024), 8192)
+    samples = _build(smol_tokenizer, _ns(num_samples=1, context_length=1024), 8192)
     assert [s.task for s in samples] == list(ruler.DEFAULT_TASKS)
-    samples = ruler.build_samples(
+    samples = _build(
         smol_tokenizer, _ns(tasks="niah_single_1,fwe", num_samples=3, context_length=1024, max_new_tokens=32), 8192
     )
     assert len({(s.task, s.sample_id) for s in samples}) == 6
@@ -457,9 +481,9 @@ def test_strip_gutenberg():
 
 def test_errors(smol_tokenizer, tmp_path):
     with pytest.raises(ValueError, match="did you mean 'niah_single_1'"):
-        ruler.build_samples(smol_tokenizer, _ns(tasks="niah_single1"), 8192)
+        _build(smol_tokenizer, _ns(tasks="niah_single1"), 8192)
     with pytest.raises(ValueError, match="exceeds the model window"):
-        ruler.build_samples(smol_tokenizer, _ns(context_length=16384), 8192)
+        _build(smol_tokenizer, _ns(context_length=16384), 8192)
     with pytest.raises(ValueError, match="too small"):
         ruler.generate_sample(smol_tokenizer, "niah_single_1", 150, 0)
     with pytest.raises(ValueError, match="qa_2: context_length=300 is too small"):
@@ -494,9 +518,9 @@ def test_vt_with_essay_haystack(smol_tokenizer, monkeypatch):
 def test_qa_file_errors(smol_tokenizer, tmp_path):
     # qa_2 has no default file: a clear error, before anything is generated
     with pytest.raises(FileNotFoundError, match="--qa2-data"):
-        ruler.build_samples(smol_tokenizer, _ns(tasks="niah_single_1,qa_2", num_samples=1), 8192)
+        _build(smol_tokenizer, _ns(tasks="niah_single_1,qa_2", num_samples=1), 8192)
     with pytest.raises(FileNotFoundError, match="--qa2-data"):
-        ruler.build_samples(smol_tokenizer, _ns(tasks="all", num_samples=1), 8192)
+        _build(smol_tokenizer, _ns(tasks="all", num_samples=1), 8192)
     with pytest.raises(FileNotFoundError, match="no such file"):
         ruler.generate_sample(smol_tokenizer, "qa_2", 2048, 0, qa2_data=tmp_path / "missing.json")
     with pytest.raises(FileNotFoundError, match="--qa-data"):
@@ -614,37 +638,37 @@ def test_score_sample_uses_the_task_metric(all_samples):
 # ------------------------------------------------------------------------------------------------
 
 
-def test_save_samples_and_main_wiring(monkeypatch, smol_tokenizer, tmp_path):
+def test_save_samples_and_cli_options(smol_tokenizer, tmp_path):
     import argparse
 
     from evals.sample_io import read_samples_jsonl
 
-    captured = {}
-
-    def common_parser(description):
-        p = argparse.ArgumentParser(description=description)
-        p.add_argument("--tasks")
-        p.add_argument("--num-samples", type=int)
-        p.add_argument("--max-new-tokens", type=int)
-        return p
-
-    def run(benchmark, args, build_samples, score_sample):
-        captured["benchmark"] = benchmark
-        captured["samples"] = build_samples(smol_tokenizer, args, 8192)
-        captured["score"] = score_sample
-        return 0
-
-    fake = types.ModuleType("cluster.jobs")
-    fake.common_parser, fake.run = common_parser, run
-    monkeypatch.setitem(sys.modules, "cluster.jobs", fake)
+    parser = argparse.ArgumentParser()
+    ruler.benchmark.add_arguments(parser)
+    assert vars(parser.parse_args([])) == ruler.benchmark.option_defaults() == {
+        "seed": 42, "haystack": None, "qa_data": None, "qa2_data": None, "save_samples": None}
     out = tmp_path / "ruler.jsonl"
-    argv = ["--tasks", "niah_single_1,vt,qa_2", "--num-samples", "2", "--context-length", "1024", "--seed", "5",
-            "--qa2-data", str(HOTPOT), "--save-samples", str(out)]
-    assert ruler.main(argv) == 0
-    assert captured["benchmark"] == "ruler" and captured["score"] is ruler.score_sample
-    samples = captured["samples"]
+    opts = vars(parser.parse_args(["--seed", "5", "--qa2-data", str(HOTPOT), "--save-samples", str(out)]))
+    tasks = ["niah_single_1", "vt", "qa_2"]
+    ruler.benchmark.check(tasks=tasks, options=opts)
+    samples = ruler.benchmark.build_samples(smol_tokenizer, window=8192, context_length=1024, tasks=tasks,
+                                            num_samples=2, options=opts)
     assert [s.task for s in samples] == ["niah_single_1"] * 2 + ["vt"] * 2 + ["qa_2"] * 2
     assert all(isinstance(s, Sample) for s in samples)
     assert all(s.meta["seed"] == 5 and s.meta["context_length"] == 1024 for s in samples)
     # baseline and method read back exactly the same inputs
     assert read_samples_jsonl(out) == samples
+
+
+def test_check_fails_fast(tmp_path):
+    with pytest.raises(FileNotFoundError, match="qa_2 needs a HotpotQA-format JSON file"):
+        ruler.benchmark.check(tasks=["qa_2"], options={})
+    with pytest.raises(FileNotFoundError, match="--qa-data .*none.json|none.json not found"):
+        ruler.benchmark.check(tasks=["qa_1"], options={"qa_data": str(tmp_path / "none.json")})
+    with pytest.raises(FileNotFoundError, match="--haystack"):
+        ruler.benchmark.check(tasks=["niah_single_2"], options={"haystack": str(tmp_path / "none")})
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        ruler.benchmark.check(tasks=None, options={"seed": "5"})
+    with pytest.raises(ValueError, match="unknown task 'fw'; did you mean 'fwe'"):
+        ruler.benchmark.check(tasks=["fw"], options={})
+    ruler.benchmark.check(tasks=["niah_single_1", "vt"], options={})  # noise haystacks: nothing to read

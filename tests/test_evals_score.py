@@ -103,41 +103,87 @@ def test_other_errors_are_one_line(tmp_path, capsys):
         score.main(["--benchmark", "nope", "--task", "x", str(path)])
 
 
-def test_dispatch_is_by_module_convention(monkeypatch, tmp_path, capsys):
-    """Any evals.<benchmark> with score_prediction_records(task, records) plugs in."""
+class _FakeBench:
+    """A registry entry whose score_predictions is scripted (dispatch goes through evals.registry)."""
+
+    name = "ruler"
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.calls = []
+
+    def score_predictions(self, task, records, *, model_name=None):
+        self.calls.append((task, len(records), model_name))
+        return self.fn(task, records)
+
+
+def test_dispatch_is_through_the_registry(monkeypatch, tmp_path, capsys):
+    from evals import registry
     from evals.records import RecordError
 
-    fake = types.ModuleType("evals.fake_bench")
-
-    def score_prediction_records(task, records):
+    def fn(task, records):
         if any("bad" in r for r in records):
             raise RecordError(next(i for i, r in enumerate(records) if "bad" in r), "bad record")
         return {"task": task, "score": 12.5, "n": len(records)}
 
-    fake.score_prediction_records = score_prediction_records
-    monkeypatch.setitem(sys.modules, "evals.fake_bench", fake)
-    monkeypatch.setitem(score.BENCHMARKS, "ruler", "evals.fake_bench")
+    fake = _FakeBench(fn)
+    monkeypatch.setitem(registry.BENCHMARKS, "ruler", fake)
     path = _write_jsonl(tmp_path / "p.jsonl", [{"pred": "x"}, {"pred": "y"}])
     assert score.main(["--benchmark", "ruler", "--task", "niah_single_1", str(path)]) == 0
     assert json.loads(capsys.readouterr().out) == {"task": "niah_single_1", "score": 12.5, "n": 2}
+    assert score.main(["--benchmark", "ruler", "--task", "t", "--model-name", "gpt4", str(path)]) == 0
+    capsys.readouterr()
+    assert fake.calls == [("niah_single_1", 2, None), ("t", 2, "gpt4")]
     bad = _write_jsonl(tmp_path / "b.jsonl", [{"pred": "x"}, {"bad": 1}])
     assert score.main(["--benchmark", "ruler", "--task", "t", str(bad)]) == 2
     assert capsys.readouterr().err == f"error: {bad}:2: bad record\n"
-    # a module without the function, and one whose scorer raises KeyError
-    monkeypatch.setitem(sys.modules, "evals.fake_bench", types.ModuleType("evals.fake_bench"))
+    # an entry without score_predictions, and one whose scorer raises KeyError / returns junk
+    monkeypatch.setitem(registry.BENCHMARKS, "ruler", object())
     assert score.main(["--benchmark", "ruler", "--task", "t", str(path)]) == 2
-    assert "has no score_prediction_records" in capsys.readouterr().err
-    fake2 = types.ModuleType("evals.fake_bench")
-    fake2.score_prediction_records = lambda task, records: records[0]["answer"]
-    monkeypatch.setitem(sys.modules, "evals.fake_bench", fake2)
+    assert "has no score_predictions" in capsys.readouterr().err
+    monkeypatch.setitem(registry.BENCHMARKS, "ruler", _FakeBench(lambda task, records: records[0]["answer"]))
     assert score.main(["--benchmark", "ruler", "--task", "t", str(path)]) == 2
     assert "misses field 'answer'" in capsys.readouterr().err
+    monkeypatch.setitem(registry.BENCHMARKS, "ruler", _FakeBench(lambda task, records: 3))
+    assert score.main(["--benchmark", "ruler", "--task", "t", str(path)]) == 2
+    assert "not a dict with task/score/n" in capsys.readouterr().err
+
+
+IB_CALC = [{"id": 0, "prediction": "1 1 4 8", "ground_truth": [1, 4, 8]},
+           {"id": 1, "prediction": "2 2 5", "ground_truth": [2, 5]}]
+
+
+def test_infinitebench_model_name_is_the_gpt4_math_calc_rule(tmp_path, capsys):
+    """compute_scores.py --model_name gpt4 drops the first predicted number of math_calc."""
+    path = _write_jsonl(tmp_path / "preds_math_calc.jsonl", IB_CALC)
+    base = ["--benchmark", "infinitebench", "--task", "math_calc"]
+    assert score.main(base + [str(path)]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["n"] == 2 and got["score"] == pytest.approx((1 / 3 + 1 / 2) / 2)
+    assert score.main(base + ["--model-name", "gpt4", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out) == {"task": "math_calc", "score": 1.0, "n": 2}
+    assert score.main(base + ["--model-name", "gpt-4", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "did you mean 'gpt4'" in err and err.count("\n") == 1
+    # the other benchmarks ignore it
+    lb = _write_jsonl(tmp_path / "hotpotqa.jsonl", LB_LINES)
+    assert score.main(["--benchmark", "longbench", "--task", "hotpotqa", "--model-name", "gpt4", str(lb)]) == 0
+    assert json.loads(capsys.readouterr().out)["score"] == 55.56
+
+
+def test_infinitebench_record_errors_name_file_and_line(tmp_path, capsys):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(IB_CALC[0]) + "\n\n" + json.dumps({"id": 7, "prediction": "1"}) + "\n",
+                    encoding="utf-8")
+    assert score.main(["--benchmark", "infinitebench", "--task", "math_calc", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}:3: math_calc (id 7): needs one of") and err.count("\n") == 1
 
 
 def test_new_evals_modules_stay_light():
     code = (
         "import sys\n"
-        "import evals.longbench, evals.longbench_v2, evals.score, evals.hub, evals.records\n"
+        "import evals.longbench, evals.longbench_v2, evals.score, evals.hub, evals.records, evals.registry\n"
         "bad = [m for m in ('ray', 'sqlalchemy', 'streamlit', 'sparsespec', 'cluster', 'datasets', 'torch')"
         " if m in sys.modules]\n"
         "print(','.join(bad))\n"
@@ -153,7 +199,7 @@ V2_SHARED = ROOT.parent / "shared" / "data" / "longbench_v2" / "longbench_v2.rec
 def test_shared_longbench_records_gold_and_empty_predictions(tmp_path, capsys):
     """Prediction files built from the real shared records: the gold answer scores 100 on every
     task (rouge's 1e-8 rounds away), an empty prediction 0."""
-    from evals import longbench as lb
+    from evals.benchmarks import longbench as lb
 
     if not LB_SHARED.is_dir():
         pytest.skip(f"no shared data at {LB_SHARED}")
@@ -176,7 +222,7 @@ def test_shared_longbench_records_gold_and_empty_predictions(tmp_path, capsys):
 
 
 def test_shared_longbench_v2_records_as_official_prediction_lines(tmp_path, capsys):
-    from evals import longbench_v2 as v2
+    from evals.benchmarks import longbench_v2 as v2
 
     if not V2_SHARED.is_file():
         pytest.skip(f"no shared data at {V2_SHARED}")

@@ -19,10 +19,16 @@ Prompt construction per record (as ``eval_yarn_mistral.py`` / ``create_prompt``)
 3. optionally wrap it in the tokenizer's chat template (see :data:`CHAT_PROMPT_SETS`);
 4. tokenize the result (``tokenizer(text)``, or without specials when chat-templated).
 
-``max_length`` (step 2) is ``max_context - max_new_tokens - chat overhead`` so that prompt plus
-generation fit the model window, optionally lowered by ``--max-length`` (official: the model's
-length, 128K for YaRN-Mistral). Overflow from re-tokenisation at the seam is corrected by
-lowering ``max_length`` and rebuilding, as in :mod:`evals.longbench`.
+``max_length`` (step 2) is ``limit - max_new_tokens - chat overhead`` with ``limit =
+min(context_length, window)`` (``context_length`` None: the model window), so that prompt plus
+generation fit the sweep's context length and the model window, optionally lowered by the
+``max_length`` option (``--max-length``; official: the model's length, 128K for YaRN-Mistral).
+Overflow from re-tokenisation at the seam is corrected by lowering ``max_length`` and rebuilding
+(:func:`evals.common.fit_prompt`, as in :mod:`evals.benchmarks.longbench`).
+
+Registry entry: :data:`benchmark` (``evals.registry.get_benchmark("infinitebench")``), an
+:class:`InfiniteBench`; its options are ``data_dir``, ``max_length``, ``prompt_set``,
+``chat_template``, ``no_hub`` and ``save_samples``.
 
 Answers (``get_answer``): ``longbook_choice_eng`` and ``code_debug`` become ``[option text,
 letter]`` (letter = position of the answer among ``options``); every other task keeps ``answer``
@@ -60,8 +66,10 @@ returns one):
   compared case-sensitively with the upper-cased words of the prediction).
 * A ``None`` prediction (failed generation) scores as the empty string (wrong, still counted).
 * ``compute_scores.py`` drops the first predicted number of ``math_calc`` for ``model_name ==
-  "gpt4"``; here that follows ``model_name`` in :func:`score_prediction_records` and the prompt set
-  of a sample in :func:`score_sample` (the official pipeline ties both to the one model name).
+  "gpt4"``; here that follows ``model_name`` in :func:`score_prediction_records` (``python -m
+  evals.score --model-name gpt4``; the official ``--model_name`` defaults to ``gpt4``, ours to no
+  model, i.e. no rule) and the prompt set of a sample in :func:`score_sample` (the official
+  pipeline ties both to the one model name).
 * Chat template: the official open-model scripts send the raw prompt (no chat template), the
   API runs (gpt4/claude2/kimi) a chat turn. ``--chat-template auto`` (default) does the same:
   raw for ``yarn_mistral``, the tokenizer's chat template (one user turn, no system message) for
@@ -69,35 +77,29 @@ returns one):
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-if __package__ in (None, ""):
-    # Run as a script (`python evals/infinitebench.py`): make the project root importable and keep
-    # the script folder off sys.path so evals/*.py cannot shadow top-level modules.
-    _here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import difflib
 import json
 import os
 import re
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from evals.base import Sample
 from evals.common import (
     ENV_DATA_DIR,
-    add_argument_once,
-    chat_wrap,
+    PromptFitError,
     encode,
-    encode_prompt,
+    finalize_prompt,
+    fit_prompt,
     has_chat_template,
     resolve_benchmark_dir,
     shared_data_dir,
+    split_tasks,
 )
+from evals.records import RecordError
+from evals.spec import BenchmarkBase, Option, check_positive_int
 from evals.metrics import normalize_answer, normalize_zh_answer
 
 __all__ = [
@@ -125,7 +127,9 @@ __all__ = [
     "score_one",
     "score_sample",
     "score_prediction_records",
-    "main",
+    "OFFICIAL_MODEL_NAMES",
+    "InfiniteBench",
+    "benchmark",
 ]
 
 BENCHMARK = "infinitebench"
@@ -545,20 +549,20 @@ def truncate_middle(tokenizer: Any, text: str, max_length: int) -> tuple[str, in
     return out, n_raw, len(encode(tokenizer, out, add_special_tokens=True))
 
 
-def _finalize(tokenizer: Any, text: str, use_chat: bool) -> list[int]:
-    final_text = chat_wrap(tokenizer, text) if use_chat else text
-    return encode_prompt(tokenizer, final_text, chat_templated=use_chat)
-
-
 def _template_overhead(tokenizer: Any, use_chat: bool) -> int:
     """Tokens the final prompt adds beyond what the truncation counts (chat template tokens;
     the BOS of ``tokenizer(text)`` is already inside the truncation count)."""
-    return len(_finalize(tokenizer, "", use_chat)) - len(encode(tokenizer, "", add_special_tokens=True))
+    return len(finalize_prompt(tokenizer, "", use_chat)) - len(encode(tokenizer, "", add_special_tokens=True))
+
+
+def _check_chat_mode(mode: str) -> str:
+    if mode not in CHAT_TEMPLATE_MODES:
+        raise ValueError(f"--chat-template must be one of {CHAT_TEMPLATE_MODES}, got {mode!r}")
+    return mode
 
 
 def _use_chat(mode: str, prompt_set: str, tokenizer: Any) -> bool:
-    if mode not in CHAT_TEMPLATE_MODES:
-        raise ValueError(f"--chat-template must be one of {CHAT_TEMPLATE_MODES}, got {mode!r}")
+    _check_chat_mode(mode)
     if mode == "off":
         return False
     if mode == "on":
@@ -568,53 +572,64 @@ def _use_chat(mode: str, prompt_set: str, tokenizer: Any) -> bool:
     return prompt_set in CHAT_PROMPT_SETS and has_chat_template(tokenizer)
 
 
-def _selected_tasks(args: Any, data_dir: Path) -> list[str]:
-    value = getattr(args, "tasks", None)
-    if value:
-        items = value.split(",") if isinstance(value, str) else list(value)
-        tasks = [t.strip() for t in items if t and t.strip()]
-        for t in tasks:
-            _check_task(t)
-        if tasks:
-            return tasks
-    tasks = available_tasks(data_dir)
-    if not tasks:
+def _selected_tasks(tasks: str | Sequence[str] | None, data_dir: Path) -> list[str]:
+    """Named tasks (validated, duplicates dropped), else every task with a local file."""
+    named = split_tasks(tasks)
+    for t in named:
+        _check_task(t)
+    if named:
+        return list(dict.fromkeys(named))
+    found = available_tasks(data_dir)
+    if not found:
         raise FileNotFoundError(
             f"no InfiniteBench task files (<task>.jsonl) in {data_dir}; name tasks with --tasks to load them from the hub"
         )
-    return tasks
+    return found
 
 
-def build_samples(tokenizer: Any, args: Any, max_context: int) -> list[Sample]:
-    """InfiniteBench samples for ``args.tasks`` (comma list or list; default: every task with a
-    local file).
+def _check_cap(cap: Any) -> int | None:
+    return check_positive_int(cap, "--max-length", minimum=2)
 
-    Reads (all optional) ``args.data_dir``, ``args.num_samples`` (per-task cap, first records),
-    ``args.max_new_tokens`` (overrides the official budget), ``args.max_length`` (cap of the
-    truncation length), ``args.prompt_set``, ``args.chat_template`` (auto/on/off), ``args.no_hub``
-    and ``args.save_samples`` (write the samples as JSONL).
+
+def build_samples(
+    tokenizer: Any,
+    *,
+    window: int,
+    context_length: int | None = None,
+    tasks: str | Sequence[str] | None = None,
+    num_samples: int | None = None,
+    max_new_tokens: int | None = None,
+    options: Mapping[str, Any] | None = None,
+) -> list[Sample]:
+    """InfiniteBench samples (see :meth:`InfiniteBench.build_samples`).
+
+    ``tasks``: names (or a comma list); default every task with a local file. ``num_samples``:
+    per-task cap (the first records). ``max_new_tokens``: overrides the official budget. Every
+    prompt is truncated officially so that prompt + generation budget <= ``min(context_length,
+    window)``; ``options["max_length"]`` caps the truncation length further. ``options``:
+    ``data_dir``, ``max_length``, ``prompt_set``, ``chat_template`` (auto/on/off), ``no_hub``,
+    ``save_samples``.
     """
-    data_dir = resolve_data_dir(getattr(args, "data_dir", None))
-    tasks = _selected_tasks(args, data_dir)
-    num_samples = getattr(args, "num_samples", None)
-    if num_samples is not None and num_samples < 0:
-        raise ValueError(f"num_samples must be >= 0, got {num_samples}")
-    override_new = getattr(args, "max_new_tokens", None)
-    cap = getattr(args, "max_length", None)
-    if cap is not None and cap < 2:
-        raise ValueError(f"--max-length must be >= 2, got {cap}")
-    prompt_set = resolve_prompt_set(getattr(args, "prompt_set", None))
-    use_chat = _use_chat(getattr(args, "chat_template", None) or "auto", prompt_set, tokenizer)
-    hub = not getattr(args, "no_hub", False)
+    opts = benchmark.resolve_options(options)
+    limit = benchmark.total_limit(window, context_length)
+    where = (f"context_length={context_length}" if context_length is not None and context_length < window
+             else f"window={window}")
+    cap = _check_cap(opts["max_length"])
+    num_samples = check_positive_int(num_samples, "num_samples", minimum=0)
+    data_dir = resolve_data_dir(opts["data_dir"])
+    selected = _selected_tasks(tasks, data_dir)
+    prompt_set = resolve_prompt_set(opts["prompt_set"])
+    use_chat = _use_chat(opts["chat_template"] or "auto", prompt_set, tokenizer)
+    hub = not opts["no_hub"]
     overhead = _template_overhead(tokenizer, use_chat)
 
     samples: list[Sample] = []
-    for task in tasks:
-        max_new = int(override_new) if override_new else DATA_NAME_TO_MAX_NEW_TOKENS[task]
-        budget = max_context - max_new - overhead
+    for task in selected:
+        max_new = int(max_new_tokens) if max_new_tokens else DATA_NAME_TO_MAX_NEW_TOKENS[task]
+        budget = limit - max_new - overhead
         if budget < 2:
             raise ValueError(
-                f"{task}: max_context={max_context} leaves no room for a prompt (max_new_tokens={max_new}, "
+                f"{task}: {where} leaves no room for a prompt (max_new_tokens={max_new}, "
                 f"official budget {DATA_NAME_TO_MAX_NEW_TOKENS[task]}; chat template overhead={overhead}); "
                 f"lower it with --max-new-tokens or leave the task out"
             )
@@ -623,13 +638,12 @@ def build_samples(tokenizer: Any, args: Any, max_context: int) -> list[Sample]:
             records = records[:num_samples]
         for rec in records:
             samples.append(
-                _build_one(tokenizer, rec, task, prompt_set, max_new, use_chat, overhead, budget, cap, max_context)
+                _build_one(tokenizer, rec, task, prompt_set, max_new, use_chat, overhead, budget, cap, limit, where)
             )
-    save = getattr(args, "save_samples", None)
-    if save:
+    if opts["save_samples"]:
         from evals.sample_io import write_samples_jsonl
 
-        write_samples_jsonl(samples, save)
+        write_samples_jsonl(samples, opts["save_samples"])
     return samples
 
 
@@ -654,22 +668,19 @@ def _build_one(
     overhead: int,
     budget: int,
     cap: int | None,
-    max_context: int,
+    limit: int,
+    where: str,
 ) -> Sample:
     prompt = build_prompt(rec, task, prompt_set)
-    max_length = min(budget, cap) if cap else budget
-    overflow = 1
-    for _ in range(8):
+
+    def render(max_length: int) -> tuple[list[int], tuple[str, int, int]]:
         text, n_raw, n_after = truncate_middle(tokenizer, prompt, max_length)
-        ids = _finalize(tokenizer, text, use_chat)
-        overflow = len(ids) + max_new - max_context
-        if overflow <= 0:
-            break
-        max_length -= overflow
-        if max_length < 2:
-            break
-    if overflow > 0:
-        raise ValueError(f"{rec['_where']}: cannot fit the prompt in max_context={max_context}")
+        return finalize_prompt(tokenizer, text, use_chat), (text, n_raw, n_after)
+
+    try:
+        max_length, ids, (_, n_raw, n_after) = fit_prompt(render, min(budget, cap) if cap else budget, limit - max_new)
+    except PromptFitError:
+        raise ValueError(f"{rec['_where']}: cannot fit the prompt in {where} (max_new_tokens={max_new})") from None
     wrapper = len(ids) - n_after  # chat-template tokens around the content (0 for raw prompts)
     return Sample(
         benchmark=BENCHMARK,
@@ -982,85 +993,144 @@ _PRED_KEYS = ("prediction", "pred")
 _LABEL_KEYS = ("ground_truth", "label")
 
 
-def score_prediction_records(task: str, records: list[dict], *, model_name: str | None = None) -> dict:
+#: ``--model_name`` choices of the official ``src/args.py`` (``compute_scores.py`` defaults to
+#: ``gpt4``). Only ``gpt4`` changes a score: math_calc drops the first predicted number.
+OFFICIAL_MODEL_NAMES = ("gpt4", "yarn-mistral", "kimi", "claude2", "rwkv", "yi-6b-200k", "yi-34b-200k", "chatglm3")
+
+
+def _check_model_name(model_name: str | None) -> str | None:
+    if model_name is None or model_name in OFFICIAL_MODEL_NAMES:
+        return model_name
+    close = difflib.get_close_matches(str(model_name), OFFICIAL_MODEL_NAMES, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ValueError(
+        f"unknown InfiniteBench model name {model_name!r}{hint} (official compute_scores.py --model_name choices: "
+        f"{', '.join(OFFICIAL_MODEL_NAMES)}; only gpt4 changes a score, math_calc; omit it for any other model)"
+    )
+
+
+def score_prediction_records(task: str, records: Sequence[dict], *, model_name: str | None = None) -> dict:
     """Re-score records of an official prediction file (``{"id", "prediction", "ground_truth"}``
     per line; ``pred``/``label`` as written by eval_yarn_mistral.py also accepted).
 
     Returns ``{"task": task, "score": S, "n": N}`` with ``S`` the mean per-sample score, the
     number ``compute_scores.py`` prints (a fraction in [0, 1], unrounded). A record without a
     prediction or label key is an error (official: missing labels silently become "XXXXXXXXXX");
-    a ``null`` prediction scores as the empty string. ``model_name`` as in ``compute_scores.py
-    --model_name`` (only ``"gpt4"`` changes a score: math_calc).
+    a ``null`` prediction scores as the empty string.
+
+    ``model_name`` is ``compute_scores.py --model_name`` (one of :data:`OFFICIAL_MODEL_NAMES`, or
+    None): with ``"gpt4"`` math_calc drops the first predicted number (the official rule: its
+    prompt makes GPT-4 repeat the expression's first number); no other name changes a score.
+    Deviation: the official default is ``gpt4``; here None (no rule) unless named.
+    Errors about one record raise :class:`evals.records.RecordError` (with its index).
     """
     _check_task(task)
+    _check_model_name(model_name)
     records = list(records)
     if not records:
         raise ValueError(f"{task}: no prediction records to score")
     total = 0.0
     for i, rec in enumerate(records):
-        where = f"record {i + 1}" + (f" (id {rec.get('id')!r})" if isinstance(rec, dict) and "id" in rec else "")
+        where = task + (f" (id {rec.get('id')!r})" if isinstance(rec, dict) and "id" in rec else "")
         if not isinstance(rec, dict):
-            raise ValueError(f"{task}: {where}: expected a JSON object, got {type(rec).__name__}")
+            raise RecordError(i, f"{where}: expected a JSON object, got {type(rec).__name__}")
         pred_key = next((k for k in _PRED_KEYS if k in rec), None)
         label_key = next((k for k in _LABEL_KEYS if k in rec), None)
         if pred_key is None or label_key is None:
-            raise ValueError(f"{task}: {where}: needs one of {_PRED_KEYS} and one of {_LABEL_KEYS}, has {sorted(rec)}")
+            raise RecordError(i, f"{where}: needs one of {_PRED_KEYS} and one of {_LABEL_KEYS}, has {sorted(rec)}")
         try:
             total += score_one(task, rec[pred_key], rec[label_key], options=rec.get("options"), model_name=model_name)
         except (ValueError, TypeError) as e:
-            raise ValueError(f"{task}: {where}: {e}") from e
+            raise RecordError(i, f"{where}: {e}") from e
     return {"task": task, "score": total / len(records), "n": len(records)}
 
 
 # ---------------------------------------------------------------------------------------------
-# Entry point
+# The registry entry
 # ---------------------------------------------------------------------------------------------
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from cluster.jobs import common_parser, run
+class InfiniteBench(BenchmarkBase):
+    """InfiniteBench as a :class:`evals.registry.Benchmark`: natural data, truncated officially to
+    each context length."""
 
-    parser = common_parser("InfiniteBench (official prompt sets, truncation and scorers) on local JSONL or the hub")
-    add_argument_once(
-        parser,
-        "--data-dir",
-        default=None,
-        help=f"folder of <task>.jsonl files (official schema); unset = ${ENV_DATA_DIR} if set, else {default_data_dir()}",
-    )
-    add_argument_once(
-        parser,
-        "--max-length",
-        type=int,
-        default=None,
-        help="cap on the truncated prompt length in tokens (official: the model's length, e.g. 128K); "
-        "the model window always applies",
-    )
-    add_argument_once(
-        parser,
-        "--prompt-set",
-        default=DEFAULT_PROMPT_SET,
-        choices=sorted(set(PROMPT_SETS) | set(PROMPT_SET_ALIASES)),
-        help="official template set (src/prompt.py); yarn_mistral is the set of the official open-model runs",
-    )
-    add_argument_once(
-        parser,
-        "--chat-template",
-        default="auto",
-        choices=CHAT_TEMPLATE_MODES,
-        help="auto: raw prompt for yarn_mistral (official open-model runs), chat turn for gpt4/claude2/kimi",
-    )
-    add_argument_once(parser, "--no-hub", action="store_true",
-                      help=f"never try the hub ({HF_DATASET}) when a task has no local file: fail at once "
-                      "(offline, the hub client retries for ~25 s first; HF_HUB_OFFLINE=1 uses its cache only)")
-    add_argument_once(parser, "--save-samples", default=None, help="also write the built samples to this JSONL file")
-    args = parser.parse_args(argv)
-    # Hand over the functions of the importable module (picklable by reference), also when this
-    # file runs as __main__.
-    import importlib
+    __slots__ = ()
 
-    mod = importlib.import_module("evals.infinitebench")
-    return run(BENCHMARK, args, mod.build_samples, mod.score_sample)
+    name = BENCHMARK
+    tasks = TASKS
+    generated = False
+    default_context_length = None
+    OPTIONS = (
+        Option(
+            "--data-dir", None,
+            help=f"folder of <task>.jsonl files (official schema); unset = ${ENV_DATA_DIR} if set, "
+            f"else {default_data_dir()}",
+        ),
+        Option(
+            "--max-length", None, type=int,
+            help="cap on the truncated prompt length in tokens (official: the model's length, e.g. 128K); "
+            "the model window and the context length always apply",
+        ),
+        Option(
+            "--prompt-set", DEFAULT_PROMPT_SET, choices=tuple(sorted(set(PROMPT_SETS) | set(PROMPT_SET_ALIASES))),
+            help="official template set (src/prompt.py); yarn_mistral is the set of the official open-model runs",
+        ),
+        Option(
+            "--chat-template", "auto", choices=CHAT_TEMPLATE_MODES,
+            help="auto: raw prompt for yarn_mistral (official open-model runs), chat turn for gpt4/claude2/kimi",
+        ),
+        Option(
+            "--no-hub", store_true=True,
+            help=f"never try the hub ({HF_DATASET}) when a task has no local file: fail at once "
+            "(offline, the hub client retries for ~25 s first; HF_HUB_OFFLINE=1 uses its cache only)",
+        ),
+        Option("--save-samples", None, help="also write the built samples to this JSONL file"),
+    )
+
+    @property
+    def default_tasks(self) -> tuple[str, ...]:  # type: ignore[override]
+        """Data-dependent: every task with a local file in the default data folder
+        (``$SPARSESPEC_DATA_DIR`` or the shared data), in official order; ``()`` when there is
+        none. With ``options["data_dir"]`` use :meth:`resolve_tasks`."""
+        try:
+            return tuple(available_tasks(resolve_data_dir(None)))
+        except (FileNotFoundError, ValueError):
+            return ()
+
+    def resolve_tasks(self, tasks: Sequence[str] | None = None,
+                      options: Mapping[str, Any] | None = None) -> tuple[str, ...]:
+        """The tasks ``build_samples`` would run: ``tasks`` validated, else those with a local file."""
+        opts = self.resolve_options(options)
+        return tuple(_selected_tasks(tasks, resolve_data_dir(opts["data_dir"])))
+
+    def check(self, *, tasks: Sequence[str] | None = None, options: Mapping[str, Any] | None = None) -> None:
+        """Unknown option keys, task names, prompt sets or chat modes, a bad ``max_length``, no
+        task file when none is named, a malformed local file (file:line), or a task without a
+        local file when ``no_hub`` is set raise one-line errors. A task without a local file is
+        not fetched here (a hub split is large): ``build_samples`` loads it."""
+        opts = self.resolve_options(options)
+        _check_cap(opts["max_length"])
+        resolve_prompt_set(opts["prompt_set"])
+        _check_chat_mode(opts["chat_template"] or "auto")
+        data_dir = resolve_data_dir(opts["data_dir"])
+        for task in _selected_tasks(tasks, data_dir):
+            if task_file(data_dir, task) is not None or opts["no_hub"]:
+                load_records(data_dir, task, hub=False)
+
+    def build_samples(self, tokenizer: Any, *, window: int, context_length: int | None = None,
+                      tasks: Sequence[str] | None = None, num_samples: int | None = None,
+                      max_new_tokens: int | None = None, options: Mapping[str, Any] | None = None) -> list[Sample]:
+        return build_samples(tokenizer, window=window, context_length=context_length, tasks=tasks,
+                             num_samples=num_samples, max_new_tokens=max_new_tokens, options=options)
+
+    def score_sample(self, sample: Sample, prediction: str) -> float:
+        return score_sample(sample, prediction)
+
+    def score_predictions(self, task: str, records: Sequence[dict], *, model_name: str | None = None) -> dict:
+        """:func:`score_prediction_records`; ``model_name`` is the official ``--model_name``
+        (``"gpt4"``: the math_calc rule)."""
+        return score_prediction_records(task, records, model_name=model_name)
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+#: The registry entry (``evals.registry.get_benchmark("infinitebench")``).
+benchmark = InfiniteBench()

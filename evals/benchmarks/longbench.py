@@ -23,16 +23,22 @@ Prompt construction per record (as ``pred.py``):
 3. wrap it in the model's chat template unless the task is in :data:`NO_CHAT_TASKS`;
 4. tokenize the result (the final ``prompt_ids``).
 
-``max_length`` (the cap of step 2) is ``max_context - max_new_tokens - chat overhead`` so that
-prompt + generation fits the model window, optionally lowered by ``--max-length`` (the official
-code uses a per-model cap, ``model2maxlen.json``; the demo uses a small one for speed).
+``max_length`` (the cap of step 2) is ``limit - max_new_tokens - chat overhead`` with ``limit =
+min(context_length, window)`` (``context_length`` None: the model window), so that prompt +
+generation fit the sweep's context length and the model window, optionally lowered by the
+``max_length`` option (``--max-length``; the official code uses a per-model cap,
+``model2maxlen.json``; the demo uses a small one for speed).
+
+Registry entry: :data:`benchmark` (``evals.registry.get_benchmark("longbench")``), a
+:class:`LongBench`; its options are ``data_dir``, ``max_length`` and ``save_samples``.
 
 Deviations from ``pred.py`` (all documented in the report of the change):
 
 * The official code trusts that decode -> re-encode keeps the length. It almost does; when the
-  final prompt still overflows the window (re-tokenisation at the seam or at the chat-template
-  boundary), ``max_length`` is lowered by the overflow and the record rebuilt, so the contract
-  ``len(prompt_ids) + max_new_tokens <= max_context`` always holds.
+  final prompt still overflows the limit (re-tokenisation at the seam or at the chat-template
+  boundary), ``max_length`` is lowered by the overflow and the record rebuilt
+  (:func:`evals.common.fit_prompt`), so the contract ``len(prompt_ids) + max_new_tokens <= limit``
+  always holds.
 * samsum: the official run also stops at ``"\\n"``: the id of ``"\\n"`` is an extra EOS id
   (``tokenizer.encode("\\n", add_special_tokens=False)[-1]``) and ``min_length`` forces at least
   one new token. The samples carry this for the engine: ``meta["stop_token_ids"]`` (the exact
@@ -44,31 +50,23 @@ Deviations from ``pred.py`` (all documented in the report of the change):
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-if __package__ in (None, ""):
-    # Run as a script (`python evals/longbench.py`): make the project root importable and keep the
-    # script folder off sys.path so evals/*.py cannot shadow top-level modules.
-    _here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from evals.base import Sample
 from evals.common import (
     ENV_DATA_DIR,
-    add_argument_once,
-    chat_wrap,
+    PromptFitError,
     encode,
-    encode_prompt,
+    finalize_prompt,
+    fit_prompt,
     has_chat_template,
     resolve_benchmark_dir,
     shared_data_dir,
+    split_tasks,
 )
 from evals.metrics import (
     LONGBENCH_E_TASKS,
@@ -78,6 +76,7 @@ from evals.metrics import (
     official_task_score,
 )
 from evals.records import RecordError
+from evals.spec import BenchmarkBase, Option, check_positive_int
 
 __all__ = [
     "BENCHMARK",
@@ -101,7 +100,8 @@ __all__ = [
     "longbench_e_report",
     "PREDICTION_FIELDS",
     "score_prediction_records",
-    "main",
+    "LongBench",
+    "benchmark",
 ]
 
 BENCHMARK = "longbench"
@@ -378,80 +378,84 @@ def truncate_middle(tokenizer: Any, text: str, max_length: int) -> tuple[str, in
     return out, n_raw, len(encode(tokenizer, out, add_special_tokens=False))
 
 
-def _finalize(tokenizer: Any, text: str, use_chat: bool) -> list[int]:
-    final_text = chat_wrap(tokenizer, text) if use_chat else text
-    return encode_prompt(tokenizer, final_text, chat_templated=use_chat)
-
-
 def _template_overhead(tokenizer: Any, use_chat: bool) -> int:
     """Tokens the final prompt adds around the content (chat template or BOS)."""
-    return len(_finalize(tokenizer, "", use_chat))
+    return len(finalize_prompt(tokenizer, "", use_chat))
 
 
-def _get(args: Any, name: str, default: Any = None) -> Any:
-    value = getattr(args, name, default)
-    return default if value is None else value
-
-
-def _selected_tasks(args: Any, data_dir: Path) -> list[str]:
-    value = getattr(args, "tasks", None)
-    if value:
-        items = value.split(",") if isinstance(value, str) else list(value)
-        tasks = [t.strip() for t in items if t and t.strip()]
-        for t in tasks:
-            _check_task(t)
-        if tasks:
-            return tasks
+def _selected_tasks(tasks: str | Sequence[str] | None, data_dir: Path) -> list[str]:
+    """Named tasks (validated, duplicates dropped), else every task with a file in ``data_dir``."""
+    named = split_tasks(tasks)
+    for t in named:
+        _check_task(t)
+    if named:
+        return list(dict.fromkeys(named))
     hint = f"; name tasks with --tasks to read them from the hub ({HUB_REPO})"
     if not Path(data_dir).is_dir():
         raise FileNotFoundError(f"LongBench data folder not found: {data_dir}{hint}")
-    tasks = available_tasks(data_dir)
-    if not tasks:
+    found = available_tasks(data_dir)
+    if not found:
         raise FileNotFoundError(f"no LongBench task files (<task>.jsonl) in {data_dir}{hint}")
-    return tasks
+    return found
 
 
-def build_samples(tokenizer: Any, args: Any, max_context: int) -> list[Sample]:
-    """LongBench samples for ``args.tasks`` (comma list or list; default: every task with a file).
+def _check_cap(cap: Any) -> int | None:
+    return check_positive_int(cap, "--max-length", minimum=2)
 
-    Reads ``args.data_dir``, ``args.num_samples`` (per-task cap, first records of the file),
-    ``args.max_new_tokens`` (overrides the official per-task budget), ``args.max_length`` (cap
-    of the truncation length) and ``args.save_samples`` (write the samples as JSONL); all optional.
+
+def _limit_text(window: int, context_length: int | None) -> str:
+    if context_length is not None and context_length < window:
+        return f"context_length={context_length}"
+    return f"window={window}"
+
+
+def build_samples(
+    tokenizer: Any,
+    *,
+    window: int,
+    context_length: int | None = None,
+    tasks: str | Sequence[str] | None = None,
+    num_samples: int | None = None,
+    max_new_tokens: int | None = None,
+    options: Mapping[str, Any] | None = None,
+) -> list[Sample]:
+    """LongBench samples (see :meth:`LongBench.build_samples`).
+
+    ``tasks``: names (or a comma list); default every task with a file in the data folder.
+    ``num_samples``: per-task cap (the first records of the file). ``max_new_tokens``: overrides
+    the official per-task budget. Every prompt is truncated officially so that prompt +
+    generation budget <= ``min(context_length, window)``; ``options["max_length"]`` caps the
+    truncation length further. ``options``: ``data_dir``, ``max_length``, ``save_samples``.
     """
-    data_dir = resolve_data_dir(getattr(args, "data_dir", None))
-    tasks = _selected_tasks(args, data_dir)
-    num_samples = getattr(args, "num_samples", None)
-    if num_samples is not None and num_samples < 0:
-        raise ValueError(f"num_samples must be >= 0, got {num_samples}")
-    override_new = getattr(args, "max_new_tokens", None)
-    cap = getattr(args, "max_length", None)
-    if cap is not None and cap < 2:
-        raise ValueError(f"--max-length must be >= 2, got {cap}")
+    opts = benchmark.resolve_options(options)
+    limit = benchmark.total_limit(window, context_length)
+    where = _limit_text(window, context_length)
+    cap = _check_cap(opts["max_length"])
+    num_samples = check_positive_int(num_samples, "num_samples", minimum=0)
+    data_dir = resolve_data_dir(opts["data_dir"])
+    selected = _selected_tasks(tasks, data_dir)
 
     samples: list[Sample] = []
-    for task in tasks:
+    for task in selected:
         base = _base_task(task)
         records = load_records(data_dir, task)
         if num_samples is not None:
             records = records[:num_samples]
-        max_new = int(override_new) if override_new else DATASET2MAXLEN[base]
+        max_new = int(max_new_tokens) if max_new_tokens else DATASET2MAXLEN[base]
         use_chat = base not in NO_CHAT_TASKS and has_chat_template(tokenizer)
         overhead = _template_overhead(tokenizer, use_chat)
-        budget = max_context - max_new - overhead
+        budget = limit - max_new - overhead
         if budget < 2:
             raise ValueError(
-                f"{task}: max_context={max_context} leaves no room for a prompt "
+                f"{task}: {where} leaves no room for a prompt "
                 f"(max_new_tokens={max_new}, template overhead={overhead})"
             )
         for rec in records:
-            samples.append(
-                _build_one(tokenizer, rec, task, base, max_new, use_chat, overhead, budget, cap, max_context)
-            )
-    save = getattr(args, "save_samples", None)
-    if save:
+            samples.append(_build_one(tokenizer, rec, task, base, max_new, use_chat, overhead, budget, cap, limit, where))
+    if opts["save_samples"]:
         from evals.sample_io import write_samples_jsonl
 
-        write_samples_jsonl(samples, save)
+        write_samples_jsonl(samples, opts["save_samples"])
     return samples
 
 
@@ -465,23 +469,22 @@ def _build_one(
     overhead: int,
     budget: int,
     cap: int | None,
-    max_context: int,
+    limit: int,
+    where: str,
 ) -> Sample:
     prompt = build_prompt(rec, base)
-    max_length = min(budget, cap) if cap else budget
-    for _ in range(8):
+
+    def render(max_length: int) -> tuple[list[int], tuple[str, int, int]]:
         text, n_raw, n_after = truncate_middle(tokenizer, prompt, max_length)
-        ids = _finalize(tokenizer, text, use_chat)
-        overflow = len(ids) + max_new - max_context
-        if overflow <= 0:
-            break
-        max_length -= overflow
-        if max_length < 2:
-            break
-    else:
-        overflow = 1
-    if overflow > 0:
-        raise ValueError(f"{task}/{rec['_id']}: cannot fit the prompt in max_context={max_context}")
+        return finalize_prompt(tokenizer, text, use_chat), (text, n_raw, n_after)
+
+    try:
+        max_length, ids, (text, n_raw, n_after) = fit_prompt(
+            render, min(budget, cap) if cap else budget, limit - max_new
+        )
+    except PromptFitError:
+        raise ValueError(f"{task}/{rec['_id']}: cannot fit the prompt in {where} "
+                         f"(max_new_tokens={max_new})") from None
     wrapper = len(ids) - n_after  # chat-template / BOS tokens around the content
     meta: dict[str, Any] = {
         "all_classes": rec["all_classes"],
@@ -590,47 +593,74 @@ def score_prediction_records(task: str, records: Sequence[dict]) -> dict[str, An
     return out
 
 
-def _preflight(args: Any) -> None:
-    """Resolve the tasks and read their records once before the run starts, so that a missing
-    file, an unreachable hub or a malformed record is one clear line, not a traceback."""
-    data_dir = resolve_data_dir(getattr(args, "data_dir", None))
-    for task in _selected_tasks(args, data_dir):
-        load_records(data_dir, task)
+# ---------------------------------------------------------------------------------------------
+# The registry entry
+# ---------------------------------------------------------------------------------------------
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from cluster.jobs import common_parser, run
+class LongBench(BenchmarkBase):
+    """LongBench v1 + LongBench-E as a :class:`evals.registry.Benchmark`: natural data, truncated
+    officially to each context length."""
 
-    parser = common_parser("LongBench v1 / LongBench-E (official prompts, truncation and metrics)")
-    add_argument_once(
-        parser,
-        "--data-dir",
-        default=None,
-        help=f"folder of <task>.jsonl files (LongBench-E: <task>_e.jsonl); unset = ${ENV_DATA_DIR} if set, "
-        f"else {default_data_dir()}; a missing file is read from the hub ({HUB_REPO}) when reachable or cached",
+    __slots__ = ()
+
+    name = BENCHMARK
+    tasks = ALL_TASKS
+    generated = False
+    default_context_length = None
+    OPTIONS = (
+        Option(
+            "--data-dir", None,
+            help=f"folder of <task>.jsonl files (LongBench-E: <task>_e.jsonl); unset = ${ENV_DATA_DIR} if set, "
+            f"else {default_data_dir()}; a missing file is read from the hub ({HUB_REPO}) when reachable or cached",
+        ),
+        Option(
+            "--max-length", None, type=int,
+            help="cap on the truncated prompt length in tokens (official: per-model max length); "
+            "the model window and the context length always apply",
+        ),
+        Option("--save-samples", None, help="also write the built samples to this JSONL file"),
     )
-    add_argument_once(
-        parser,
-        "--max-length",
-        type=int,
-        default=None,
-        help="cap on the truncated prompt length in tokens (official: per-model max length); "
-        "the model window always applies",
-    )
-    add_argument_once(parser, "--save-samples", default=None, help="also write the built samples to this JSONL file")
-    args = parser.parse_args(argv)
-    try:
-        _preflight(args)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    # Hand over the functions of the importable module (picklable by reference), also when this
-    # file runs as __main__.
-    import importlib
 
-    mod = importlib.import_module("evals.longbench")
-    return run(BENCHMARK, args, mod.build_samples, mod.score_sample)
+    @property
+    def default_tasks(self) -> tuple[str, ...]:  # type: ignore[override]
+        """Data-dependent: every task with a ``<task>.jsonl`` in the default data folder
+        (``$SPARSESPEC_DATA_DIR`` or the shared data), in official order; ``()`` when there is
+        none. With ``options["data_dir"]`` use :meth:`resolve_tasks`."""
+        try:
+            return tuple(available_tasks(resolve_data_dir(None)))
+        except FileNotFoundError:
+            return ()
+
+    def resolve_tasks(self, tasks: Sequence[str] | None = None,
+                      options: Mapping[str, Any] | None = None) -> tuple[str, ...]:
+        """The tasks ``build_samples`` would run: ``tasks`` validated, else those with a file."""
+        opts = self.resolve_options(options)
+        return tuple(_selected_tasks(tasks, resolve_data_dir(opts["data_dir"])))
+
+    def check(self, *, tasks: Sequence[str] | None = None, options: Mapping[str, Any] | None = None) -> None:
+        """Unknown option keys or task names, a bad ``max_length``, a missing data folder, or a
+        task whose records cannot be read (a missing file is looked up on the hub, as
+        ``build_samples`` would; a malformed record names file:line) raise one-line errors."""
+        opts = self.resolve_options(options)
+        _check_cap(opts["max_length"])
+        data_dir = resolve_data_dir(opts["data_dir"])
+        for task in _selected_tasks(tasks, data_dir):
+            load_records(data_dir, task)
+
+    def build_samples(self, tokenizer: Any, *, window: int, context_length: int | None = None,
+                      tasks: Sequence[str] | None = None, num_samples: int | None = None,
+                      max_new_tokens: int | None = None, options: Mapping[str, Any] | None = None) -> list[Sample]:
+        return build_samples(tokenizer, window=window, context_length=context_length, tasks=tasks,
+                             num_samples=num_samples, max_new_tokens=max_new_tokens, options=options)
+
+    def score_sample(self, sample: Sample, prediction: str) -> float:
+        return score_sample(sample, prediction)
+
+    def score_predictions(self, task: str, records: Sequence[dict], *, model_name: str | None = None) -> dict:
+        """:func:`score_prediction_records` (``model_name`` plays no part in LongBench's scorer)."""
+        return score_prediction_records(task, records)
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+#: The registry entry (``evals.registry.get_benchmark("longbench")``).
+benchmark = LongBench()

@@ -25,12 +25,17 @@ Scoring: ``extract_answer`` (``*`` removed, then ``The correct answer is \\(([A-
 (also when no letter is found). Task scores are ``round(100 * accuracy, 1)`` as ``result.py``
 prints them.
 
+Registry entry: :data:`benchmark` (``evals.registry.get_benchmark("longbench_v2")``), a
+:class:`LongBenchV2`; its options are ``data_dir``, ``max_length`` and ``save_samples``. Prompts are
+truncated so that prompt + generation budget <= ``min(context_length, window)``.
+
 Deviations from ``pred.py`` (and why):
 
 * ``max_len``: official uses a per-model cap (``config/model2maxlen.json``, e.g. 128000) and lets
-  the server reject overflows; here it is ``max_context - max_new_tokens - chat overhead`` (lowered
-  by ``--max-length``), and lowered further by any re-tokenisation overflow, so the prompt plus the
-  generation always fit the model window.
+  the server reject overflows; here it is ``limit - max_new_tokens - chat overhead`` with ``limit =
+  min(context_length, window)`` (lowered by the ``max_length`` option, ``--max-length``), and
+  lowered further by any re-tokenisation overflow (:func:`evals.common.fit_prompt`), so the prompt
+  plus the generation always fit the context length and the model window.
 * Generation: official samples with ``temperature=0.1``; the temperature here is the run's
   (``--temperature``, greedy by default), as for every benchmark of the service.
 * An empty generation: official ``pred.py`` skips the item (it is never written, so it leaves the
@@ -40,33 +45,27 @@ Deviations from ``pred.py`` (and why):
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-if __package__ in (None, ""):
-    # Run as a script (`python evals/longbench_v2.py`): make the project root importable and keep
-    # the script folder off sys.path so evals/*.py cannot shadow top-level modules.
-    _here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+import difflib
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from evals.base import Sample
 from evals.common import (
     ENV_DATA_DIR,
-    add_argument_once,
-    chat_wrap,
+    PromptFitError,
     encode,
-    encode_prompt,
+    finalize_prompt,
+    fit_prompt,
     has_chat_template,
     resolve_benchmark_dir,
     shared_data_dir,
+    split_tasks,
 )
 from evals.records import RecordError, iter_json_records
+from evals.spec import BenchmarkBase, Option, check_positive_int
 
 __all__ = [
     "BENCHMARK",
@@ -91,7 +90,8 @@ __all__ = [
     "breakdown_from_samples",
     "PREDICTION_FIELDS",
     "score_prediction_records",
-    "main",
+    "LongBenchV2",
+    "benchmark",
 ]
 
 BENCHMARK = "longbench_v2"
@@ -267,85 +267,82 @@ def truncate_middle(tokenizer: Any, text: str, max_len: int) -> tuple[str, int, 
     return out, n_raw, len(encode(tokenizer, out, add_special_tokens=False))
 
 
-def _finalize(tokenizer: Any, text: str, use_chat: bool) -> list[int]:
-    final_text = chat_wrap(tokenizer, text) if use_chat else text
-    return encode_prompt(tokenizer, final_text, chat_templated=use_chat)
-
-
-def _selected_tasks(args: Any) -> list[str]:
-    value = getattr(args, "tasks", None)
-    if not value:
-        return list(TASKS)
-    items = value.split(",") if isinstance(value, str) else list(value)
-    tasks = [t.strip() for t in items if t and t.strip()]
-    for t in tasks:
+def _selected_tasks(tasks: str | Sequence[str] | None) -> list[str]:
+    named = split_tasks(tasks)
+    for t in named:
         if t not in TASKS:
-            import difflib
-
             close = difflib.get_close_matches(t, list(TASKS), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ValueError(f"unknown LongBench v2 task {t!r}{hint} (known: {', '.join(TASKS)})")
-    return list(dict.fromkeys(tasks)) or list(TASKS)
+    return list(dict.fromkeys(named)) or list(TASKS)
 
 
-def build_samples(tokenizer: Any, args: Any, max_context: int) -> list[Sample]:
-    """LongBench v2 samples (task ``longbench_v2``).
+def _check_cap(cap: Any) -> int | None:
+    return check_positive_int(cap, "--max-length", minimum=2)
 
-    Reads ``args.data_dir``, ``args.tasks`` (only ``longbench_v2``), ``args.num_samples`` (the first
-    N records), ``args.max_new_tokens`` (overrides the official 128), ``args.max_length`` (cap of
-    the truncation length) and ``args.save_samples``; all optional.
+
+def build_samples(
+    tokenizer: Any,
+    *,
+    window: int,
+    context_length: int | None = None,
+    tasks: str | Sequence[str] | None = None,
+    num_samples: int | None = None,
+    max_new_tokens: int | None = None,
+    options: Mapping[str, Any] | None = None,
+) -> list[Sample]:
+    """LongBench v2 samples (task ``longbench_v2``; see :meth:`LongBenchV2.build_samples`).
+
+    ``num_samples``: the first N records. ``max_new_tokens``: overrides the official 128. Every
+    prompt is truncated officially so that prompt + generation budget <= ``min(context_length,
+    window)``; ``options["max_length"]`` caps the truncation length further. ``options``:
+    ``data_dir``, ``max_length``, ``save_samples``.
     """
-    tasks = _selected_tasks(args)
-    records = load_records(getattr(args, "data_dir", None))
-    num_samples = getattr(args, "num_samples", None)
+    opts = benchmark.resolve_options(options)
+    limit = benchmark.total_limit(window, context_length)
+    where = (f"context_length={context_length}" if context_length is not None and context_length < window
+             else f"window={window}")
+    cap = _check_cap(opts["max_length"])
+    num_samples = check_positive_int(num_samples, "num_samples", minimum=0)
+    selected = _selected_tasks(tasks)
+    records = load_records(opts["data_dir"])
     if num_samples is not None:
-        if num_samples < 0:
-            raise ValueError(f"num_samples must be >= 0, got {num_samples}")
         records = records[:num_samples]
-    override_new = getattr(args, "max_new_tokens", None)
-    max_new = int(override_new) if override_new else MAX_NEW_TOKENS
-    cap = getattr(args, "max_length", None)
-    if cap is not None and cap < 2:
-        raise ValueError(f"--max-length must be >= 2, got {cap}")
+    max_new = int(max_new_tokens) if max_new_tokens else MAX_NEW_TOKENS
     use_chat = has_chat_template(tokenizer)
-    overhead = len(_finalize(tokenizer, "", use_chat))
-    budget = max_context - max_new - overhead
+    overhead = len(finalize_prompt(tokenizer, "", use_chat))
+    budget = limit - max_new - overhead
     if budget < 2:
         raise ValueError(
-            f"max_context={max_context} leaves no room for a prompt "
+            f"{where} leaves no room for a prompt "
             f"(max_new_tokens={max_new}, template overhead={overhead})"
         )
     samples = [
-        _build_one(tokenizer, rec, task, max_new, use_chat, overhead, budget, cap, max_context)
-        for task in tasks
+        _build_one(tokenizer, rec, task, max_new, use_chat, overhead, budget, cap, limit, where)
+        for task in selected
         for rec in records
     ]
-    save = getattr(args, "save_samples", None)
-    if save:
+    if opts["save_samples"]:
         from evals.sample_io import write_samples_jsonl
 
-        write_samples_jsonl(samples, save)
+        write_samples_jsonl(samples, opts["save_samples"])
     return samples
 
 
 def _build_one(
     tokenizer: Any, rec: dict, task: str, max_new: int, use_chat: bool, overhead: int, budget: int,
-    cap: int | None, max_context: int,
+    cap: int | None, limit: int, where: str,
 ) -> Sample:
     prompt = build_prompt(rec)
-    max_len = min(budget, cap) if cap else budget
-    overflow = 1
-    for _ in range(8):
+
+    def render(max_len: int) -> tuple[list[int], tuple[str, int, int]]:
         text, n_raw, n_after = truncate_middle(tokenizer, prompt, max_len)
-        ids = _finalize(tokenizer, text, use_chat)
-        overflow = len(ids) + max_new - max_context
-        if overflow <= 0:
-            break
-        max_len -= overflow
-        if max_len < 2:
-            break
-    if overflow > 0:
-        raise ValueError(f"{task}/{rec['_id']}: cannot fit the prompt in max_context={max_context}")
+        return finalize_prompt(tokenizer, text, use_chat), (text, n_raw, n_after)
+
+    try:
+        max_len, ids, (text, n_raw, n_after) = fit_prompt(render, min(budget, cap) if cap else budget, limit - max_new)
+    except PromptFitError:
+        raise ValueError(f"{task}/{rec['_id']}: cannot fit the prompt in {where} (max_new_tokens={max_new})") from None
     wrapper = len(ids) - n_after  # chat-template / BOS tokens around the content
     return Sample(
         benchmark=BENCHMARK,
@@ -471,43 +468,62 @@ def score_prediction_records(task: str, records: Sequence[dict]) -> dict[str, An
 
 
 # ---------------------------------------------------------------------------------------------
-# Entry point
+# The registry entry
 # ---------------------------------------------------------------------------------------------
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from cluster.jobs import common_parser, run
+class LongBenchV2(BenchmarkBase):
+    """LongBench v2 as a :class:`evals.registry.Benchmark`: natural data, truncated officially to
+    each context length."""
 
-    parser = common_parser("LongBench v2 (official 0-shot prompt, truncation, answer extraction)")
-    add_argument_once(
-        parser,
-        "--data-dir",
-        default=None,
-        help=f"LongBench v2 records: a data.json (official JSON array) or JSONL file, or a folder holding "
-        f"one; unset = ${ENV_DATA_DIR} if set, else {default_data_dir()}; without a local file the hub "
-        f"({HUB_REPO}, split {HUB_SPLIT}) is read when reachable or cached",
+    __slots__ = ()
+
+    name = BENCHMARK
+    tasks = TASKS
+    default_tasks = TASKS
+    generated = False
+    default_context_length = None
+    OPTIONS = (
+        Option(
+            "--data-dir", None,
+            help=f"LongBench v2 records: a data.json (official JSON array) or JSONL file, or a folder holding "
+            f"one; unset = ${ENV_DATA_DIR} if set, else {default_data_dir()}; without a local file the hub "
+            f"({HUB_REPO}, split {HUB_SPLIT}) is read when reachable or cached",
+        ),
+        Option(
+            "--max-length", None, type=int,
+            help="cap on the truncated prompt length in tokens (official: per-model max length); "
+            "the model window and the context length always apply",
+        ),
+        Option("--save-samples", None, help="also write the built samples to this JSONL file"),
     )
-    add_argument_once(
-        parser,
-        "--max-length",
-        type=int,
-        default=None,
-        help="cap on the truncated prompt length in tokens (official: per-model max length); "
-        "the model window always applies",
-    )
-    add_argument_once(parser, "--save-samples", default=None, help="also write the built samples to this JSONL file")
-    args = parser.parse_args(argv)
-    try:
-        _selected_tasks(args)
-        load_records(getattr(args, "data_dir", None))
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    import importlib
 
-    mod = importlib.import_module("evals.longbench_v2")
-    return run(BENCHMARK, args, mod.build_samples, mod.score_sample)
+    def resolve_tasks(self, tasks: Sequence[str] | None = None,
+                      options: Mapping[str, Any] | None = None) -> tuple[str, ...]:
+        self.resolve_options(options)
+        return tuple(_selected_tasks(tasks))
+
+    def check(self, *, tasks: Sequence[str] | None = None, options: Mapping[str, Any] | None = None) -> None:
+        """Unknown option keys or task names, a bad ``max_length``, or records that cannot be read
+        (no local file and no hub copy; a malformed record names file:line) raise one-line errors."""
+        opts = self.resolve_options(options)
+        _check_cap(opts["max_length"])
+        _selected_tasks(tasks)
+        load_records(opts["data_dir"])
+
+    def build_samples(self, tokenizer: Any, *, window: int, context_length: int | None = None,
+                      tasks: Sequence[str] | None = None, num_samples: int | None = None,
+                      max_new_tokens: int | None = None, options: Mapping[str, Any] | None = None) -> list[Sample]:
+        return build_samples(tokenizer, window=window, context_length=context_length, tasks=tasks,
+                             num_samples=num_samples, max_new_tokens=max_new_tokens, options=options)
+
+    def score_sample(self, sample: Sample, prediction: str) -> float:
+        return score_sample(sample, prediction)
+
+    def score_predictions(self, task: str, records: Sequence[dict], *, model_name: str | None = None) -> dict:
+        """:func:`score_prediction_records` (``model_name`` plays no part in LongBench v2's scorer)."""
+        return score_prediction_records(task, records)
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+#: The registry entry (``evals.registry.get_benchmark("longbench_v2")``).
+benchmark = LongBenchV2()

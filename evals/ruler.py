@@ -1,0 +1,24 @@
+"""RULER on one model through the cluster CLI: python evals/ruler.py --help.
+
+Also ``ray job submit --working-dir . -- python evals/ruler.py ...``. The benchmark itself is
+:mod:`evals.benchmarks.ruler` (registry name ``ruler``); this script and its siblings are the only
+files under ``evals/`` that import ``cluster``.
+"""
+from __future__ import annotations
+
+
+def main(argv=None) -> int:
+    from cluster.cli import benchmark_main
+
+    return benchmark_main("ruler", argv)
+
+
+if __name__ == "__main__":
+    import sys
+    from pathlib import Path
+
+    # Run as a script: the project root first on sys.path, this folder off it (evals/*.py must not
+    # shadow top-level modules).
+    _root, _here = Path(__file__).resolve().parents[1], Path(__file__).resolve().parent
+    sys.path[:] = [str(_root)] + [p for p in sys.path if Path(p or ".").resolve() not in (_root, _here)]
+    raise SystemExit(main())

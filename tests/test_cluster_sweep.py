@@ -1,0 +1,367 @@
+"""Sweeps: spec validation, the planner's keys, batched shards, the report's per-batch pairing,
+and (on local Ray) resume, a worker killed mid-shard, a permanently failing shard, Ctrl-C and a
+GPU request without GPUs.
+
+The model is a random-weight tiny Llama with SmolLM2's tokenizer (``helpers.tiny_model_like``):
+a real local folder, so the real planner, samples, workers and engine run, in milliseconds.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster import sweep
+from cluster.coordinator import WorkerStartError, plan_workers, result_rows
+from cluster.plan import plan_shards
+from cluster.report import batch_speedups, compute_report
+from cluster.spec import SpecError, load_spec, parse_spec
+from cluster.store import open_store
+from cluster.worker import EngineWorker
+from helpers import tiny_model_like
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(tiny_model_like(tmp_path_factory.mktemp("m") / "tiny-llama"))
+
+
+def _spec(tiny, db, **kw):
+    data = {
+        "name": "t", "models": [tiny], "methods": {"sparsespec-l": {"k": 3}}, "batch_sizes": [2],
+        "benchmarks": [{"name": "ruler", "tasks": ["niah_single_1", "niah_single_2"], "num_samples": 4,
+                        "context_lengths": [512]}],
+        "sampling": {"max_new_tokens": 6}, "workers": {"num_workers": 1, "threads": 1, "max_retries": 1},
+        "db": db,
+    }
+    data.update(kw)
+    return parse_spec(data)
+
+
+# --------------------------------------------------------------------------- spec
+@pytest.mark.parametrize("patch, needle", [
+    ({"batch_sizes": [1, 1]}, "duplicate batch sizes"),
+    ({"batch_sizes": [0]}, "batch sizes must be >= 1"),
+    ({"benchmarks": [{"name": "rulr"}]}, "did you mean 'ruler'"),
+    ({"frobnicate": 1}, "frobnicate"),
+    ({"methods": {"ar": {"k": 2}}}, "'ar' takes no options"),
+    ({"sampling": {"temperature": -1}}, "sampling.temperature"),
+    ({"context_lengths": [1]}, ">= 2 tokens"),
+    ({"device": "tpu"}, "device"),
+])
+def test_spec_rejects_bad_values_with_the_key(tiny, tmp_path, patch, needle):
+    with pytest.raises(SpecError, match=needle):
+        _spec(tiny, f"sqlite:///{tmp_path}/x.db", **patch)
+
+
+def test_spec_yaml_errors_name_the_file_and_line(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("name: x\nmodels: [a\n")
+    with pytest.raises(SpecError, match=r"bad.yaml:\d+: not valid YAML"):
+        load_spec(p)
+    with pytest.raises(SpecError, match="cannot read"):
+        load_spec(tmp_path / "missing.yaml")
+
+
+def test_unknown_method_is_a_spec_error(tiny, tmp_path):
+    spec = _spec(tiny, f"sqlite:///{tmp_path}/x.db", methods=["sparsespec-x"])
+    with pytest.raises(SpecError, match="did you mean 'sparsespec-l'"):
+        sweep.plan(spec)
+
+
+def test_cli_flags_override_the_spec(tmp_path):
+    spec = load_spec(ROOT / "configs" / "demo.yaml", sweep.overrides_from(_args(
+        ["x", "--batch-sizes", "1,4", "--num-samples", "2", "--temperature", "0.5", "--threads", "1"])))
+    assert spec.batch_sizes == (1, 4)
+    assert all(b.num_samples == 2 for b in spec.benchmarks)
+    assert spec.sampling.temperature == 0.5 and spec.workers.threads == 1
+
+
+def _args(argv):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("spec")
+    p.add_argument("--dry-run", action="store_true")
+    sweep.add_override_flags(p)
+    return p.parse_args(argv)
+
+
+@pytest.mark.parametrize("name", ["demo.yaml", "cpu_two_models.yaml", "paper_llama8b.yaml"])
+def test_shipped_configs_validate(name):
+    spec = load_spec(ROOT / "configs" / name)
+    assert spec.methods and list(spec.methods)[0] == "ar"
+
+
+# --------------------------------------------------------------------------- planner
+def test_planner_keys_are_stable_and_cover_every_sample(tiny, tmp_path, capsys):
+    db = f"sqlite:///{tmp_path}/x.db"
+    cells, shards = sweep.plan(_spec(tiny, db))
+    cells2, shards2 = sweep.plan(_spec(tiny, db))
+    assert [s.key for s in shards] == [s.key for s in shards2]
+    assert len({s.key for s in shards}) == len(shards) == 4  # 2 tasks x 4 samples / batch 2
+    assert [len(s.samples) for s in shards] == [2, 2, 2, 2]
+    # every sample exactly once, in order, with all methods (ar first)
+    assert [x.sample_id for s in shards for x in s.samples] == [x.sample_id for x in cells[0].samples]
+    assert all(s.methods == ("ar", "sparsespec-l") for s in shards)
+    # where results go and how work is spread do not change the run id; what decides numbers does
+    assert sweep.plan(_spec(tiny, f"sqlite:///{tmp_path}/other.db",
+                            workers={"num_workers": 2}))[0][0].run_id == cells[0].run_id
+    for patch in ({"batch_sizes": [4]}, {"methods": {"sparsespec-l": {"k": 4}}}, {"dtype": "bfloat16"},
+                  {"sampling": {"max_new_tokens": 7}}):
+        assert sweep.plan(_spec(tiny, db, **patch))[0][0].run_id != cells[0].run_id
+    # batch 3 over 4 samples: a full batch and the remainder
+    assert [len(s.samples) for s in plan_shards(sweep.plan(_spec(tiny, db, batch_sizes=[3]))[0][0])] == [3, 1, 3, 1]
+
+
+def test_dry_run_prints_the_keys_and_runs_nothing(tiny, tmp_path, capsys):
+    spec_path = tmp_path / "s.yaml"
+    spec_path.write_text(yaml.safe_dump(_spec(tiny, f"sqlite:///{tmp_path}/x.db").resolved()))
+    assert sweep.main([str(spec_path), "--dry-run"]) == 0
+    first = capsys.readouterr().out.split()
+    assert sweep.main([str(spec_path), "--dry-run"]) == 0
+    assert capsys.readouterr().out.split() == first
+    assert first == [s.key for s in sweep.plan(load_spec(spec_path))[1]]
+    assert not (tmp_path / "x.db").exists()
+
+
+def test_context_length_over_the_window_is_a_spec_error(tiny, tmp_path):
+    spec = _spec(tiny, f"sqlite:///{tmp_path}/x.db",
+                 benchmarks=[{"name": "ruler", "tasks": ["niah_single_1"], "num_samples": 1,
+                              "context_lengths": [10**6]}])
+    with pytest.raises(SpecError, match="ruler on .* at context length 1000000"):
+        sweep.plan(spec)
+
+
+# --------------------------------------------------------------------------- worker (no Ray)
+def test_a_batch_of_four_equals_four_batches_of_one(tiny, tmp_path):
+    """Batching must not change a single token: the batch-4 shard against four batch-1 shards."""
+    db = f"sqlite:///{tmp_path}/x.db"
+    spec4 = _spec(tiny, db, batch_sizes=[4], benchmarks=[
+        {"name": "ruler", "tasks": ["niah_single_1"], "num_samples": 4, "context_lengths": [512]}])
+    cell4 = sweep.plan(spec4)[0][0]
+    cell1 = sweep.plan(_spec(tiny, db, batch_sizes=[1], benchmarks=spec4.resolved()["benchmarks"]))[0][0]
+    w = EngineWorker(tiny, "float32", "cpu", threads=1)
+    (b4,) = plan_shards(cell4)
+    out4 = w.run_shard(b4)["rows"]
+    out1 = [r for sh in plan_shards(cell1) for r in w.run_shard(sh)["rows"]]
+    tok = lambda rows: {(r["sample_id"], r["method"]): r["token_ids"] for r in rows}  # noqa: E731
+    assert tok(out4) == tok(out1)
+    assert len(out4) == 8 and all(r["stats"]["batch_size"] == 4 for r in out4)
+    assert sum(r["stats"]["num_drafted"] for r in out4 if r["method"] == "sparsespec-l") > 0
+    # every row of a method shares the batch's wall time; rows are the batch's rows 0..3
+    for m in ("ar", "sparsespec-l"):
+        rs = [r for r in out4 if r["method"] == m]
+        assert len({r["stats"]["batch_wall_s"] for r in rs}) == 1
+        assert sorted(r["stats"]["batch_row"] for r in rs) == [0, 1, 2, 3]
+    rows = result_rows(b4, out4, lambda s, p: 0.5)
+    assert all(r["lossless"] is True for r in rows if r["method"] != "ar")
+
+
+def test_result_rows_flags_a_divergent_method_and_missing_rows(tiny, tmp_path):
+    cell = sweep.plan(_spec(tiny, f"sqlite:///{tmp_path}/x.db"))[0][0]
+    shard = plan_shards(cell)[0]
+    outs = []
+    for s in shard.samples:
+        for m in shard.methods:
+            toks = [5, 6, 7] if (m == "ar" or s is not shard.samples[1]) else [5, 9, 7]
+            outs.append({"sample_id": s.sample_id, "task": s.task, "method": m, "token_ids": toks, "text": "x",
+                         "stats": {"num_drafted": 3}})
+    rows = result_rows(shard, outs, lambda s, p: 1.0)
+    verdict = {(r["sample_id"], r["method"]): (r["lossless"], r["first_divergence"]) for r in rows}
+    assert verdict[(shard.samples[0].sample_id, "sparsespec-l")] == (True, None)
+    assert verdict[(shard.samples[1].sample_id, "sparsespec-l")] == (False, 1)
+    with pytest.raises(ValueError, match="expected 4"):
+        result_rows(shard, outs[:-1], lambda s, p: 1.0)
+
+
+# --------------------------------------------------------------------------- report: pairing per batch
+def _row(run, batch, sample, method, n_out, wall, prefill):
+    return {"run_id": run, "benchmark": "b", "task": "t", "model": "m", "method": method, "sample_id": sample,
+            "score": 1.0, "lossless": None if method == "ar" else True, "context_length": 512, "batch_size": 2,
+            "stats": {"batch_key": batch, "num_output_tokens": n_out, "batch_wall_s": wall,
+                      "batch_prefill_s": prefill, "decode_s": 99.0}}
+
+
+def test_speedup_is_paired_per_batch_from_batch_wall_time():
+    rows = [
+        # batch A: ar decodes 2*(11-1)=20 tokens in 3.0-1.0=2.0 s; the method in 1.5-1.0=0.5 s -> 4x
+        _row("r", "A", "s0", "ar", 11, 3.0, 1.0), _row("r", "A", "s1", "ar", 11, 3.0, 1.0),
+        _row("r", "A", "s0", "x", 11, 1.5, 1.0), _row("r", "A", "s1", "x", 11, 1.5, 1.0),
+        # batch B: 2x; batch C: 1x  -> median 2x
+        _row("r", "B", "s2", "ar", 6, 2.0, 0.0), _row("r", "B", "s3", "ar", 6, 2.0, 0.0),
+        _row("r", "B", "s2", "x", 6, 1.0, 0.0), _row("r", "B", "s3", "x", 6, 1.0, 0.0),
+        _row("r", "C", "s4", "ar", 6, 1.0, 0.0), _row("r", "C", "s4", "x", 6, 1.0, 0.0),
+        # a batch of the method without its ar batch is not paired
+        _row("r", "D", "s5", "x", 6, 0.1, 0.0),
+    ]
+    xs = [r for r in rows if r["method"] == "x"]
+    assert sorted(batch_speedups(xs, [r for r in rows if r["method"] == "ar"])) == pytest.approx([1.0, 2.0, 4.0])
+    rep = {r["method"]: r for r in compute_report(rows)}
+    assert rep["x"]["speedup"] == pytest.approx(2.0)
+    assert rep["x"]["batch_size"] == 2 and rep["x"]["context_length"] == 512 and rep["x"]["n"] == 6
+
+
+# --------------------------------------------------------------------------- workers plan
+def test_gpu_request_without_gpus_fails_at_once():
+    with pytest.raises(WorkerStartError, match="no GPUs"):
+        plan_workers(None, None, "cuda", resources={"CPU": 2}, node_cpus=[2])
+    p = plan_workers(None, None, "auto", resources={"CPU": 16, "GPU": 4}, node_cpus=[16])
+    assert (p.num_workers, p.num_gpus, p.device, p.num_cpus) == (4, 1, "cuda", 4)
+    p = plan_workers(2, None, "auto", resources={"CPU": 2}, node_cpus=[2])
+    assert (p.num_workers, p.num_gpus, p.device, p.threads) == (2, 0, "cpu", 1)
+    with pytest.raises(WorkerStartError, match="only 2 CPU"):
+        plan_workers(3, None, "cpu", resources={"CPU": 2}, node_cpus=[2])
+
+
+# --------------------------------------------------------------------------- on local Ray
+def _counts(db):
+    with open_store(db, create=False) as st:
+        res = st.results()
+        keys = [(r["run_id"], r["task"], r["sample_id"], r["method"]) for r in res]
+        return len(res), len(set(keys)), st.shards()
+
+
+@pytest.mark.slow
+def test_sweep_runs_then_resumes_without_writing_twice(ray_session, tiny, tmp_path):
+    db = f"sqlite:///{tmp_path}/r.db"
+    spec = _spec(tiny, db)
+    res = sweep.run_sweep(spec, progress=False)
+    assert len(res.done) == 4 and not res.failed and not res.skipped
+    n, unique, shards = _counts(db)
+    assert n == unique == 2 * 4 * 2  # tasks x samples x methods
+    assert {s["status"] for s in shards} == {"done"} and all(s["attempts"] == 1 for s in shards)
+    with open_store(db, create=False) as st:
+        run = st.get_run(res.run_ids[0])
+    assert run["status"] == "finished"
+    prov = run["host"]["provenance"]
+    assert prov["git"]["commit"] and prov["packages"]["torch"] and prov["sweep"]["spec"]["batch_sizes"] == [2]
+    assert run["host"]["workers"][0]["torch_threads"] == 1
+    again = sweep.run_sweep(spec, progress=False)
+    assert not again.done and len(again.skipped) == 4
+    assert _counts(db)[:2] == (n, n)
+    rep = compute_report(open_store(db, create=False).results())
+    spec_row = next(r for r in rep if r["method"] == "sparsespec-l")
+    assert spec_row["lossless_rate"] == 1.0 and spec_row["speedup"] is not None and spec_row["batch_size"] == 2
+
+
+def _killer(db, killed, delay_s=0.4):
+    """Kill (SIGKILL) the worker of the first shard seen running for ``delay_s``, once."""
+    deadline = time.time() + 120
+    while time.time() < deadline and not killed:
+        try:
+            with open_store(db, create=False) as st:
+                running = [s for s in st.shards() if s["status"] == "running"]
+        except Exception:  # noqa: BLE001 - the file may not exist yet
+            running = []
+        for s in running:
+            pid = (s["worker"] or {}).get("pid")
+            if pid and s["attempts"] == 1:
+                time.sleep(delay_s)
+                os.kill(pid, signal.SIGKILL)
+                killed.append((s["key"], pid))
+                return
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_shard_is_retried_and_nothing_is_lost_or_duplicated(ray_session, tiny, tmp_path):
+    from cluster.testing import slow_engine_factory
+
+    db = f"sqlite:///{tmp_path}/k.db"
+    spec = _spec(tiny, db, workers={"num_workers": 2, "threads": 1, "max_retries": 2})
+    killed: list = []
+    t = threading.Thread(target=_killer, args=(db, killed), daemon=True)
+    t.start()
+    res = sweep.run_sweep(spec, progress=False,
+                          engine_factory=functools.partial(slow_engine_factory, step_sleep_s=0.05))
+    t.join(5)
+    assert killed, "the test never saw a running shard to kill"
+    assert res.worker_deaths == 1 and not res.failed and len(res.done) == 4
+    n, unique, shards = _counts(db)
+    assert n == unique == 16
+    by_key = {s["key"]: s for s in shards}
+    assert by_key[killed[0][0]]["attempts"] == 2 and by_key[killed[0][0]]["status"] == "done"
+    assert by_key[killed[0][0]]["worker"]["pid"] != killed[0][1]
+    with open_store(db, create=False) as st:
+        assert any("worker died" in e["message"] for e in st.get_run(res.run_ids[0])["events"])
+
+
+@pytest.mark.slow
+def test_a_shard_that_keeps_failing_is_recorded_and_the_rest_complete(ray_session, tiny, tmp_path):
+    from cluster.testing import failing_engine_factory
+
+    db = f"sqlite:///{tmp_path}/f.db"
+    spec = _spec(tiny, db)
+    shards = sweep.plan(spec)[1]
+    tokens = [set(t for x in s.samples for t in x.prompt_ids) for s in shards]
+    others = set().union(*tokens[1:])
+    poison = min(tokens[0] - others)  # a token only the first shard's prompts hold
+    res = sweep.run_sweep(spec, progress=False,
+                          engine_factory=functools.partial(failing_engine_factory, poison_token=poison))
+    assert list(res.failed) == [shards[0].key] and len(res.done) == 3
+    assert "injected failure" in res.failed[shards[0].key]
+    n, unique, rows = _counts(db)
+    assert n == unique == 12
+    bad = next(s for s in rows if s["key"] == shards[0].key)
+    assert bad["status"] == "failed" and bad["attempts"] == 2 and "injected failure" in bad["error"]
+    with open_store(db, create=False) as st:
+        assert st.get_run(res.run_ids[0])["status"] == "failed"
+
+
+@pytest.mark.slow
+def test_ctrl_c_leaves_the_store_consistent_and_resumable(ray_session, tiny, tmp_path, monkeypatch):
+    db = f"sqlite:///{tmp_path}/c.db"
+    spec = _spec(tiny, db)
+
+    class Bar:
+        def __init__(self, *a, **k):
+            self.n = 0
+
+        def update(self, n):
+            self.n += n
+            raise KeyboardInterrupt  # Ctrl-C right after the first shard is stored
+
+        def set_postfix_str(self, *a, **k): ...
+        def write(self, *a, **k): ...
+        def close(self): ...
+
+    monkeypatch.setattr(sweep, "_bar", lambda *a, **k: Bar())
+    with pytest.raises(KeyboardInterrupt):
+        sweep.run_sweep(spec, progress=False)
+    n, unique, shards = _counts(db)
+    assert n == unique == 4  # exactly the one stored shard: 2 samples x 2 methods
+    assert sorted(s["status"] for s in shards) in (["done", "pending"], ["done"])
+    with open_store(db, create=False) as st:
+        assert {r["status"] for r in st.runs()} == {"interrupted"}
+    monkeypatch.undo()
+    res = sweep.run_sweep(spec, progress=False)
+    assert len(res.skipped) == 1 and len(res.done) == 3
+    assert _counts(db)[:2] == (16, 16)
+
+
+@pytest.mark.slow
+def test_cuda_sweep_on_a_cluster_without_gpus_fails_fast(ray_session, tiny, tmp_path):
+    t0 = time.perf_counter()
+    with pytest.raises(WorkerStartError, match="no GPUs"):
+        sweep.run_sweep(_spec(tiny, f"sqlite:///{tmp_path}/g.db", device="cuda"), progress=False)
+    assert time.perf_counter() - t0 < 60
+
+
+@pytest.mark.slow
+def test_a_model_whose_weights_do_not_load_is_a_clear_start_error(ray_session, tiny, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(WorkerStartError, match="failed to start"):
+        sweep.run_sweep(_spec(str(broken), f"sqlite:///{tmp_path}/b.db"), progress=False)
