@@ -66,9 +66,15 @@ def ray_session(ray_address: str | None = None, num_cpus: int | None = None) -> 
     else:
         _local_ray_env()
         n = num_cpus or os.cpu_count()
-        log.info("starting a local Ray (%s CPUs)", n)
-        ray.init(num_cpus=n, include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES,
-                 log_to_driver=True, _node_ip_address="127.0.0.1")
+        try:
+            log.info("starting a local Ray (%s CPUs)", n)
+            ray.init(num_cpus=n, include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+                     log_to_driver=True, _node_ip_address="127.0.0.1")
+        except ValueError as e:  # a `ray start` cluster runs on this machine: Ray joins it instead
+            if "existing cluster" not in str(e):
+                raise
+            log.info("joining the Ray cluster already running on this machine")
+            ray.init(address="auto", log_to_driver=True)
     try:
         yield
     finally:
@@ -92,9 +98,15 @@ def plan_workers(num_workers: int | None, threads: int | None, device: str = "au
     sharing the CPUs. Asking for GPUs where there are none, or for more workers than devices,
     raises WorkerStartError at once (instead of actors pending forever)."""
     if resources is None or node_cpus is None:
+        import time
+
         import ray
 
-        resources = ray.cluster_resources()
+        for _ in range(40):  # a node that just started may not have reported its resources yet
+            resources = ray.cluster_resources()
+            if resources.get("CPU", 0) or resources.get("GPU", 0):
+                break
+            time.sleep(0.25)
         node_cpus = [int(n.get("Resources", {}).get("CPU", 0)) for n in ray.nodes() if n.get("Alive")]
     gpus, cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 0))
     max_node_cpus = max(node_cpus, default=cpus)

@@ -5,7 +5,8 @@
 
 Shows the report (score, paired speedup, acceptance), bar charts of speedup and alpha per method
 faceted by task, the ledger (predicted S = (alpha*k + 1)/(k*gamma + 1) with k = mean_k next to
-the measured speedup), the runs, and per-sample rows of one run. All numbers come from
+the measured speedup), the runs, per-sample rows of one run, and (for ``cluster.bench`` runs) the
+step times against their rooflines. All numbers come from
 ``dashboard.queries`` (pure functions); this file only lays them out.
 """
 from __future__ import annotations
@@ -39,6 +40,23 @@ def _report(db: str, run_ids: tuple[str, ...]) -> pd.DataFrame:
 @st.cache_data(ttl=15, show_spinner=False)
 def _samples(db: str, run_id: str) -> pd.DataFrame:
     return queries.sample_frame(db, run_id)
+
+
+@st.cache_data(ttl=15, show_spinner=False)
+def _roofline(db: str, run_ids: tuple[str, ...]) -> pd.DataFrame:
+    return queries.roofline_frame(db, list(run_ids))
+
+
+def _roofline_section(db: str, run_ids: tuple[str, ...]) -> None:
+    """The bench's step times vs their roofline floors (nothing when no bench run is selected)."""
+    roof = _roofline(db, run_ids)
+    if roof.empty:
+        return
+    st.subheader("Roofline")
+    st.caption("cluster.bench step timings (ms) against their floors: max(bytes / measured read bandwidth, "
+               "FLOPs / measured GEMM rate); x_roofline = measured / floor. max speedup: every draft accepted, "
+               "(k+1) T_AR / (k T_draft + T_verify), at the floors and at the measured step times.")
+    st.dataframe(roof, hide_index=True)
 
 
 def _facet_label(df: pd.DataFrame) -> pd.DataFrame:
@@ -97,6 +115,7 @@ def main() -> None:
     report = _report(db, tuple(chosen))
     if report.empty:
         st.info("The selected runs have no results yet (a run in progress writes as each shard finishes).")
+        _roofline_section(db, tuple(chosen))
         st.stop()
 
     st.subheader("Report")
@@ -143,6 +162,8 @@ def main() -> None:
         st.info("No results for this run yet.")
     else:
         st.dataframe(samples, hide_index=True)
+
+    _roofline_section(db, tuple(chosen))
 
 
 main()

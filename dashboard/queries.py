@@ -14,6 +14,7 @@ import pandas as pd
 
 from cluster.report import (
     EXTRA_KEYS,
+    GROUP_KEYS,
     REPORT_KEYS,
     compute_extras,
     compute_report,
@@ -21,6 +22,7 @@ from cluster.report import (
     tpot,
 )
 from cluster.store import DEFAULT_DB_URL, open_store
+from sparsespec.roofline import max_speedup, x_roofline
 from sparsespec.stats import derive
 
 #: Environment variable naming the store the dashboard reads.
@@ -29,8 +31,13 @@ DB_ENV_VAR = "SPARSESPEC_DB"
 RUN_COLUMNS = ["run_id", "benchmark", "model", "methods", "status", "num_results", "created_at",
                "finished_at", "num_events"]
 REPORT_COLUMNS = [*REPORT_KEYS, "predicted_speedup", "speedup_total", "tokens_per_s", "ttft_s", "budget_frac"]
-LEDGER_COLUMNS = ["benchmark", "task", "model", "method", "alpha", "mean_k", "gamma", "predicted_speedup",
+LEDGER_COLUMNS = ["benchmark", "task", "model", "context_length", "batch_size", "method", "alpha", "mean_k", "gamma", "predicted_speedup",
                   "speedup", "error"]
+ROOFLINE_COLUMNS = ["run_id", "model", "device", "context_len", "batch_size", "k", "n_index",
+                    "ar_step_ms", "ar_roofline_ms", "ar_x_roofline",
+                    "verify_ms", "verify_roofline_ms", "verify_x_roofline",
+                    "draft_step_ms", "draft_roofline_ms", "draft_x_roofline",
+                    "gamma", "gamma_roofline", "roofline_max_speedup", "step_max_speedup"]
 SAMPLE_COLUMNS = ["task", "sample_id", "method", "score", "lossless", "first_divergence", "num_input_tokens",
                   "num_output_tokens", "tpot_ms", "speedup_vs_ar", "alpha", "tau", "mean_k", "prefill_s",
                   "prediction", "references"]
@@ -71,10 +78,10 @@ def report_frame(db_url: str = DEFAULT_DB_URL, run_ids: str | Iterable[str] | No
     """The report (``cluster.report`` keys) plus ledger prediction, total-time speedup, tokens/s."""
     results = _results(db_url, run_ids)
     rep = compute_report(results)
-    extras = {tuple(e[k] for k in ("benchmark", "task", "model", "method")): e for e in compute_extras(results)}
+    extras = {tuple(e[k] for k in GROUP_KEYS): e for e in compute_extras(results)}
     rows = []
     for r in rep:
-        e = extras[(r["benchmark"], r["task"], r["model"], r["method"])]
+        e = extras[tuple(r[k] for k in GROUP_KEYS)]
         rows.append({**r, **{k: e[k] for k in EXTRA_KEYS if k in REPORT_COLUMNS and k not in r}})
     return pd.DataFrame(rows, columns=REPORT_COLUMNS)
 
@@ -89,7 +96,8 @@ def ledger_frame(report: pd.DataFrame) -> pd.DataFrame:
         pred = predicted_speedup(alpha, k, gamma)
         meas = None if pd.isna(r["speedup"]) else float(r["speedup"])
         rows.append({
-            "benchmark": r["benchmark"], "task": r["task"], "model": r["model"], "method": r["method"],
+            "benchmark": r["benchmark"], "task": r["task"], "model": r["model"],
+            "context_length": r["context_length"], "batch_size": r["batch_size"], "method": r["method"],
             "alpha": alpha, "mean_k": k, "gamma": gamma, "predicted_speedup": pred, "speedup": meas,
             "error": (meas / pred - 1.0) if (pred and meas is not None) else None,
         })
@@ -119,3 +127,54 @@ def sample_frame(db_url: str, run_id: str) -> pd.DataFrame:
             "prediction": r["prediction"], "references": " | ".join(map(str, r["references"] or [])),
         })
     return pd.DataFrame(rows, columns=SAMPLE_COLUMNS)
+
+
+def _f(v: Any) -> float | None:
+    if v is None or isinstance(v, bool):
+        return None
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return None if pd.isna(f) else f
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else 1000.0 * v
+
+
+def roofline_frame(db_url: str = DEFAULT_DB_URL, run_ids: str | Iterable[str] | None = None) -> pd.DataFrame:
+    """The stored ``cluster.bench`` step rows (``kind == "steps"``) against their rooflines:
+    the AR, verify (K+1 tokens, importance rows on) and draft step times and their floors (ms),
+    each time as a multiple of its floor, gamma (draft / verify) measured and at the floors, and
+    the best-case speedup (every draft accepted) at the floors (``roofline_max_speedup``) and at
+    the measured step times (``step_max_speedup``). Values a row lacks are derived with
+    ``sparsespec.roofline`` (``x_roofline``, ``max_speedup``). Oldest first."""
+    wanted = _runs_arg(run_ids)
+    with open_store(db_url, create=False) as store:
+        rows = [r for r in store.bench_rows() if r.get("kind") == "steps"
+                and (wanted is None or r["run_id"] in wanted)]
+    out = []
+    for r in rows:
+        ar, ar_roof = _f(r.get("ar_step_s")), _f(r.get("ar_step_roofline_s"))
+        ver, ver_roof = _f(r.get("verify_importance_s")), _f(r.get("verify_roofline_s"))
+        dr, dr_roof = _f(r.get("draft_step_s")), _f(r.get("draft_step_roofline_s"))
+        k = int(r["k"]) if r.get("k") is not None else None
+        roof_max = _f(r.get("roofline_max_speedup"))
+        if roof_max is None and k is not None:
+            roof_max = max_speedup(k, ar_roof, dr_roof, ver_roof)
+        step_max = _f(r.get("step_max_speedup"))
+        if step_max is None and k is not None:
+            step_max = max_speedup(k, ar, dr, ver)
+        out.append({
+            "run_id": r["run_id"], "model": r.get("model"), "device": r.get("device"),
+            "context_len": r.get("context_len"), "batch_size": r.get("batch_size"), "k": k,
+            "n_index": r.get("n_index"),
+            "ar_step_ms": _ms(ar), "ar_roofline_ms": _ms(ar_roof), "ar_x_roofline": x_roofline(ar, ar_roof),
+            "verify_ms": _ms(ver), "verify_roofline_ms": _ms(ver_roof), "verify_x_roofline": x_roofline(ver, ver_roof),
+            "draft_step_ms": _ms(dr), "draft_roofline_ms": _ms(dr_roof), "draft_x_roofline": x_roofline(dr, dr_roof),
+            "gamma": (dr / ver) if (dr is not None and ver) else None,
+            "gamma_roofline": (dr_roof / ver_roof) if (dr_roof is not None and ver_roof) else None,
+            "roofline_max_speedup": roof_max, "step_max_speedup": step_max,
+        })
+    return pd.DataFrame(out, columns=ROOFLINE_COLUMNS)

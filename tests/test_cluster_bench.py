@@ -1,4 +1,6 @@
-"""cluster.bench: roofline arithmetic, flag validation, and a tiny run through every measurement."""
+"""cluster.bench: roofline arithmetic (``sparsespec.roofline``), flag validation, the step timings,
+and the end-to-end part as a sweep of the ``speed`` benchmark (same run ids, pairing, lossless
+check and report as any sweep; resumable)."""
 from __future__ import annotations
 
 import json
@@ -8,8 +10,12 @@ import pytest
 import torch
 
 from cluster import bench
-from cluster.bench import BenchConfig, kv_bytes, roofline, step_flops, weight_bytes
+from cluster.bench import BenchConfig
+from cluster.report import report_rows
 from cluster.store import open_store
+from helpers import tiny_model_like
+from sparsespec.roofline import (kv_bytes, max_speedup, roofline, roofline_speedup, step_flops, weight_bytes,
+                                 x_roofline)
 from sparsespec.shapes import SHAPES, random_transformer
 
 
@@ -47,13 +53,37 @@ def test_roofline_is_the_larger_of_the_memory_and_compute_floors():
     assert slow_compute["roofline_s"] == slow_compute["compute_s"] > slow_compute["mem_s"]
 
 
+def test_roofline_speedup_by_hand():
+    # tau = 3 tokens per cycle of mean_k = 4 drafts (1 ms each) + one 12 ms verify, vs 10 ms AR steps
+    assert roofline_speedup(3.0, 4.0, 10e-3, 1e-3, 12e-3) == pytest.approx(3 * 10 / (4 * 1 + 12))
+    # every draft accepted at k = 4: 5 tokens per cycle
+    assert max_speedup(4, 10e-3, 1e-3, 12e-3) == pytest.approx(5 * 10 / 16) == roofline_speedup(5, 4, 10e-3, 1e-3, 12e-3)
+    assert roofline_speedup(None, 4.0, 1.0, 1.0, 1.0) is None and roofline_speedup(1.0, 0.0, 1.0, 1.0, 0.0) is None
+    assert x_roofline(3e-3, 1.5e-3) == pytest.approx(2.0) and x_roofline(1.0, 0.0) is None
+
+
+def test_the_roofline_module_needs_no_ray_or_sql():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, sparsespec.roofline\n"
+            "print(','.join(m for m in ('ray', 'sqlalchemy', 'cluster', 'streamlit') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
 @pytest.mark.parametrize("kwargs, msg", [
     ({"random_weights": True}, "needs --shape"),
     ({"context_lengths": (32,)}, "context lengths"),
+    ({"context_lengths": (100,), "gen_tokens": 64}, r"gen_tokens \+ 64"),
+    ({"context_lengths": (256, 256)}, "duplicate context lengths"),
     ({"batch_sizes": (0,)}, "batch sizes"),
     ({"k": 0}, "k must be"),
     ({"budget_frac": 0.0}, "budget_frac"),
     ({"gen_tokens": 1}, "gen_tokens"),
+    ({"e2e_samples": 0}, "e2e_samples"),
     ({"device": "tpu"}, "device"),
 ])
 def test_config_rejects_bad_values(kwargs, msg):
@@ -70,42 +100,61 @@ def test_cli_rejects_unknown_method_and_bad_lists(capsys):
         bench.main(["--random-weights"])  # no --shape
 
 
-def test_tiny_run_measures_every_step_and_stores_it(tmp_path, capsys):
+def test_random_weights_measure_every_step_and_store_them_without_an_e2e_run(tmp_path, capsys):
     db = f"sqlite:///{tmp_path / 'b.db'}"
     out = tmp_path / "bench.json"
     rc = bench.main(["--shape", "tiny", "--random-weights", "--context-lengths", "256", "--batch-sizes", "1,2",
-                     "--methods", "sparsespec-l,magicdec-streaming", "--k", "3", "--reps", "1", "--warmup", "0",
-                     "--gen-tokens", "6", "--e2e-reps", "1", "--db", db, "--json-out", str(out), "--threads", "1"])
+                     "--methods", "sparsespec-l", "--k", "3", "--reps", "1", "--warmup", "0",
+                     "--gen-tokens", "6", "--db", db, "--json-out", str(out), "--threads", "1"])
     assert rc == 0
     printed = capsys.readouterr().out
-    assert "| ctx | B |" in printed and "stored as run bench-" in printed
+    assert "| ctx (prompt) | B |" in printed and "stored as run bench-" in printed
     result = json.loads(out.read_text())
     assert result["machine"]["read_bytes_per_s"] > 0 and result["machine"]["gemm_flops_per_s"] > 0
+    assert result["meta"]["e2e"] is None  # random weights: steps only (no tokenizer for the book)
     steps = [r for r in result["rows"] if r["kind"] == "steps"]
-    assert [(r["context_len"], r["batch_size"]) for r in steps] == [(256, 1), (256, 2)]
+    assert [r["kind"] for r in result["rows"]] == ["steps", "steps"]
+    assert [(r["context_len"], r["prompt_len"], r["batch_size"]) for r in steps] == [(256, 250, 1), (256, 250, 2)]
     for r in steps:
         for key in ("ar_step_s", "verify_s", "verify_importance_s", "draft_step_s", "gather_s",
                     "index_update_s", "index_rebuild_s"):
             assert r[key] > 0, key
-        assert r["n_index"] == 128  # 10 % of 256 is under the 128-token floor
+        assert r["n_index"] == 128  # 10 % of 250 is under the 128-token floor
         assert r["ar_step_x_roofline"] > 0 and r["gamma_roofline"] > 0
         # the draft reads the index, the verify the whole context: the roofline says drafting is cheaper
         assert r["draft_step_bytes"] < r["verify_bytes"]
+        assert r["roofline_max_speedup"] == pytest.approx(max_speedup(
+            3, r["ar_step_roofline_s"], r["draft_step_roofline_s"], r["verify_roofline_s"]))
     assert steps[0]["prefill_s"] > 0 and steps[1]["prefill_s"] is None
-    e2e = [r for r in result["rows"] if r["kind"] == "e2e"]
-    assert {(r["batch_size"], r["method"]) for r in e2e} == {(b, m) for b in (1, 2)
-                                                            for m in ("ar", "sparsespec-l", "magicdec-streaming")}
-    for r in e2e:
-        if r["method"] == "ar":
-            assert r["speedup"] == 1.0
-        else:
-            assert r["lossless"] is True  # fp32 greedy: token-identical to ar
-            assert r["alpha"] is not None and r["tau"] >= 1.0 and r["ledger_speedup"] > 0
     with open_store(db, create=False) as store:
         stored = store.bench_rows()
         runs = store.runs()
     assert len(stored) == len(result["rows"])
-    assert runs[0]["benchmark"] == "bench" and runs[0]["status"] == "finished"
+    assert [(r["benchmark"], r["status"]) for r in runs] == [("bench", "finished")]
+
+
+def test_the_e2e_part_is_a_speed_sweep_spec_per_batch_size(tmp_path):
+    from cluster.plan import compute_run_id
+
+    tiny = str(tiny_model_like(tmp_path / "tiny"))
+    cfg = BenchConfig(model=tiny, context_lengths=(256, 512), batch_sizes=(1, 4), methods=("sparsespec-l",),
+                      method_k=3, budget_frac=0.2, gen_tokens=6, e2e_reps=2, e2e_max_tokens=1024)
+    db = f"sqlite:///{tmp_path}/x.db"
+    specs = bench.e2e_specs(cfg, db, threads=1)
+    assert [(s.batch_sizes, s.context_lengths) for s in specs] == [((1,), (256, 512)), ((4,), (256,))]  # 4 x 512 > 1024
+    s = specs[0]
+    assert s.methods == {"ar": {}, "sparsespec-l": {"k": 3, "budget_frac": 0.2}}
+    assert [(b.name, b.num_samples) for b in s.benchmarks] == [("speed", 1)] and specs[1].benchmarks[0].num_samples == 4
+    assert (s.sampling.max_new_tokens, s.sampling.temperature, s.repetitions, s.device, s.db) == (6, 0.0, 2, "cpu", db)
+    from cluster.sweep import plan
+
+    cells, shards = plan(s)
+    assert [(c.context_length, c.batch_size, c.repetition) for c in cells] == [(256, 1, 0), (256, 1, 1),
+                                                                             (512, 1, 0), (512, 1, 1)]
+    assert all(c.run_id == compute_run_id("speed", c.config) for c in cells)
+    assert [len(sh.samples[0].prompt_ids) for sh in shards] == [250, 250, 506, 506]
+    # the same bench gives the same run ids (what makes a rerun resume)
+    assert [c.run_id for c in plan(bench.e2e_specs(cfg, db, threads=1)[0])[0]] == [c.run_id for c in cells]
 
 
 def test_bench_rows_replace_on_rewrite_and_nan_becomes_null(tmp_path):
@@ -123,20 +172,126 @@ def test_bench_rows_replace_on_rewrite_and_nan_becomes_null(tmp_path):
         assert store.bench_rows()[0]["x"] is None
 
 
+def test_contexts_that_do_not_fit_the_window_fail_before_measuring():
+    cfg = BenchConfig(shape="tiny", random_weights=True, context_lengths=(128, 4097), batch_sizes=(1,))
+    with pytest.raises(ValueError, match=r"\[4097\].*longest that fits is 4096"):
+        bench.run_bench(cfg, progress=lambda _: pytest.fail("measured before rejecting the context"))
+    # the step timings' cache holds prompt + K + 2: a K beyond the generated tokens shortens it
+    cfg = BenchConfig(shape="tiny", random_weights=True, context_lengths=(4096,), batch_sizes=(1,), k=70)
+    with pytest.raises(ValueError, match="longest that fits is 4088"):
+        bench.run_bench(cfg, progress=lambda _: pytest.fail("measured before rejecting the context"))
+
+
+# --------------------------------------------------------------------------- end to end, on local Ray
+TINY_ARGS = ["--context-lengths", "256", "--batch-sizes", "1,2", "--methods", "sparsespec-l,magicdec-streaming",
+             "--k", "3", "--reps", "1", "--warmup", "0", "--gen-tokens", "6", "--e2e-reps", "1", "--hf-tokens", "4",
+             "--threads", "1", "--num-workers", "1", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def tiny_bench(ray_session, tmp_path_factory):
+    """One bench of a tiny real model folder (random weights, SmolLM2's tokenizer) end to end."""
+    tmp = tmp_path_factory.mktemp("bench")
+    model = str(tiny_model_like(tmp / "tiny-llama"))
+    db = f"sqlite:///{tmp / 'b.db'}"
+    args = ["--model", model, *TINY_ARGS, "--db", db]
+    rc = bench.main([*args, "--json-out", str(tmp / "first.json"), "--markdown-out", str(tmp / "first.md")])
+    return {"rc": rc, "args": args, "db": db, "tmp": tmp, "result": json.loads((tmp / "first.json").read_text()),
+            "md": (tmp / "first.md").read_text()}
+
+
+def _e2e(result):
+    return {(r["context_len"], r["batch_size"], r["method"]): r for r in result["rows"] if r["kind"] == "e2e"}
+
+
+def _results(db):
+    with open_store(db, create=False) as st:
+        return st.results()
+
+
 @pytest.mark.slow
-def test_real_model_with_transformers_reference(tmp_path):
-    """SmolLM2 at a short context: the transformers reference runs on the same prompt and the
-    greedy tokens of our AR match transformers' (fp32)."""
+def test_tiny_bench_times_the_steps_and_runs_the_e2e_part_as_a_sweep(tiny_bench):
+    assert tiny_bench["rc"] == 0
+    result, db = tiny_bench["result"], tiny_bench["db"]
+    steps = [r for r in result["rows"] if r["kind"] == "steps"]
+    assert [(r["context_len"], r["prompt_len"], r["batch_size"]) for r in steps] == [(256, 250, 1), (256, 250, 2)]
+    hf = [r for r in result["rows"] if r["kind"] == "hf"]
+    assert len(hf) == 1 and hf[0]["hf_step_s"] > 0 and steps[0]["hf_over_ar_step"] > 0
+    e2e = _e2e(result)
+    assert set(e2e) == {(256, b, m) for b in (1, 2) for m in ("ar", "sparsespec-l", "magicdec-streaming")}
+    for (_, B, m), r in e2e.items():
+        assert r["n"] == B and r["num_batches"] == 1 and r["decode_tokens_per_s"] > 0
+        if m == "ar":
+            assert r["speedup"] == 1.0 and r["lossless"] is None
+        else:
+            assert r["lossless"] is True and r["lossless_rate"] == 1.0  # fp32 greedy: token-identical to ar
+            assert r["alpha"] is not None and r["tau"] >= 1.0 and r["ledger_speedup"] > 0
+            assert r["speedup"] > 0 and r["speedup_runs"] == [pytest.approx(r["speedup"])]
+            assert r["roofline_speedup"] > 0 and r["step_predicted_speedup"] > 0
+            assert r["cycle_predicted_speedup"] > 0
+    assert isinstance(e2e[(256, 1, "ar")]["hf_same_tokens"], bool)
+    info = result["meta"]["e2e"]
+    assert len(info["run_ids"]) == 2 and info["shards"] == info["done"] == 2 and not info["failed"]
+    assert all(rid.startswith("speed-") for rid in info["run_ids"])
+    # the sweep's results: every sample x method once, each generating exactly --gen-tokens
+    results = _results(db)
+    assert len(results) == (1 + 2) * 3
+    assert all(len(r["token_ids"]) == 6 and r["score"] is None for r in results)
+    with open_store(db, create=False) as st:
+        runs = {r["run_id"]: r for r in st.runs()}
+        assert len(st.bench_rows()) == len(result["rows"])
+    assert {runs[rid]["status"] for rid in info["run_ids"]} == {"finished"}
+    assert [r["benchmark"] for r in runs.values()].count("bench") == 1
+    assert "end to end: sweep of the `speed` benchmark" in tiny_bench["md"] and "| ctx | B | method |" in tiny_bench["md"]
+
+
+@pytest.mark.slow
+def test_the_bench_e2e_rows_are_the_report_of_its_sweep_runs(tiny_bench):
+    result, db = tiny_bench["result"], tiny_bench["db"]
+    rep = report_rows(db, result["meta"]["e2e"]["run_ids"])
+    assert rep and all(r["benchmark"] == "speed" and r["task"] == "fixed" for r in rep)
+    e2e = _e2e(result)
+    assert set(e2e) == {(r["context_length"], r["batch_size"], r["method"]) for r in rep}
+    for r in rep:
+        mine = e2e[(r["context_length"], r["batch_size"], r["method"])]
+        for key in ("n", "speedup", "alpha", "tau", "mean_k", "gamma", "lossless_rate"):
+            assert mine[key] == r[key], key
+
+
+@pytest.mark.slow
+def test_rerunning_the_same_bench_resumes_and_writes_nothing_twice(tiny_bench):
+    db, tmp = tiny_bench["db"], tiny_bench["tmp"]
+    before = _results(db)
+    assert bench.main([*tiny_bench["args"], "--json-out", str(tmp / "again.json")]) == 0
+    again = json.loads((tmp / "again.json").read_text())
+    info = again["meta"]["e2e"]
+    assert info["run_ids"] == tiny_bench["result"]["meta"]["e2e"]["run_ids"]
+    assert info["done"] == 0 and info["skipped"] == info["shards"] == 2
+    after = _results(db)
+    keys = [(r["run_id"], r["task"], r["sample_id"], r["method"]) for r in after]
+    assert len(after) == len(before) == len(set(keys))
+    first = _e2e(tiny_bench["result"])
+    for key, r in _e2e(again).items():
+        assert (r["speedup"], r["lossless_rate"], r["alpha"]) == (first[key]["speedup"], first[key]["lossless_rate"],
+                                                                  first[key]["alpha"])
+
+
+@pytest.mark.slow
+def test_real_model_with_transformers_reference(ray_session, tmp_path):
+    """SmolLM2 at a short context: the transformers reference runs on the same prompt as the
+    sweep's first sample and the greedy tokens of our AR match transformers' (fp32)."""
     cfg = BenchConfig(context_lengths=(256,), batch_sizes=(1,), reps=1, warmup=0, gen_tokens=8, e2e_reps=1,
                       hf_tokens=8, k=4, method_k=4)
     torch.set_num_threads(2)
-    result = bench.run_bench(cfg, progress=lambda _: None)
+    result = bench.run_bench(cfg, progress=lambda _: None, db=f"sqlite:///{tmp_path}/r.db", threads=2)
     hf = next(r for r in result["rows"] if r["kind"] == "hf")
     ar = next(r for r in result["rows"] if r["kind"] == "e2e" and r["method"] == "ar")
     assert hf["hf_step_s"] > 0 and ar["hf_over_ar_tpot"] > 0
     assert ar["hf_same_tokens"] is True  # same greedy tokens as transformers on the same prompt
     steps = next(r for r in result["rows"] if r["kind"] == "steps")
     assert steps["hf_over_ar_step"] > 0
+    spec = next(r for r in result["rows"] if r["kind"] == "e2e" and r["method"] == "sparsespec-l")
+    assert spec["lossless"] is True
 
 
 @pytest.mark.slow
@@ -148,9 +303,4 @@ def test_ray_fan_out_merges_context_lengths_in_order(ray_session, tmp_path):
     assert [r["context_len"] for r in steps] == [128, 192]
     assert all(r["machine"]["read_bytes_per_s"] > 0 for r in result["rows"])
     assert result["meta"]["config"]["context_lengths"] == (128, 192)
-
-
-def test_contexts_that_do_not_fit_the_window_fail_before_measuring():
-    cfg = BenchConfig(shape="tiny", random_weights=True, context_lengths=(128, 4090), batch_sizes=(1,))
-    with pytest.raises(ValueError, match=r"\[4090\].*longest that fits is 4022"):
-        bench.run_bench(cfg, progress=lambda _: pytest.fail("measured before rejecting the context"))
+    assert result["meta"]["ray_workers"] == 1 and result["meta"]["e2e"] is None

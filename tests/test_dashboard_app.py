@@ -115,3 +115,64 @@ def test_app_on_missing_db_and_bad_url(monkeypatch, tmp_path):
     assert not (tmp_path / "nothing-here.db").exists()
     at = _app(monkeypatch, "definitely not a url")
     assert any("Cannot read the result store" in w.value for w in at.warning)
+
+
+# --------------------------------------------------------------------------- roofline (cluster.bench rows)
+def _steps_row(**kw):
+    row = {"kind": "steps", "context_len": 1024, "prompt_len": 960, "batch_size": 1, "k": 4, "n_index": 128,
+           "ar_step_s": 0.020, "ar_step_roofline_s": 0.010, "verify_importance_s": 0.030, "verify_roofline_s": 0.012,
+           "draft_step_s": 0.004, "draft_step_roofline_s": 0.001}
+    row.update(kw)
+    return row
+
+
+def _add_bench(url, rows, run_id="bench-0001"):
+    with open_store(url) as st:
+        st.start_run(run_id, benchmark="bench", model="fake", methods=["ar", "sparsespec-l"], config={})
+        st.add_bench_rows(run_id, "fake", "cpu", rows)
+        st.finish_run(run_id)
+
+
+def test_roofline_frame_by_hand(tmp_path):
+    from sparsespec.roofline import max_speedup
+
+    url = f"sqlite:///{tmp_path}/b.db"
+    # an older row without the stored maximum (derived here), one with it, and a row of another kind
+    _add_bench(url, [_steps_row(), _steps_row(batch_size=4, roofline_max_speedup=9.0),
+                     {"kind": "hf", "context_len": 1024, "batch_size": 1, "hf_step_s": 0.05}])
+    df = queries.roofline_frame(url)
+    assert list(df.columns) == queries.ROOFLINE_COLUMNS and len(df) == 2
+    r = df.iloc[0]
+    assert (r["context_len"], r["batch_size"], r["k"]) == (1024, 1, 4)
+    assert r["ar_step_ms"] == pytest.approx(20.0) and r["ar_roofline_ms"] == pytest.approx(10.0)
+    assert r["ar_x_roofline"] == pytest.approx(2.0) and r["verify_x_roofline"] == pytest.approx(2.5)
+    assert r["draft_x_roofline"] == pytest.approx(4.0)
+    assert r["gamma"] == pytest.approx(0.004 / 0.030) and r["gamma_roofline"] == pytest.approx(0.001 / 0.012)
+    # every draft accepted: (k + 1) T_AR / (k T_draft + T_verify), at the floors and at the measured times
+    assert r["roofline_max_speedup"] == pytest.approx(5 * 10 / (4 * 1 + 12)) == max_speedup(4, 0.010, 0.001, 0.012)
+    assert r["step_max_speedup"] == pytest.approx(5 * 20 / (4 * 4 + 30))
+    assert df.iloc[1]["roofline_max_speedup"] == 9.0  # a stored value is shown as stored
+    assert queries.roofline_frame(url, ["other-run"]).empty
+    empty = f"sqlite:///{tmp_path}/e.db"
+    open_store(empty).close()
+    assert queries.roofline_frame(empty).empty and list(queries.roofline_frame(empty).columns) == queries.ROOFLINE_COLUMNS
+
+
+def test_app_shows_the_roofline_under_its_heading(monkeypatch, db):
+    _add_bench(db, [_steps_row(), _steps_row(batch_size=4)])
+    at = _app(monkeypatch, db)
+    assert any(s.value == "Roofline" for s in at.subheader)
+    roof = at.dataframe[-1].value
+    assert list(roof.columns) == queries.ROOFLINE_COLUMNS and list(roof["batch_size"]) == [1, 4]
+    # report, ledger, runs, roofline (the per-sample box opens on the newest run: the bench, no results)
+    assert len(at.dataframe) == 4 and any("No results for this run" in i.value for i in at.info)
+
+
+def test_app_without_bench_rows_has_no_roofline_and_a_steps_only_store_still_shows_it(monkeypatch, db, tmp_path):
+    at = _app(monkeypatch, db)
+    assert not any(s.value == "Roofline" for s in at.subheader)
+    url = f"sqlite:///{tmp_path}/steps-only.db"
+    _add_bench(url, [_steps_row()])  # a steps-only bench: a run without results
+    at = _app(monkeypatch, url)
+    assert any("no results yet" in i.value for i in at.info)
+    assert any(s.value == "Roofline" for s in at.subheader) and len(at.dataframe) == 1

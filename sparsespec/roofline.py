@@ -1,0 +1,174 @@
+"""Machine probes and roofline arithmetic: what one decode step must cost on this machine.
+
+Pure arithmetic plus two small probes; no Ray, no SQL (``torch`` is imported lazily, only by
+the probes). ``cluster.bench`` measures with it and the dashboard (``dashboard.queries``)
+derives its roofline table with it.
+
+Units: seconds, bytes, FLOPs; bandwidth in bytes/s, compute in FLOP/s. A step's roofline is
+``max(memory floor, compute floor)`` with
+
+* memory floor  = (weights read once + the KV the step must read) / measured read bandwidth;
+* compute floor = matmul FLOPs of the step / measured GEMM throughput.
+
+``machine`` dicts (``measure_machine``) hold ``read_bytes_per_s`` and ``gemm_flops_per_s``.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["kv_bytes", "machine_desc", "max_speedup", "measure_machine", "roofline", "roofline_speedup",
+           "step_flops", "time_call", "weight_bytes", "x_roofline"]
+
+
+# --------------------------------------------------------------------------- probes
+def _sync(device: Any) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_call(fn: Callable[[], Any], device: Any, reps: int, warmup: int) -> float:
+    """Median wall seconds of ``fn()`` over ``reps`` calls after ``warmup`` untimed ones
+    (the device is synchronised before each clock read)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_machine(device: str, dtype: Any, reps: int = 7) -> dict[str, float]:
+    """Memory read bandwidth (bytes/s) and GEMM throughput (FLOP/s) on ``device``, now.
+
+    Bandwidth: ``x.sum()`` over a float32 buffer of 1 GiB (CPU) or 4 GiB (GPU), the best of
+    ``reps`` (a reduction reads every byte once; the buffer is far larger than any cache).
+    GEMM: best of ``reps`` square matmuls in ``dtype`` (n = 2048 CPU, 8192 GPU).
+    """
+    import torch
+
+    cuda = torch.device(device).type == "cuda"
+    nbytes = (4 << 30) if cuda else (1 << 30)
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    times = []
+    for _ in range(reps + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        x.sum()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    read_bw = nbytes / min(times[1:])
+    del x
+    n = 8192 if cuda else 2048
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    times = []
+    for _ in range(reps + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    flops = 2 * n**3 / min(times[1:])
+    return {"read_bytes_per_s": read_bw, "gemm_flops_per_s": flops}
+
+
+def machine_desc(device: str) -> str:
+    """The GPU's name, or the CPU model and logical CPU count."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(0)
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} logical CPUs"
+
+
+# --------------------------------------------------------------------------- bytes and FLOPs
+def weight_bytes(model: Any) -> int:
+    """Bytes every forward must read: all parameters once; an untied input embedding is only
+    gathered (a few rows), so it is excluded; a tied one is read in full by the LM head."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not model.cfg.tie_word_embeddings:
+        total -= model.embed.numel() * model.embed.element_size()
+    return total
+
+
+def kv_bytes(cfg: Any, element_size: int, batch: int, positions: float) -> float:
+    """Bytes of K and V for ``positions`` cached tokens per row, every layer and KV head."""
+    return batch * cfg.num_layers * 2 * cfg.num_kv_heads * positions * cfg.head_dim * element_size
+
+
+def step_flops(model: Any, batch: int, tokens: int, keys: float) -> float:
+    """Matmul FLOPs of one forward: ``tokens`` new tokens per row attending to ``keys`` keys."""
+    cfg = model.cfg
+    # every 2-D weight once (a tied LM head is the embedding, listed once), minus the input
+    # embedding (a lookup), plus the LM head's matmul
+    linear = sum(p.numel() for p in model.parameters() if p.dim() == 2) - model.embed.numel()
+    if cfg.tie_word_embeddings:
+        linear += model.lm_head.numel()
+    attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * keys
+    return 2.0 * batch * tokens * linear + batch * tokens * attn
+
+
+def roofline(model: Any, machine: Mapping[str, float], batch: int, tokens: int, kv_positions: float,
+             attn_keys: float | None = None) -> dict[str, float]:
+    """Floors of one step: ``{"bytes", "mem_s", "compute_s", "roofline_s"}`` (bytes, seconds).
+
+    ``tokens`` new tokens per row over a cache of ``kv_positions`` tokens per row (the KV the
+    step reads); ``attn_keys`` (default ``kv_positions``) the keys each new token attends to.
+    """
+    elt = model.embed.element_size()
+    nbytes = weight_bytes(model) + kv_bytes(model.cfg, elt, batch, kv_positions)
+    mem_s = nbytes / machine["read_bytes_per_s"]
+    keys = kv_positions if attn_keys is None else attn_keys
+    comp_s = step_flops(model, batch, tokens, keys) / machine["gemm_flops_per_s"]
+    return {"bytes": nbytes, "mem_s": mem_s, "compute_s": comp_s, "roofline_s": max(mem_s, comp_s)}
+
+
+# --------------------------------------------------------------------------- speedups
+def roofline_speedup(tau: float | None, mean_k: float | None, ar_step_s: float | None,
+                     draft_step_s: float | None, verify_s: float | None) -> float | None:
+    """Speedup of a draft/verify cycle over AR: ``tau * ar_step_s / (mean_k * draft_step_s + verify_s)``.
+
+    ``tau``: tokens emitted per cycle (verify step); ``mean_k``: drafted tokens per cycle (draft
+    forwards); ``ar_step_s``, ``draft_step_s`` (one draft forward), ``verify_s`` (one verify of
+    ``k + 1`` tokens): seconds. With the three steps at their roofline floors this is what the
+    roofline allows at the measured acceptance; with measured step times, what those times
+    predict. None when a term is unknown or the cycle costs nothing.
+    """
+    if tau is None or mean_k is None or ar_step_s is None or draft_step_s is None or verify_s is None:
+        return None
+    cycle = mean_k * draft_step_s + verify_s
+    return tau * ar_step_s / cycle if cycle > 0 else None
+
+
+def max_speedup(k: int, ar_step_s: float | None, draft_step_s: float | None,
+                verify_s: float | None) -> float | None:
+    """Best case at draft length ``k`` (every draft accepted: ``k + 1`` tokens per cycle of ``k``
+    drafts and one verify): ``roofline_speedup(k + 1, k, ...)``."""
+    return roofline_speedup(k + 1, k, ar_step_s, draft_step_s, verify_s)
+
+
+def x_roofline(measured_s: float | None, floor_s: float | None) -> float | None:
+    """A measured time as a multiple of its floor (1.0 = at the roofline); None if unknown."""
+    if measured_s is None or not floor_s:
+        return None
+    return measured_s / floor_s
