@@ -15,7 +15,8 @@ def ray_session():
 
     started = False
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=500 * 1024**2,
+        # address="local": always a fresh local Ray, even when a `ray start` cluster runs here
+        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=500 * 1024**2,
                  log_to_driver=False)
         started = True
     yield ray
