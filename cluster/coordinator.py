@@ -379,8 +379,8 @@ def _log(bar: Any, msg: str) -> None:
 def _advance(bar: Any, samples_done: int) -> None:
     """One shard left the queue (done or failed)."""
     if bar is not None:
+        bar.set_postfix_str(f"{samples_done} samples done", refresh=False)
         bar.update(1)
-        bar.set_postfix_str(f"{samples_done} samples done", refresh=True)
 
 
 __all__ = ["Outcome", "WorkerPlan", "WorkerPool", "WorkerStartError", "plan_workers", "ray_session",
