@@ -365,3 +365,19 @@ def test_a_model_whose_weights_do_not_load_is_a_clear_start_error(ray_session, t
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(WorkerStartError, match="failed to start"):
         sweep.run_sweep(_spec(str(broken), f"sqlite:///{tmp_path}/b.db"), progress=False)
+
+
+def test_sampled_outputs_do_not_depend_on_the_batching(tiny, tmp_path):
+    """Each sample's sampling stream comes from (seed, its index in the task), not its row in a
+    batch: ar's sampled tokens of a batch of 2 equal those of batches of 1. (Speculative methods
+    sample from the same distribution but may consume their stream differently: the controller's
+    draft lengths depend on the batch's measured step costs.)"""
+    db = f"sqlite:///{tmp_path}/x.db"
+    bench = [{"name": "ruler", "tasks": ["niah_single_1"], "num_samples": 4, "context_lengths": [512]}]
+    kw = dict(benchmarks=bench, methods=["ar"], sampling={"temperature": 1.0, "seed": 3, "max_new_tokens": 6})
+    w = EngineWorker(tiny, "float32", "cpu")
+    tok = lambda rows: {(r["sample_id"], r["method"]): r["token_ids"] for r in rows}  # noqa: E731
+    runs = [tok([r for sh in plan_shards(sweep.plan(_spec(tiny, db, batch_sizes=[B], **kw))[0][0])
+                 for r in w.run_shard(sh)["rows"]]) for B in (2, 1)]
+    assert runs[0] == runs[1]
+    assert len({tuple(v) for (s, m), v in runs[0].items() if m == "ar"}) > 1  # rows got different streams

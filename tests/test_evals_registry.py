@@ -313,8 +313,6 @@ def test_entry_scripts_hand_over_to_cluster_cli(monkeypatch, tok):
 def test_entry_scripts_run_as_scripts(name):
     import subprocess
 
-    if importlib.util.find_spec("cluster.cli") is None:
-        pytest.skip("cluster.cli (benchmark_main) is not there yet")
     out = subprocess.run([sys.executable, str(ROOT / "evals" / f"{name}.py"), "--help"], cwd=ROOT / "evals",
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
