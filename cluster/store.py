@@ -16,6 +16,11 @@ Tables:
     (``stats``), never derived ratios: those are computed when read (``cluster.report``).
     ``UNIQUE(run_id, task, sample_id, method)`` makes writes idempotent.
 
+``serve_requests``
+    One row per request the Serve A/B endpoint (``cluster.serve``) answered or refused: arm,
+    method, session, token counts, latencies in seconds, acceptance counts, finish reason,
+    status and error. ``request_id`` is unique, so a re-sent batch is not stored twice.
+
 The same code runs against ``sqlite:///path.db`` and ``postgresql+psycopg://user@host/db``.
 Only this module and its callers import SQLAlchemy; ``sparsespec`` and ``evals`` never do.
 """
@@ -184,6 +189,41 @@ class BenchRow(Base):
     method: Mapped[str] = mapped_column(String(64))
     metrics: Mapped[dict] = mapped_column(JSONType)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ServeRequest(Base):
+    """One request of the Serve A/B endpoint (``cluster.serve``): counts and seconds only (the
+    dashboard's A/B view derives TPOT ratios and percentiles from them). Requests refused before
+    reaching an arm (4xx, 401, 503) have no arm and ``status`` = the HTTP status."""
+
+    __tablename__ = "serve_requests"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    request_id: Mapped[str] = mapped_column(String(64), unique=True)
+    experiment: Mapped[str] = mapped_column(String(128), index=True)
+    model: Mapped[str] = mapped_column(String(256))
+    arm: Mapped[str | None] = mapped_column(String(128), nullable=True, index=True)
+    method: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    session: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    endpoint: Mapped[str] = mapped_column(String(32))  # "completions" | "chat.completions"
+    stream: Mapped[bool] = mapped_column(Boolean, default=False)
+    status: Mapped[int] = mapped_column(Integer)  # HTTP status answered (499: client went away)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    finish_reason: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    output_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    temperature: Mapped[float | None] = mapped_column(Float, nullable=True)
+    queue_s: Mapped[float | None] = mapped_column(Float, nullable=True)  # arrival at the arm -> admitted
+    ttft_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    e2el_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # counts and seconds of the engine (``sparsespec.stats`` keys) plus the chunk gaps
+    stats: Mapped[dict | None] = mapped_column(JSONType, nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+
+
+#: Columns of ``serve_requests`` a caller supplies.
+SERVE_REQUEST_FIELDS = tuple(c.name for c in ServeRequest.__table__.columns if c.name != "id")
 
 
 def json_safe(value: Any) -> Any:
@@ -512,6 +552,38 @@ class Store:
                 s.add(BenchRow(model=model, device=device, metrics=json_safe(dict(row)), **key))
                 n += 1
         return n
+
+    # ----------------------------------------------------------------- serve requests
+    def add_serve_requests(self, rows: Iterable[Mapping[str, Any]]) -> int:
+        """Store Serve request rows (keys of ``SERVE_REQUEST_FIELDS``; unknown keys are an
+        error); a ``request_id`` already stored is skipped. Returns the rows inserted."""
+        clean = []
+        for row in rows:
+            unknown = set(row) - set(SERVE_REQUEST_FIELDS)
+            if unknown:
+                raise ValueError(f"serve request row: unknown fields {sorted(unknown)}")
+            d = {k: json_safe(v) for k, v in row.items()}
+            d.setdefault("created_at", utcnow())
+            clean.append(d)
+        if not clean:
+            return 0
+        ins = pg_insert if self.engine.dialect.name == "postgresql" else sqlite_insert
+        with self._session.begin() as s:
+            n = 0
+            for d in clean:  # one statement per row: rows may carry different optional columns
+                res = s.execute(ins(ServeRequest).values(**d).on_conflict_do_nothing(index_elements=["request_id"]))
+                n += res.rowcount or 0
+        return n
+
+    def serve_requests(self, experiment: str | None = None) -> list[dict[str, Any]]:
+        """Stored Serve requests (all experiments, or one), oldest first, as plain dicts."""
+        if not self._has_tables or not inspect(self.engine).has_table("serve_requests"):
+            return []
+        q = select(ServeRequest).order_by(ServeRequest.id)
+        if experiment is not None:
+            q = q.where(ServeRequest.experiment == experiment)
+        with self._session() as s:
+            return [{c: getattr(r, c) for c in ("id", *SERVE_REQUEST_FIELDS)} for r in s.scalars(q)]
 
     def bench_rows(self, run_id: str | None = None) -> list[dict[str, Any]]:
         """Stored bench rows (all runs, or one), oldest first, as plain dicts."""

@@ -232,3 +232,35 @@ def batch_tpot(rows: Iterable[Mapping[str, Any]]) -> float | None:
     else:
         dec = sum(_num(r, "decode_s") for r in rows)
     return dec / toks if toks > 0 and dec > 0 else None
+
+
+def spec_decode_metrics(st: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's per-request speculation fields, from one request's stats (or ``pool``-ed sums).
+
+    ``num_spec_steps``: steps that drafted at least one token; ``num_draft_tokens`` /
+    ``num_accepted_draft_tokens``: drafted and accepted tokens; ``draft_acceptance_rate`` =
+    accepted / drafted (alpha); ``mean_acceptance_length`` = 1 + accepted / spec steps (tokens a
+    drafting step commits, bonus or recovered token included; vLLM's definition);
+    ``acceptance_histogram[i]``: drafting steps that accepted exactly ``i`` draft tokens (from the
+    ``accept_hist`` counts; empty when nothing was drafted). Ratios are None without drafts.
+    """
+    steps = drafting_steps(st)
+    drafted, accepted = _num(st, "num_drafted"), _num(st, "num_accepted")
+    hist: list[int] = []
+    for key, count in (st.get("accept_hist") or {}).items():
+        try:
+            k, a = (int(x) for x in str(key).split(":", 1))
+        except ValueError:
+            continue
+        if k <= 0:
+            continue
+        hist.extend([0] * (a + 1 - len(hist)))
+        hist[a] += int(count)
+    return {
+        "num_spec_steps": int(steps),
+        "num_draft_tokens": int(drafted),
+        "num_accepted_draft_tokens": int(accepted),
+        "draft_acceptance_rate": _ratio(accepted, drafted),
+        "mean_acceptance_length": (1.0 + accepted / steps) if steps else None,
+        "acceptance_histogram": hist,
+    }

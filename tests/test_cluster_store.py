@@ -160,3 +160,25 @@ def test_shard_lifecycle_and_atomic_completion(store):
     assert store.release_running("r1") == 1
     assert {s["key"]: s["status"] for s in store.shards("r1")} == {
         "r1/t/0": "done", "r1/t/1": "failed", "r1/t/2": "pending"}
+
+
+def test_serve_requests_round_trip_and_idempotent(store):
+    rows = [
+        dict(request_id="cmpl-1", experiment="e", model="m", arm="ar", method="ar", session="s1",
+             endpoint="completions", stream=True, status=200, finish_reason="length", prompt_tokens=10,
+             output_tokens=4, max_tokens=4, temperature=0.0, queue_s=0.001, ttft_s=0.05, e2el_s=0.2,
+             stats={"num_drafted": 0, "chunk_gaps_s": [0.05, 0.05, float("nan")]}),
+        dict(request_id="rej-1", experiment="e", model="m", endpoint="chat.completions", status=400,
+             error="temperature: bad"),
+    ]
+    assert store.add_serve_requests(rows) == 2
+    assert store.add_serve_requests(rows[:1]) == 0  # a re-sent batch is not stored twice
+    got = store.serve_requests("e")
+    assert [r["request_id"] for r in got] == ["cmpl-1", "rej-1"]
+    assert got[0]["arm"] == "ar" and got[0]["output_tokens"] == 4 and got[0]["stream"] is True
+    assert got[0]["stats"]["chunk_gaps_s"] == [0.05, 0.05, None]  # non-finite floats stored as null
+    assert got[1]["arm"] is None and got[1]["status"] == 400
+    assert store.serve_requests("other") == []
+    with pytest.raises(ValueError, match="unknown fields"):
+        store.add_serve_requests([dict(request_id="x", experiment="e", model="m", endpoint="c", status=200,
+                                       bogus=1)])

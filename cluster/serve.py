@@ -1,0 +1,1032 @@
+"""Ray Serve A/B endpoint: OpenAI-compatible routes over arms (methods on one model) with a
+weighted, sticky split per session.
+
+Run it with ``serve run configs/serve.yaml`` (Ray Serve's config format) or
+``serve run cluster.serve:app`` (defaults: SmolLM2-135M, arms ``ar`` and ``sparsespec-l`` at
+50/50, 127.0.0.1:8000); ``serve run cluster.serve:app model=PATH`` overrides an argument.
+
+Layout (the Ray layer stays thin):
+
+``Router`` (the ingress, FastAPI)
+    ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true``: server-sent events
+    in OpenAI's chunk format ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /healthz``.
+    It tokenises (chat template for chat), validates everything it can before an arm sees the
+    request (OpenAI-style 4xx body naming the field), checks the optional API key (vLLM's
+    convention: ``Authorization: Bearer <key>`` on ``/v1`` routes, else 401), and picks the arm:
+    an explicit one (``model: "<model>:<arm>"`` or an ``x-arm`` header), else by weight from a
+    hash of the session (``x-session-id`` header, else the OpenAI ``user`` field), so a session
+    always lands on the same arm; a request without a session is split at random by weight.
+``Arm`` (one deployment per arm, ``arm-<name>``)
+    One ``EngineCore`` with continuous batching, stepped by one engine thread: concurrent
+    requests share every forward. ``num_gpus=1`` per replica on a cluster with GPUs, CPU threads
+    otherwise; replicas and autoscaling through each deployment's config. A streaming call
+    yields ``started`` (or ``error``), one ``delta`` per engine step that committed tokens, and
+    ``final`` (usage, speculation metrics, timings). A caller that goes away (the HTTP client
+    disconnected) aborts its request in the core, which frees the slot at once.
+
+Every request (answered or refused) is written to the results database's ``serve_requests``
+table by a background writer (batched, off the request path). Response headers
+``x-sparsespec-arm`` / ``x-sparsespec-method`` and the body fields ``arm`` / ``method`` say who
+served it; the body's ``speculation`` object has vLLM's per-request names
+(``sparsespec.stats.spec_decode_metrics``). Prometheus metrics (``sparsespec_*``) go through
+Ray's metrics export (scraped from each node's ``--metrics-export-port``).
+
+Overload: Serve's ``max_ongoing_requests`` / ``max_queued_requests`` bound every queue; a full
+arm answers 503 (``BackPressureError``), and so does a full ingress (Serve's proxy).
+"""
+import asyncio
+import hashlib
+import importlib
+import json
+import logging
+import os
+import queue
+import random
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from ray import serve
+
+log = logging.getLogger("sparsespec.serve")
+
+ARM_HEADER = "x-arm"
+SESSION_HEADER = "x-session-id"
+SERVED_ARM_HEADER = "x-sparsespec-arm"
+SERVED_METHOD_HEADER = "x-sparsespec-method"
+REQUEST_ID_HEADER = "x-sparsespec-request-id"
+API_KEY_ENV = "SPARSESPEC_API_KEY"
+DEFAULT_DB = "sqlite:///results/sparsespec.db"
+
+
+# ====================================================================== configuration
+class ArmConfig(BaseModel):
+    """One arm: a method (with options) on the experiment's model, and its share of traffic.
+
+    ``name`` defaults to the method (give names when two arms run one method with different
+    options); it is what ``x-arm`` and ``model: "<model>:<name>"`` select. ``weight`` >= 0 is
+    relative (weights need not sum to 1); a weight of 0 takes explicit requests only.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: str
+    name: str | None = None
+    options: dict[str, Any] = Field(default_factory=dict)
+    weight: float = Field(1.0, ge=0.0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "ArmConfig":
+        from sparsespec.engine import resolve_method_options
+
+        try:
+            resolve_method_options(self.method, self.options)
+        except ValueError as e:
+            raise ValueError(f"arm {self.name or self.method!r}: {e}") from None
+        name = self.name or self.method
+        if not name or ":" in name or "/" in name:
+            raise ValueError(f"arm name {name!r} must be non-empty without ':' or '/'")
+        object.__setattr__(self, "name", name)
+        return self
+
+
+class ServeArgs(BaseModel):
+    """The application's ``args`` (Ray Serve config file, or ``serve run cluster.serve:app k=v``).
+
+    Attributes:
+        model: preset (``smollm2-135m``) or local Hugging Face folder; ``served_model_name`` is
+            the id clients send (default ``model``).
+        dtype, device: the engine's; ``device="auto"``: ``cuda`` when the Ray cluster has GPUs.
+        threads: torch threads per arm replica on CPU (default: the machine's cores / arms).
+        arm_num_cpus: Ray CPUs each arm replica reserves (default ``threads``).
+        arms: the experiment's arms (names unique, total weight > 0).
+        max_num_seqs: engine slots per arm replica (rows decoded together).
+        max_model_len: the window per request, prompt + max_tokens (default the model's).
+        max_ongoing_requests, max_queued_requests: each arm replica's Serve bounds (default
+            ``2 * max_num_seqs`` in flight, 32 queued; past them the arm answers 503). A
+            ``deployments:`` entry of the Serve config file overrides them.
+        default_max_tokens: ``max_tokens`` when a request gives none (capped by the room left).
+        db: results database URL (``""``: record nothing); a relative SQLite path is resolved
+            against the directory ``serve run`` started in.
+        experiment: the name stored with every request row.
+        api_key: require ``Authorization: Bearer <key>`` on ``/v1`` routes (default: the
+            ``SPARSESPEC_API_KEY`` environment variable; unset: no key).
+        engine_factory: ``"module:function"`` building the engine from (model, dtype, device)
+            (tests inject slow engines; default the real one) and ``factory_kwargs`` for it.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = "smollm2-135m"
+    served_model_name: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: int | None = Field(None, ge=1)
+    arm_num_cpus: float | None = Field(None, ge=0)
+    arms: tuple[ArmConfig, ...] = (ArmConfig(method="ar", weight=0.5),
+                                   ArmConfig(method="sparsespec-l", options={"k": "auto"}, weight=0.5))
+    max_num_seqs: int = Field(4, ge=1)
+    max_model_len: int | None = Field(None, ge=2)
+    max_ongoing_requests: int | None = Field(None, ge=1)
+    max_queued_requests: int = Field(32, ge=-1)
+    default_max_tokens: int = Field(256, ge=1)
+    db: str = DEFAULT_DB
+    experiment: str = "default"
+    api_key: str | None = None
+    engine_factory: str | None = None
+    factory_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("arms", mode="before")
+    @classmethod
+    def _arms_list(cls, v: Any) -> Any:
+        if isinstance(v, Mapping):  # {name: {method, weight, ...}} is accepted too
+            return tuple({"name": k, **dict(val)} for k, val in v.items())
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> "ServeArgs":
+        if not self.arms:
+            raise ValueError("arms: give at least one arm")
+        names = [a.name for a in self.arms]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"arms: duplicate arm names {dup} (give each arm a distinct 'name')")
+        if sum(a.weight for a in self.arms) <= 0:
+            raise ValueError("arms: the weights sum to 0; give at least one arm a positive weight")
+        if self.served_model_name is not None and (":" in self.served_model_name or not self.served_model_name):
+            raise ValueError("served_model_name must be non-empty without ':'")
+        return self
+
+    @property
+    def model_id(self) -> str:
+        return self.served_model_name or self.model
+
+    def arm(self, name: str) -> "ArmConfig":
+        return next(a for a in self.arms if a.name == name)
+
+
+def parse_args(args: Mapping[str, Any] | None) -> ServeArgs:
+    """Validated ``ServeArgs`` from a dict (``serve run`` passes ``k=v`` values as strings:
+    JSON values such as ``max_num_seqs=8`` or ``arms='[...]'`` are decoded first).
+
+    Raises:
+        ValueError: one line per invalid field, naming it.
+    """
+    raw = dict(args or {})
+    for k, v in list(raw.items()):
+        if isinstance(v, str) and k in ("arms", "threads", "arm_num_cpus", "max_num_seqs", "max_model_len",
+                                        "default_max_tokens", "factory_kwargs", "max_ongoing_requests",
+                                        "max_queued_requests"):
+            try:
+                raw[k] = json.loads(v)
+            except json.JSONDecodeError:
+                pass
+    try:
+        return ServeArgs(**raw)
+    except ValidationError as e:
+        lines = [f"{'.'.join(str(x) for x in err['loc']) or 'args'}: {err['msg']}" for err in e.errors()]
+        raise ValueError("invalid serve args:\n  " + "\n  ".join(lines)) from None
+
+
+# ====================================================================== routing (pure)
+def session_point(session: str) -> float:
+    """A session's fixed point in [0, 1): the same on every replica and every restart (SHA-256,
+    not Python's salted ``hash``)."""
+    digest = hashlib.sha256(session.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def pick_arm(weights: Sequence[tuple[str, float]], session: str | None, rng: random.Random | None = None) -> str:
+    """The arm for a request: by cumulative weight at the session's point (sticky), or at a
+    random point without a session. Arms of weight 0 are never picked.
+
+    Raises:
+        ValueError: no positive weight.
+    """
+    total = sum(w for _, w in weights)
+    if total <= 0:
+        raise ValueError("no arm has a positive weight")
+    u = session_point(session) if session else (rng or random).random()
+    acc = 0.0
+    for name, w in weights:
+        acc += w / total
+        if u < acc and w > 0:
+            return name
+    return next(name for name, w in reversed(weights) if w > 0)  # u rounding at the top end
+
+
+# ====================================================================== request log
+class RequestLog:
+    """Writes request rows to the store from a background thread, in batches (every
+    ``flush_s`` seconds or ``batch`` rows), so the request path never waits on the database.
+    ``db=""`` disables it. A failed write is retried on the next flush (3 tries, then logged
+    and dropped)."""
+
+    def __init__(self, db: str, flush_s: float = 0.5, batch: int = 64) -> None:
+        self.db, self.flush_s, self.batch = db, flush_s, batch
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self.written = 0
+        self._thread = None
+        if db:
+            self._thread = threading.Thread(target=self._run, name="sparsespec-request-log", daemon=True)
+            self._thread.start()
+
+    def put(self, row: Mapping[str, Any]) -> None:
+        if self._thread is not None:
+            self._q.put(dict(row))
+
+    def _run(self) -> None:
+        from cluster.store import open_store
+
+        store = None
+        pending: list[tuple[dict, int]] = []
+        while True:
+            stopping = self._stop.wait(self.flush_s)
+            while len(pending) < 10 * self.batch:
+                try:
+                    pending.append((self._q.get_nowait(), 0))
+                except queue.Empty:
+                    break
+            if pending:
+                try:
+                    store = store or open_store(self.db)
+                    for i in range(0, len(pending), self.batch):
+                        store.add_serve_requests([r for r, _ in pending[i:i + self.batch]])
+                        self.written += len(pending[i:i + self.batch])
+                    pending = []
+                except Exception as e:  # noqa: BLE001 - a database hiccup must not kill serving
+                    log.warning("request log: write failed (%s); retrying", e)
+                    pending = [(r, n + 1) for r, n in pending if n + 1 < 3]
+                    store = None
+            if stopping and self._q.empty():
+                break
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Flush what is queued and stop the writer."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout_s)
+
+
+# ====================================================================== the arm
+def _load_factory(path: str | None):
+    if not path:
+        from cluster.worker import default_engine_factory
+
+        return default_engine_factory
+    mod, _, fn = path.partition(":")
+    return getattr(importlib.import_module(mod), fn)
+
+
+def _percentiles(gaps: Sequence[float]) -> dict[str, float | None]:
+    if not gaps:
+        return {"itl_p50_s": None, "itl_p95_s": None, "itl_p99_s": None}
+    a = np.asarray(gaps, dtype=float)
+    return {f"itl_p{q}_s": float(np.percentile(a, q)) for q in (50, 95, 99)}
+
+
+class _Stream:
+    """One request's side of the engine thread: an asyncio queue fed thread-safely."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop, self.q = loop, asyncio.Queue()
+        self.max_batch = 0
+
+    def push(self, event: dict) -> None:
+        self.loop.call_soon_threadsafe(self.q.put_nowait, event)
+
+
+class ArmServer:
+    """One arm: an ``EngineCore`` driven by one engine thread (plain class; ``Arm`` is its Serve
+    deployment). ``generate`` is an async generator of event dicts (see the module docstring)."""
+
+    def __init__(self, args: Mapping[str, Any], arm_name: str) -> None:
+        import torch
+
+        self.args = parse_args(args)
+        self.arm = self.args.arm(arm_name)
+        cfg = self.args
+        device = "cuda" if cfg.device == "cuda" else "cpu"
+        self.threads = cfg.threads or max(1, (os.cpu_count() or 1) // len(cfg.arms))
+        if device == "cpu":
+            torch.set_num_threads(self.threads)
+        factory = _load_factory(cfg.engine_factory)
+        engine = factory(cfg.model, cfg.dtype, device, **cfg.factory_kwargs)
+        self.core = engine.core(self.arm.method, self.arm.options or None, max_num_seqs=cfg.max_num_seqs,
+                                max_model_len=cfg.max_model_len)
+        self.log = RequestLog(cfg.db)
+        self._cmds: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._stop = threading.Event()
+        self.dead: str | None = None
+        self.num_steps = 0
+        self.num_aborted = 0
+        self.max_batch_seen = 0
+        self._metrics = _arm_metrics()
+        self._thread = threading.Thread(target=self._engine_loop, name=f"engine-{arm_name}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ engine thread
+    def _engine_loop(self) -> None:
+        import torch
+
+        if self.core.model.device.type == "cpu":
+            torch.set_num_threads(self.threads)  # OpenMP's thread count is per calling thread
+        try:
+            while not self._stop.is_set():
+                block = not self.core.has_unfinished_requests()
+                self._drain(block)
+                if not self.core.has_unfinished_requests():
+                    continue
+                outputs = self.core.step()
+                now = time.perf_counter()
+                self.num_steps += 1
+                running = list(getattr(self.core, "running", []))
+                self.max_batch_seen = max(self.max_batch_seen, len(running))
+                for req in running:
+                    st = self._streams.get(req.request_id)
+                    if st is not None:
+                        st.max_batch = max(st.max_batch, len(running))
+                merged: dict[str, dict] = {}  # a step may hold a row's prefill token and its decode round
+                for out in outputs:
+                    ev = merged.setdefault(out.request_id, {"type": "delta", "text": "", "token_ids": [], "t": now,
+                                                            "step": self.num_steps, "finished": False,
+                                                            "output": None})
+                    ev["text"] += out.text
+                    ev["token_ids"] += list(out.new_token_ids)
+                    if out.finished:
+                        ev["finished"] = True
+                        ev["output"] = {"token_ids": list(out.output.token_ids), "text": out.output.text,
+                                        "finish_reason": out.output.finish_reason, "stats": out.output.stats}
+                for rid, ev in merged.items():
+                    st = self._streams.get(rid)
+                    if st is not None:
+                        st.max_batch = max(st.max_batch, len(running), 1)
+                        st.push(ev)
+        except BaseException as e:  # noqa: BLE001 - every waiting request must hear about it
+            self.dead = f"engine thread died: {type(e).__name__}: {e}"
+            log.exception("arm %s: %s", self.arm.name, self.dead)
+            for st in list(self._streams.values()):
+                st.push({"type": "error", "status": 500, "message": self.dead, "param": None})
+
+    def _drain(self, block: bool) -> None:
+        """Apply queued adds and aborts (the core is touched by this thread only)."""
+        try:
+            cmd = self._cmds.get(timeout=0.05) if block else self._cmds.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, rid, *rest = cmd
+            if kind == "add":
+                prompt, params, st = rest
+                try:
+                    self.core.add_request(rid, prompt, params)
+                    st.push({"type": "started", "t": time.perf_counter()})
+                except ValueError as e:
+                    st.push({"type": "error", "status": 400, "message": str(e), "param": "prompt"})
+                except Exception as e:  # noqa: BLE001
+                    st.push({"type": "error", "status": 500, "message": f"{type(e).__name__}: {e}", "param": None})
+            elif kind == "abort":
+                self.core.abort_request(rid)
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+
+    # ------------------------------------------------------------ request side
+    async def generate(self, payload: Mapping[str, Any]):
+        """Decode one request; yields event dicts. ``payload``: ``request_id``, ``prompt_ids``,
+        ``sampling`` (``SamplingParams`` fields), and for the record ``session``, ``endpoint``,
+        ``stream``, ``model``."""
+        from sparsespec import SamplingParams
+
+        arrival = time.perf_counter()
+        rid = str(payload["request_id"])
+        row = {"request_id": rid, "experiment": self.args.experiment, "model": self.args.model_id,
+               "arm": self.arm.name, "method": self.arm.method, "session": payload.get("session"),
+               "endpoint": payload.get("endpoint", "completions"), "stream": bool(payload.get("stream")),
+               "prompt_tokens": len(payload["prompt_ids"]),
+               "max_tokens": payload["sampling"].get("max_new_tokens"),
+               "temperature": payload["sampling"].get("temperature")}
+        if self.dead:
+            row.update(status=503, error=self.dead)
+            self._done(row)
+            yield {"type": "error", "status": 503, "message": f"arm {self.arm.name}: {self.dead}", "param": None}
+            return
+        try:
+            params = SamplingParams(**payload["sampling"])
+        except (TypeError, ValueError) as e:
+            row.update(status=400, error=str(e))
+            self._done(row)
+            yield {"type": "error", "status": 400, "message": str(e), "param": None}
+            return
+        st = _Stream(asyncio.get_running_loop())
+        self._streams[rid] = st
+        self._cmds.put(("add", rid, list(payload["prompt_ids"]), params, st))
+        finished = False
+        started_t = first_t = last_t = None
+        gaps: list[float] = []
+        n_out = 0
+        try:
+            while True:
+                ev = await st.q.get()
+                if ev["type"] == "error":
+                    finished = True
+                    row.update(status=ev["status"], error=ev["message"])
+                    self._done(row)
+                    yield {k: v for k, v in ev.items()}
+                    return
+                if ev["type"] == "started":
+                    started_t = ev["t"]
+                    yield {"type": "started", "arm": self.arm.name, "method": self.arm.method, "pid": os.getpid()}
+                    continue
+                t = ev.pop("t")
+                if ev["token_ids"]:
+                    n_out += len(ev["token_ids"])
+                    if first_t is None:
+                        first_t = t
+                    elif last_t is not None:
+                        gaps.append(t - last_t)
+                    last_t = t
+                out = ev.pop("output")
+                if not ev["finished"]:
+                    yield ev
+                    continue
+                finished = True
+                stats = dict(out["stats"])
+                from sparsespec.stats import spec_decode_metrics
+
+                spec = spec_decode_metrics(stats)
+                e2el = t - arrival
+                ttft = (first_t - arrival) if first_t is not None else None
+                timing = {"queue_s": (started_t - arrival) if started_t else None, "ttft_s": ttft, "e2el_s": e2el,
+                          "tpot_s": ((e2el - ttft) / (n_out - 1)) if (ttft is not None and n_out > 1) else None,
+                          "num_chunks": len(gaps) + (1 if first_t is not None else 0), "max_batch": st.max_batch,
+                          **_percentiles(gaps)}
+                stats.update({k: timing[k] for k in ("tpot_s", "num_chunks", "max_batch", "itl_p50_s",
+                                                     "itl_p95_s", "itl_p99_s")})
+                stats["chunk_gaps_s"] = gaps
+                row.update(status=200, finish_reason=out["finish_reason"], output_tokens=len(out["token_ids"]),
+                           queue_s=timing["queue_s"], ttft_s=ttft, e2el_s=e2el, stats=stats)
+                self._done(row, spec, timing)
+                ev.update(type="final", finish_reason=out["finish_reason"],
+                          usage={"prompt_tokens": row["prompt_tokens"], "completion_tokens": len(out["token_ids"]),
+                                 "total_tokens": row["prompt_tokens"] + len(out["token_ids"])},
+                          speculation=spec, timing=timing, all_text=out["text"], all_token_ids=out["token_ids"])
+                yield ev
+                return
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:  # the caller went away (client disconnect, cancellation): free the slot
+                self._cmds.put(("abort", rid))
+                self.num_aborted += 1
+                row.update(status=499, finish_reason="abort", error="client disconnected", output_tokens=n_out,
+                           e2el_s=time.perf_counter() - arrival,
+                           ttft_s=(first_t - arrival) if first_t is not None else None)
+                self._done(row)
+
+    def _done(self, row: dict, spec: Mapping[str, Any] | None = None, timing: Mapping[str, Any] | None = None) -> None:
+        self.log.put(row)
+        m = self._metrics
+        if m is None:
+            return
+        try:
+            tags = {"arm": self.arm.name, "method": self.arm.method}
+            m["requests"].inc(1, tags={**tags, "status": str(row.get("status")),
+                                       "finish_reason": str(row.get("finish_reason") or "")})
+            if row.get("output_tokens"):
+                m["output_tokens"].inc(row["output_tokens"], tags=tags)
+            if spec:
+                m["draft_tokens"].inc(spec["num_draft_tokens"], tags=tags)
+                m["accepted_tokens"].inc(spec["num_accepted_draft_tokens"], tags=tags)
+            if timing:
+                if timing.get("ttft_s") is not None:
+                    m["ttft"].observe(timing["ttft_s"], tags=tags)
+                if timing.get("tpot_s") is not None:
+                    m["tpot"].observe(timing["tpot_s"], tags=tags)
+        except Exception as e:  # noqa: BLE001 - metrics must never fail a request
+            log.debug("metrics: %s", e)
+
+    def state(self) -> dict[str, Any]:
+        """What the arm is doing (for ``/healthz`` and tests)."""
+        running = len(getattr(self.core, "running", []))
+        return {"arm": self.arm.name, "method": self.arm.method, "pid": os.getpid(), "alive": self.dead is None,
+                "error": self.dead, "running": running, "waiting": len(getattr(self.core, "waiting", [])),
+                "free_slots": self.args.max_num_seqs - running, "num_steps": self.num_steps,
+                "num_aborted": self.num_aborted, "max_batch_seen": self.max_batch_seen,
+                "open_streams": len(self._streams), "rows_written": self.log.written}
+
+    def check_health(self) -> None:
+        """Serve's health check: a dead engine thread makes Serve replace the replica."""
+        if self.dead or not self._thread.is_alive():
+            raise RuntimeError(self.dead or "engine thread stopped")
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self.log.close()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _arm_metrics() -> dict[str, Any] | None:
+    """Prometheus metrics through Ray's export (None outside a Serve replica)."""
+    try:
+        from ray.serve.metrics import Counter, Histogram
+
+        keys = ("arm", "method")
+        buckets = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+        return {
+            "requests": Counter("sparsespec_requests", "Requests answered by the arm",
+                                tag_keys=keys + ("status", "finish_reason")),
+            "output_tokens": Counter("sparsespec_output_tokens", "Tokens generated", tag_keys=keys),
+            "draft_tokens": Counter("sparsespec_draft_tokens", "Draft tokens proposed", tag_keys=keys),
+            "accepted_tokens": Counter("sparsespec_accepted_draft_tokens", "Draft tokens accepted", tag_keys=keys),
+            "ttft": Histogram("sparsespec_ttft_seconds", "Time to first token at the arm", boundaries=buckets,
+                              tag_keys=keys),
+            "tpot": Histogram("sparsespec_tpot_seconds", "Time per output token after the first",
+                              boundaries=buckets, tag_keys=keys),
+        }
+    except Exception as e:  # noqa: BLE001
+        log.debug("no Ray metrics: %s", e)
+        return None
+
+
+@serve.deployment(max_ongoing_requests=8, max_queued_requests=32, health_check_period_s=2,
+                  health_check_timeout_s=30, graceful_shutdown_timeout_s=5)
+class Arm(ArmServer):
+    """The Serve deployment of one arm (``arm-<name>``)."""
+
+
+# ====================================================================== the ingress
+class APIError(Exception):
+    """An OpenAI-style error answer: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.code = code or {400: "invalid_request", 401: "invalid_api_key", 404: "model_not_found",
+                             503: "overloaded"}.get(status, "error")
+
+    def response(self, headers: Mapping[str, str] | None = None) -> JSONResponse:
+        kind = {401: "authentication_error", 404: "invalid_request_error", 503: "server_overloaded"}.get(
+            self.status, "invalid_request_error" if self.status < 500 else "server_error")
+        return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}},
+                            status_code=self.status, headers=dict(headers or {}))
+
+
+class _StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _CommonRequest(BaseModel):
+    """Fields shared by both routes; unknown fields are ignored (OpenAI clients send many),
+    known-but-unsupported ones are refused unless left at their no-op value."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)  # vLLM extension; 0 or -1 = off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: _StreamOptions | None = None
+    n: int = Field(1, ge=1)
+    user: str | None = None
+    ignore_eos: bool = False  # vLLM extension
+    min_tokens: int = Field(0, ge=0)  # vLLM extension
+    stop_token_ids: list[int] | None = None  # vLLM extension
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise APIError(400, "n > 1 is not supported (one choice per request)", "n")
+        if self.presence_penalty or self.frequency_penalty:
+            raise APIError(400, "presence_penalty / frequency_penalty are not supported (they would change the "
+                           "target distribution)", "presence_penalty" if self.presence_penalty else "frequency_penalty")
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", "logit_bias")
+        if self.stop is not None and any(not s for s in ([self.stop] if isinstance(self.stop, str) else self.stop)):
+            raise APIError(400, "stop strings must be non-empty", "stop")
+
+
+class CompletionRequest(_CommonRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    best_of: int | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for name in ("echo", "best_of", "logprobs", "suffix"):
+            v = getattr(self, name)
+            if v not in (None, False) and not (name == "best_of" and v == 1):
+                raise APIError(400, f"{name} is not supported", name)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatRequest(_CommonRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    tools: list[Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs:
+            raise APIError(400, "logprobs is not supported", "logprobs")
+        if self.tools:
+            raise APIError(400, "tools are not supported", "tools")
+
+
+def _validation_error(e: ValidationError) -> APIError:
+    err = e.errors()[0]
+    loc = ".".join(str(x) for x in err["loc"] if not isinstance(x, int) or True)
+    if err["type"] == "missing":
+        return APIError(400, f"'{loc}' is a required field", loc)
+    return APIError(400, f"{loc}: {err['msg']} (got {err.get('input')!r})"[:500], loc)
+
+
+def _cancel(gen: Any) -> None:
+    """Cancel a handle's response generator (aborts the request at the arm); never raises."""
+    if gen is None:
+        return
+    try:
+        gen.cancel()
+    except Exception as e:  # noqa: BLE001
+        log.debug("cancel: %s", e)
+
+
+def _arm_failure(arm: str, e: BaseException) -> APIError:
+    from ray.serve.exceptions import BackPressureError
+
+    if isinstance(e, BackPressureError):
+        return APIError(503, f"arm '{arm}' is at capacity (its queue is full); retry later", None, "overloaded")
+    return APIError(503, f"arm '{arm}' is unavailable: {type(e).__name__}: {e}"[:500], None, "arm_unavailable")
+
+
+# Serve pickles the ingress class when it is decorated: everything its methods use is defined above.
+fastapi_app = FastAPI(title="sparsespec A/B endpoint", docs_url=None, redoc_url=None)
+
+
+@serve.deployment(max_ongoing_requests=256, max_queued_requests=256, ray_actor_options={"num_cpus": 0})
+@serve.ingress(fastapi_app)
+class Router:
+    """The ingress: OpenAI routes, validation, the API key, the split (see the module docstring)."""
+
+    def __init__(self, args: Mapping[str, Any], arms: Mapping[str, Any]) -> None:
+        from transformers import AutoTokenizer
+
+        from sparsespec.provision import resolve_model
+
+        self.args = parse_args(args)
+        self.arms = dict(arms)  # arm name -> DeploymentHandle
+        self.weights = [(a.name, a.weight) for a in self.args.arms]
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(self.args.model))
+        from transformers import AutoConfig
+
+        window = AutoConfig.from_pretrained(resolve_model(self.args.model)).max_position_embeddings
+        self.window = min(self.args.max_model_len or window, window)
+        self.api_key = self.args.api_key if self.args.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
+        self.rng = random.Random()
+        self.log = RequestLog(self.args.db)
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------ helpers
+    def _auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        if got != f"Bearer {self.api_key}":
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", None)
+
+    async def _body(self, request: Request, kind: type[BaseModel]) -> Any:
+        raw = await request.body()
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the request body must be a JSON object", None, "invalid_json")
+        try:
+            body = kind(**data)
+        except ValidationError as e:
+            raise _validation_error(e) from None
+        body.check_supported()
+        return body
+
+    def _route(self, request: Request, body: _CommonRequest) -> str:
+        """The arm name: explicit (model suffix or x-arm), else the weighted sticky split."""
+        explicit = None
+        if body.model != self.args.model_id:
+            base, sep, arm = body.model.partition(":")
+            if not sep or base != self.args.model_id or arm not in self.arms:
+                raise APIError(404, f"the model '{body.model}' does not exist; this server has "
+                               f"{', '.join(self._model_ids())}", "model")
+            explicit = arm
+        header = request.headers.get(ARM_HEADER)
+        if header:
+            if header not in self.arms:
+                raise APIError(404, f"unknown arm '{header}' ({ARM_HEADER}); arms: {', '.join(self.arms)}", ARM_HEADER)
+            if explicit and explicit != header:
+                raise APIError(400, f"model names arm '{explicit}' but {ARM_HEADER} names '{header}'", ARM_HEADER)
+            explicit = header
+        if explicit:
+            return explicit
+        return pick_arm(self.weights, self._session(request, body), self.rng)
+
+    @staticmethod
+    def _session(request: Request, body: _CommonRequest) -> str | None:
+        return request.headers.get(SESSION_HEADER) or body.user or None
+
+    def _model_ids(self) -> list[str]:
+        return [self.args.model_id] + [f"{self.args.model_id}:{a}" for a in self.arms]
+
+    def _prompt_ids(self, body: Any, chat: bool) -> tuple[list[int], str]:
+        tok = self.tokenizer
+        if chat:
+            msgs = []
+            for i, m in enumerate(body.messages):
+                content = m.content
+                if isinstance(content, list):
+                    parts = []
+                    for p in content:
+                        if p.get("type") != "text" or not isinstance(p.get("text"), str):
+                            raise APIError(400, "only text content parts are supported", f"messages.{i}.content")
+                        parts.append(p["text"])
+                    content = "".join(parts)
+                msgs.append({"role": m.role, "content": content or ""})
+            try:
+                text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            except Exception as e:  # noqa: BLE001 - a template that refuses these roles
+                raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
+            return list(tok(text, add_special_tokens=False)["input_ids"]), "messages"
+        p = body.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (list, str)):
+            if len(p) != 1:
+                raise APIError(400, "a batch of prompts is not supported; send one prompt per request", "prompt")
+            p = p[0]
+        if isinstance(p, str):
+            if not p:
+                raise APIError(400, "prompt is empty", "prompt")
+            return list(tok(p, add_special_tokens=True)["input_ids"]), "prompt"
+        if not p:
+            raise APIError(400, "prompt is empty", "prompt")
+        vocab = len(tok)
+        if min(p) < 0 or max(p) >= vocab:
+            raise APIError(400, f"prompt has token ids outside [0, {vocab})", "prompt")
+        return list(p), "prompt"
+
+    def _sampling(self, body: Any, n_prompt: int, prompt_param: str, chat: bool) -> dict[str, Any]:
+        room = self.window - n_prompt
+        if room < 1:
+            raise APIError(400, f"this model's maximum context length is {self.window} tokens; the {prompt_param} "
+                           f"has {n_prompt} tokens, leaving no room to generate", prompt_param)
+        max_tokens = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
+        param = "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"
+        if max_tokens is None:
+            max_tokens = min(self.args.default_max_tokens, room)
+        elif max_tokens > room:
+            raise APIError(400, f"this model's maximum context length is {self.window} tokens; you requested "
+                           f"{n_prompt + max_tokens} tokens ({n_prompt} in the {prompt_param}, {max_tokens} in "
+                           f"{param})", param)
+        if body.min_tokens >= max_tokens and body.min_tokens:
+            raise APIError(400, f"min_tokens ({body.min_tokens}) must be below {param} ({max_tokens})", "min_tokens")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        sampling = {"max_new_tokens": int(max_tokens), "temperature": float(body.temperature),
+                    "top_p": float(body.top_p), "top_k": max(0, int(body.top_k)), "seed": body.seed,
+                    "stop": tuple(stop), "ignore_eos": bool(body.ignore_eos), "min_new_tokens": int(body.min_tokens),
+                    "stop_token_ids": tuple(int(t) for t in (body.stop_token_ids or ()))}
+        from sparsespec import SamplingParams
+
+        try:
+            SamplingParams(**sampling)
+        except ValueError as e:
+            raise APIError(400, str(e), None) from None
+        return sampling
+
+    def _refused(self, request: Request, endpoint: str, err: APIError, body: Any = None, arm: str | None = None,
+                 request_id: str | None = None) -> JSONResponse:
+        self.log.put({"request_id": request_id or f"rej-{uuid.uuid4().hex}", "experiment": self.args.experiment,
+                      "model": self.args.model_id, "arm": arm,
+                      "method": self.args.arm(arm).method if arm else None,
+                      "session": request.headers.get(SESSION_HEADER) or getattr(body, "user", None),
+                      "endpoint": endpoint, "stream": bool(getattr(body, "stream", False)), "status": err.status,
+                      "error": err.message[:2000]})
+        headers = {}
+        if arm:
+            headers = {SERVED_ARM_HEADER: arm, SERVED_METHOD_HEADER: self.args.arm(arm).method}
+        return err.response(headers)
+
+    # ------------------------------------------------------------ routes
+    @fastapi_app.get("/healthz")
+    async def healthz(self) -> JSONResponse:
+        """200 when every arm answers, else 503 with each arm's state or error."""
+        states, ok = {}, True
+
+        async def one(name: str, handle: Any) -> None:
+            nonlocal ok
+            try:
+                states[name] = await asyncio.wait_for(handle.state.remote(), timeout=5.0)
+                ok = ok and states[name]["alive"]
+            except Exception as e:  # noqa: BLE001
+                states[name], ok = {"alive": False, "error": f"{type(e).__name__}: {e}"[:300]}, False
+
+        await asyncio.gather(*(one(n, h) for n, h in self.arms.items()))
+        return JSONResponse({"status": "ok" if ok else "degraded", "model": self.args.model_id, "arms": states},
+                            status_code=200 if ok else 503)
+
+    @fastapi_app.get("/v1/models")
+    async def models(self, request: Request) -> JSONResponse:
+        try:
+            self._auth(request)
+        except APIError as e:
+            return e.response()
+        data = [{"id": self.args.model_id, "object": "model", "created": self.created, "owned_by": "sparsespec",
+                 "root": self.args.model, "parent": None,
+                 "arms": [{"name": a.name, "method": a.method, "weight": a.weight} for a in self.args.arms]}]
+        for a in self.args.arms:
+            data.append({"id": f"{self.args.model_id}:{a.name}", "object": "model", "created": self.created,
+                         "owned_by": "sparsespec", "root": self.args.model, "parent": self.args.model_id,
+                         "method": a.method, "options": a.options, "weight": a.weight})
+        return JSONResponse({"object": "list", "data": data})
+
+    @fastapi_app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._serve(request, chat=False)
+
+    @fastapi_app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: Request, chat: bool):
+        endpoint = "chat.completions" if chat else "completions"
+        body, arm = None, None
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        try:
+            self._auth(request)
+            body = await self._body(request, ChatRequest if chat else CompletionRequest)
+            arm = self._route(request, body)
+            prompt_ids, prompt_param = self._prompt_ids(body, chat)
+            sampling = self._sampling(body, len(prompt_ids), prompt_param, chat)
+        except APIError as e:
+            return self._refused(request, endpoint, e, body, None, rid)
+        payload = {"request_id": rid, "prompt_ids": prompt_ids, "sampling": sampling,
+                   "session": self._session(request, body), "endpoint": endpoint, "stream": body.stream}
+        gen = None
+        try:
+            gen = self.arms[arm].options(stream=True).generate.remote(payload)
+            first = await gen.__anext__()
+        except Exception as e:  # noqa: BLE001 - back-pressure, a dead replica, ...
+            log.warning("arm %s refused %s: %s: %s", arm, rid, type(e).__name__, e)
+            _cancel(gen)
+            return self._refused(request, endpoint, _arm_failure(arm, e), body, arm, rid)
+        if first["type"] == "error":
+            return self._refused_by_arm(first, arm)
+        headers = {SERVED_ARM_HEADER: arm, SERVED_METHOD_HEADER: first["method"], REQUEST_ID_HEADER: rid}
+        method = first["method"]
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self._sse(gen, rid, body.model, arm, method, chat, include_usage),
+                                     media_type="text/event-stream", headers=headers)
+        final = None
+        try:
+            async for ev in gen:
+                if ev["type"] == "error":
+                    return self._refused_by_arm(ev, arm)
+                if ev["type"] == "final":
+                    final = ev
+        except Exception as e:  # noqa: BLE001
+            return APIError(503, f"arm '{arm}' failed mid-request: {type(e).__name__}: {e}"[:500]).response(headers)
+        if final is None:
+            return APIError(500, "the arm ended the request without a result").response(headers)
+        return JSONResponse(self._full_body(final, rid, body.model, arm, method, chat), headers=headers)
+
+    def _refused_by_arm(self, ev: Mapping[str, Any], arm: str) -> JSONResponse:
+        # the arm already recorded the request
+        headers = {SERVED_ARM_HEADER: arm, SERVED_METHOD_HEADER: self.args.arm(arm).method}
+        return APIError(int(ev["status"]), str(ev["message"]), ev.get("param")).response(headers)
+
+    def _full_body(self, final: Mapping[str, Any], rid: str, model: str, arm: str, method: str, chat: bool) -> dict:
+        text, reason = final["all_text"], final["finish_reason"]
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": model, "choices": [choice], "usage": final["usage"], "arm": arm, "method": method,
+                "speculation": final["speculation"], "timing": final["timing"]}
+
+    async def _sse(self, gen: Any, rid: str, model: str, arm: str, method: str, chat: bool, include_usage: bool):
+        """OpenAI's streaming chunks (``data: {...}`` events, then ``data: [DONE]``). If the client
+        goes away, Serve cancels this generator; cancelling ``gen`` aborts the request at the arm."""
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str | None, reason: str | None, first: bool = False) -> str:
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+                if text:
+                    delta["content"] = text
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model,
+                                          "choices": [choice]}) + "\n\n"
+
+        done = False
+        try:
+            if chat:
+                yield chunk(None, None, first=True)
+            async for ev in gen:
+                if ev["type"] == "error":
+                    yield "data: " + json.dumps({"error": {"message": ev["message"], "type": "server_error",
+                                                           "param": None, "code": ev["status"]}}) + "\n\n"
+                    done = True
+                    break
+                if ev["type"] == "final":
+                    yield chunk(ev["text"], ev["finish_reason"])
+                    if include_usage:
+                        yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model,
+                                                      "choices": [], "usage": ev["usage"], "arm": arm,
+                                                      "method": method, "speculation": ev["speculation"],
+                                                      "timing": ev["timing"]}) + "\n\n"
+                    done = True
+                    break
+                if ev["text"]:
+                    yield chunk(ev["text"], None)
+            yield "data: [DONE]\n\n"
+        finally:
+            if not done:
+                _cancel(gen)
+
+
+# ====================================================================== the application
+def _absolute_db(db: str) -> str:
+    """A relative SQLite path resolved against this process's directory (replicas run elsewhere)."""
+    if not db.startswith("sqlite:///") or db.startswith("sqlite:////") or db == "sqlite:///:memory:":
+        return db
+    return "sqlite:///" + str(Path(db[len("sqlite:///"):]).resolve())
+
+
+def build_app(args: Mapping[str, Any] | None = None):
+    """The Serve application: one ``Arm`` deployment per arm plus the ``Router`` ingress.
+
+    Raises:
+        ValueError: invalid args (one line per field).
+    """
+    cfg = parse_args(args)
+    raw = dict(args or {})
+    raw["db"] = _absolute_db(cfg.db)
+    if Path(cfg.model).exists():
+        raw["model"] = str(Path(cfg.model).resolve())
+    device = cfg.device
+    if device == "auto":
+        try:
+            import ray
+
+            device = "cuda" if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
+        except Exception:  # noqa: BLE001
+            device = "cpu"
+    raw["device"] = device
+    threads = cfg.threads or max(1, (os.cpu_count() or 1) // len(cfg.arms))
+    raw["threads"] = threads
+    if device == "cuda":
+        actor = {"num_gpus": 1, "num_cpus": cfg.arm_num_cpus if cfg.arm_num_cpus is not None else 1}
+    else:
+        actor = {"num_cpus": cfg.arm_num_cpus if cfg.arm_num_cpus is not None else threads}
+    arms = {}
+    for a in cfg.arms:
+        arms[a.name] = Arm.options(name=f"arm-{a.name}", ray_actor_options=actor,
+                                   max_ongoing_requests=cfg.max_ongoing_requests or 2 * cfg.max_num_seqs,
+                                   max_queued_requests=cfg.max_queued_requests).bind(raw, a.name)
+    return Router.options(name="router").bind(raw, arms)
+
+
+def app(args: dict[str, Any] | None = None):
+    """``serve run cluster.serve:app [key=value ...]`` (an application builder)."""
+    return build_app(args)

@@ -1,0 +1,317 @@
+"""The Serve A/B endpoint on local Ray with tiny random-weight models (plumbing, not speed):
+routes, the split, streaming, bad input, the API key, overload, aborts, request rows, and a
+killed replica. The real SmolLM2 run is the load test (benchmarks/RESULTS.md)."""
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+KEY = "sk-test-123"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(ray_session, tmp_path_factory):
+    """Two apps on one Serve: ``ab`` (ar 0.7 / sparsespec-l 0.3, API key, 2 slots per arm) and
+    ``slow`` under /slow (one ar arm whose steps sleep, 2 slots, tight Serve queue bounds)."""
+    import httpx
+    from ray import serve
+
+    from cluster.serve import build_app
+    from helpers import tiny_model_like
+
+    root = tmp_path_factory.mktemp("serve")
+    model = tiny_model_like(root / "tiny", max_pos=512)
+    db = f"sqlite:///{root}/serve.db"
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    common = {"model": str(model), "threads": 1, "arm_num_cpus": 0, "db": db, "device": "cpu"}
+    serve.run(build_app({**common, "api_key": KEY, "max_num_seqs": 2, "experiment": "ab",
+                         "arms": [{"method": "ar", "weight": 0.7},
+                                  {"method": "sparsespec-l", "options": {"k": 4}, "weight": 0.3}]}),
+              name="ab", route_prefix="/")
+    serve.run(build_app({**common, "max_num_seqs": 2, "experiment": "slow", "max_ongoing_requests": 2,
+                         "max_queued_requests": 1, "engine_factory": "cluster.testing:slow_engine_factory",
+                         "factory_kwargs": {"step_sleep_s": 0.1}, "arms": [{"method": "ar"}]}),
+              name="slow", route_prefix="/slow")
+    base = f"http://127.0.0.1:{port}"
+    client = httpx.Client(base_url=base, timeout=120, headers={"Authorization": f"Bearer {KEY}"})
+    yield {"base": base, "client": client, "model": str(model), "db": db, "root": root}
+    client.close()
+    serve.delete("ab")
+    serve.delete("slow")
+    serve.shutdown()
+
+
+def _complete(c, model, prompt="The quick brown fox", n=8, path="/v1/completions", **kw):
+    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, **kw}
+    return c.post(path, json=body)
+
+
+def _sse(text: str) -> list:
+    events = [ln[len("data: "):] for ln in text.split("\n") if ln.startswith("data: ")]
+    assert events and events[-1] == "[DONE]", text[-300:]
+    return [json.loads(e) for e in events[:-1]]
+
+
+def _rows(served, experiment="ab", wait_for=None):
+    from cluster.store import open_store
+
+    for _ in range(50):  # the writer flushes every 0.5 s
+        rows = open_store(served["db"]).serve_requests(experiment)
+        if wait_for is None or wait_for(rows):
+            return rows
+        time.sleep(0.2)
+    return rows
+
+
+def test_models_and_health(served):
+    c, m = served["client"], served["model"]
+    ids = [d["id"] for d in c.get("/v1/models").json()["data"]]
+    assert ids == [m, f"{m}:ar", f"{m}:sparsespec-l"]
+    h = c.get("/healthz")
+    assert h.status_code == 200 and set(h.json()["arms"]) == {"ar", "sparsespec-l"}
+
+
+def test_api_key_missing_or_wrong_is_401_and_reaches_no_engine(served):
+    import httpx
+
+    before = served["client"].get("/healthz").json()["arms"]
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.post(served["base"] + "/v1/completions", headers=headers,
+                       json={"model": served["model"], "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(served["base"] + "/v1/models").status_code == 401
+    after = served["client"].get("/healthz").json()["arms"]
+    assert all(after[a]["num_steps"] == before[a]["num_steps"] for a in after)
+
+
+def test_sessions_are_sticky_and_the_split_is_weighted(served):
+    from cluster.serve import pick_arm
+
+    c, m = served["client"], served["model"]
+    weights = [("ar", 0.7), ("sparsespec-l", 0.3)]
+    got = {}
+    for i in range(40):
+        s = f"user-{i}"
+        r = c.post("/v1/completions", headers={"x-session-id": s},
+                   json={"model": m, "prompt": "hi", "max_tokens": 1, "temperature": 0})
+        assert r.status_code == 200
+        got[s] = r.headers["x-sparsespec-arm"]
+        assert r.json()["arm"] == got[s] and r.headers["x-sparsespec-method"] == got[s]
+        assert got[s] == pick_arm(weights, s)  # the server uses the session's fixed point
+    share = sum(a == "ar" for a in got.values()) / len(got)
+    assert 0.45 < share < 0.95 and set(got.values()) == {"ar", "sparsespec-l"}
+    for s in ("user-1", "user-2", "user-3"):  # sticky: the same session, the same arm, every time
+        for _ in range(3):
+            r = c.post("/v1/completions", headers={"x-session-id": s},
+                       json={"model": m, "prompt": "again", "max_tokens": 1})
+            assert r.headers["x-sparsespec-arm"] == got[s]
+    # the OpenAI `user` field is a session too
+    arms = {c.post("/v1/completions", json={"model": m, "prompt": "u", "max_tokens": 1, "user": "user-7"}
+                   ).headers["x-sparsespec-arm"] for _ in range(3)}
+    assert arms == {got["user-7"]}
+
+
+def test_an_explicit_arm_bypasses_the_split(served):
+    c, m = served["client"], served["model"]
+    from cluster.serve import pick_arm
+
+    s = next(f"s{i}" for i in range(100) if pick_arm([("ar", 0.7), ("sparsespec-l", 0.3)], f"s{i}") == "ar")
+    r = c.post("/v1/completions", headers={"x-session-id": s},
+               json={"model": f"{m}:sparsespec-l", "prompt": "x", "max_tokens": 2})
+    assert r.headers["x-sparsespec-arm"] == "sparsespec-l"
+    r = c.post("/v1/completions", headers={"x-session-id": s, "x-arm": "sparsespec-l"},
+               json={"model": m, "prompt": "x", "max_tokens": 2})
+    assert r.headers["x-sparsespec-arm"] == "sparsespec-l"
+    r = c.post("/v1/completions", headers={"x-arm": "ar"}, json={"model": f"{m}:sparsespec-l", "prompt": "x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "x-arm"
+    r = c.post("/v1/completions", headers={"x-arm": "nosuch"}, json={"model": m, "prompt": "x"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "x-arm"
+
+
+def test_greedy_is_lossless_through_the_server_and_streams_concatenate(served):
+    import sparsespec
+
+    c, m = served["client"], served["model"]
+    prompt = [1, 17, 300, 42, 9, 9, 250, 17, 300, 42] * 3
+    ref = sparsespec.Engine.from_pretrained(m).generate([prompt], method="ar", max_new_tokens=24, ignore_eos=True)[0]
+    for arm in ("ar", "sparsespec-l"):
+        full = _complete(c, f"{m}:{arm}", prompt, 24)
+        assert full.status_code == 200
+        body = full.json()
+        assert body["choices"][0]["text"] == ref.text and body["usage"]["completion_tokens"] == 24
+        assert body["object"] == "text_completion" and body["choices"][0]["finish_reason"] == "length"
+        streamed = _complete(c, f"{m}:{arm}", prompt, 24, stream=True, stream_options={"include_usage": True})
+        assert streamed.headers["content-type"].startswith("text/event-stream")
+        chunks = _sse(streamed.text)
+        assert "".join(ch["choices"][0]["text"] for ch in chunks if ch["choices"]) == ref.text
+        last = chunks[-1]
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 24 and last["arm"] == arm
+        spec = last["speculation"]
+        assert set(spec) >= {"mean_acceptance_length", "draft_acceptance_rate", "num_draft_tokens",
+                             "num_accepted_draft_tokens", "num_spec_steps", "acceptance_histogram"}
+        if arm == "sparsespec-l":
+            assert spec["num_draft_tokens"] > 0  # drafted: the equality above is a real check
+            assert body["speculation"]["num_draft_tokens"] > 0
+        else:
+            assert spec["num_draft_tokens"] == 0
+    # chat: the template is applied; stream and non-stream agree; the official client parses both
+    import openai
+
+    oc = openai.OpenAI(base_url=served["base"] + "/v1", api_key=KEY)
+    msgs = [{"role": "user", "content": "Name three colours."}]
+    text = oc.chat.completions.create(model=f"{m}:sparsespec-l", messages=msgs, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0].message.content
+    parts = [ch.choices[0].delta.content or "" for ch in oc.chat.completions.create(
+        model=f"{m}:sparsespec-l", messages=msgs, max_tokens=12, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}) if ch.choices]
+    assert "".join(parts) == text and text
+    tok_prompt = sparsespec.Engine.from_pretrained(m).tokenizer.apply_chat_template(
+        msgs, add_generation_prompt=True, tokenize=False)
+    ref_chat = sparsespec.Engine.from_pretrained(m).generate(
+        [sparsespec.Engine.from_pretrained(m).tokenizer(tok_prompt, add_special_tokens=False).input_ids],
+        method="ar", max_new_tokens=12, ignore_eos=True)[0]
+    assert text == ref_chat.text
+    comp = oc.completions.create(model=m, prompt="Once upon", max_tokens=3, temperature=0)
+    assert comp.choices[0].finish_reason in ("length", "stop") and comp.usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    ({"prompt": "x"}, 400, "model"),
+    ({"model": "MODEL"}, 400, "prompt"),
+    ({"model": "nosuch", "prompt": "x"}, 404, "model"),
+    ({"model": "MODEL:nosuch", "prompt": "x"}, 404, "model"),
+    ({"model": "MODEL", "prompt": "x", "temperature": -0.5}, 400, "temperature"),
+    ({"model": "MODEL", "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"model": "MODEL", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ({"model": "MODEL", "prompt": "x", "n": 2}, 400, "n"),
+    ({"model": "MODEL", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "MODEL", "prompt": "x", "max_tokens": 600}, 400, "max_tokens"),
+    ({"model": "MODEL", "prompt": [5] * 600, "max_tokens": 4}, 400, "prompt"),
+    ({"model": "MODEL", "prompt": [1, 10 ** 9]}, 400, "prompt"),
+    ({"model": "MODEL", "prompt": ""}, 400, "prompt"),
+    ({"model": "MODEL", "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ({"model": "MODEL", "prompt": "x", "stop": [""]}, 400, "stop"),
+    ({"model": "MODEL", "prompt": "x", "max_tokens": 4, "min_tokens": 4}, 400, "min_tokens"),
+    ({"model": "MODEL", "prompt": "x", "seed": "abc"}, 400, "seed"),
+    ({"model": "MODEL", "messages": []}, 400, "messages"),
+    ({"model": "MODEL", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+    ({"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10 ** 6},
+     400, "max_completion_tokens"),
+])
+def test_bad_input_is_4xx_naming_the_field_and_the_server_keeps_serving(served, body, status, param):
+    c, m = served["client"], served["model"]
+    path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
+    if isinstance(body, dict):
+        body = {k: (v.replace("MODEL", m) if isinstance(v, str) and k == "model" else v) for k, v in body.items()}
+        r = c.post(path, json=body)
+    else:
+        r = c.post(path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"] and err["type"]
+    ok = c.post("/v1/completions", json={"model": m, "prompt": "still here", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_concurrent_requests_share_steps_and_overload_is_503(served):
+    import httpx
+
+    base, m = served["base"] + "/slow", served["model"]
+    results = []
+
+    def send(i):
+        r = httpx.post(base + "/v1/completions", timeout=120,
+                       json={"model": m, "prompt": f"p{i}", "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+        results.append(r)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join()
+    codes = sorted(r.status_code for r in results)
+    ok = [r for r in results if r.status_code == 200]
+    # 2 in flight + 1 queued at the arm; the rest is refused at once instead of queueing
+    assert codes.count(503) >= 1 and len(ok) >= 2, [(r.status_code, r.text[:300]) for r in results]
+    assert all(r.json()["error"]["code"] == "overloaded" for r in results if r.status_code == 503)
+    assert max(r.json()["timing"]["max_batch"] for r in ok) == 2  # two requests shared engine steps
+    assert httpx.get(base + "/healthz").status_code == 200
+
+
+def test_a_disconnected_stream_frees_its_slot(served):
+    import httpx
+
+    base, m = served["base"] + "/slow", served["model"]
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", base + "/v1/completions",
+                      json={"model": m, "prompt": "long", "max_tokens": 400, "stream": True, "ignore_eos": True,
+                            "temperature": 0}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break  # one chunk, then hang up (400 tokens would take 40 s)
+    for _ in range(100):
+        st = httpx.get(base + "/healthz").json()["arms"]["ar"]
+        if st["running"] == 0 and st["num_aborted"] >= 1:
+            break
+        time.sleep(0.1)
+    assert st["running"] == 0 and st["num_aborted"] >= 1 and st["free_slots"] == 2
+    rows = _rows(served, "slow", lambda rs: any(r["status"] == 499 for r in rs))
+    gone = [r for r in rows if r["status"] == 499]
+    assert gone and gone[0]["finish_reason"] == "abort" and gone[0]["output_tokens"] < 400
+
+
+def test_request_rows_are_stored(served):
+    c, m = served["client"], served["model"]
+    r = c.post("/v1/completions", headers={"x-session-id": "rowtest", "x-arm": "sparsespec-l"},
+               json={"model": m, "prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 24, "temperature": 0,
+                     "ignore_eos": True})
+    rid = r.headers["x-sparsespec-request-id"]
+    c.post("/v1/completions", json={"model": m, "prompt": "x", "top_p": 7})
+    rows = _rows(served, "ab", lambda rs: any(x["request_id"] == rid for x in rs))
+    row = next(x for x in rows if x["request_id"] == rid)
+    assert (row["arm"], row["method"], row["session"], row["status"]) == ("sparsespec-l", "sparsespec-l", "rowtest", 200)
+    assert row["prompt_tokens"] == 6 and row["output_tokens"] == 24 and row["finish_reason"] == "length"
+    assert 0 < row["ttft_s"] < row["e2el_s"] and row["stats"]["num_chunks"] >= 2
+    assert row["stats"]["num_drafted"] == r.json()["speculation"]["num_draft_tokens"]
+    assert row["stats"]["itl_p50_s"] is not None and row["stats"]["tpot_s"] > 0
+    refused = [x for x in rows if x["status"] == 400 and "top_p" in (x["error"] or "")]
+    assert refused and refused[-1]["arm"] is None
+
+
+def test_a_killed_replica_is_restarted_while_the_other_arm_answers(served):
+    c, m = served["client"], served["model"]
+    pid = c.get("/healthz").json()["arms"]["ar"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.time() + 90
+    other_ok = 0
+    new_pid = None
+    while time.time() < deadline:
+        r = c.post("/v1/completions", json={"model": f"{m}:sparsespec-l", "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 200  # the other arm keeps answering throughout
+        other_ok += 1
+        h = c.get("/healthz")
+        st = h.json()["arms"].get("ar", {})
+        if h.status_code == 200 and st.get("pid") not in (None, pid):
+            new_pid = st["pid"]
+            break
+        time.sleep(0.5)
+    assert new_pid is not None, "Serve did not restart the killed arm"
+    r = c.post("/v1/completions", json={"model": f"{m}:ar", "prompt": "x", "max_tokens": 2})
+    assert r.status_code == 200 and r.headers["x-sparsespec-arm"] == "ar" and other_ok >= 1
