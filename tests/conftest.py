@@ -15,9 +15,15 @@ def ray_session():
 
     started = False
     if not ray.is_initialized():
+        import socket
+
+        with socket.socket() as s:  # Ray's Prometheus export, scraped by the Serve metrics test
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ["SPARSESPEC_TEST_METRICS_PORT"] = str(port)
         # address="local": always a fresh local Ray, even when a `ray start` cluster runs here
         ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=500 * 1024**2,
-                 log_to_driver=False)
+                 log_to_driver=False, _metrics_export_port=port)
         started = True
     yield ray
     if started:

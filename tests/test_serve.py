@@ -295,6 +295,31 @@ def test_request_rows_are_stored(served):
     assert refused and refused[-1]["arm"] is None
 
 
+def test_prometheus_metrics_are_exported_through_ray(served):
+    import httpx
+
+    port = os.environ.get("SPARSESPEC_TEST_METRICS_PORT")
+    if not port:
+        pytest.skip("the Ray of this session was not started by the test fixture (no known metrics port)")
+    c, m = served["client"], served["model"]
+    for _ in range(2):
+        assert c.post("/v1/completions", json={"model": f"{m}:sparsespec-l", "prompt": "metrics", "max_tokens": 6,
+                                               "temperature": 0, "ignore_eos": True}).status_code == 200
+    found = {}
+    for _ in range(60):
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        for line in text.splitlines():
+            if line.startswith("ray_sparsespec_") and 'arm="sparsespec-l"' in line:
+                found[line.split("{", 1)[0]] = float(line.rsplit(" ", 1)[1])
+        if {"ray_sparsespec_requests_total", "ray_sparsespec_draft_tokens_total"} <= set(found):
+            break
+        time.sleep(0.5)
+    assert found.get("ray_sparsespec_requests_total", 0) >= 2, found
+    assert found.get("ray_sparsespec_output_tokens_total", 0) >= 12
+    assert found.get("ray_sparsespec_draft_tokens_total", 0) > 0
+    assert any(k.startswith("ray_sparsespec_tpot_seconds") for k in found)
+
+
 def test_a_killed_replica_is_restarted_while_the_other_arm_answers(served):
     c, m = served["client"], served["model"]
     pid = c.get("/healthz").json()["arms"]["ar"]["pid"]
