@@ -730,15 +730,23 @@ async def send_request(
     return record
 
 
-async def check_reachable(client: Any, base_url: str, timeout_s: float = 10.0) -> None:
+async def check_reachable(client: Any, base_url: str, timeout_s: float = 10.0, model: str | None = None,
+                          api_key: str | None = None) -> list[str]:
     """Any HTTP answer from ``GET {base_url}/v1/models`` (even 404) proves the server is up;
-    no answer raises :class:`Unreachable`."""
+    no answer raises :class:`Unreachable`. Returns the arms the server lists for ``model``
+    (ids ``"<model>:<arm>"``; empty when it lists none), so warm-ups can reach every arm."""
     import httpx
 
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        await client.get(f"{base_url}/v1/models", timeout=timeout_s)
+        r = await client.get(f"{base_url}/v1/models", timeout=timeout_s, headers=headers)
     except (httpx.TransportError, OSError) as exc:
         raise Unreachable(f"cannot reach the server at {base_url}: {type(exc).__name__}: {exc}") from None
+    try:
+        ids = [d["id"] for d in r.json()["data"]] if r.status_code == 200 else []
+    except (ValueError, KeyError, TypeError):
+        ids = []
+    return [i.split(":", 1)[1] for i in ids if model and i.startswith(f"{model}:")]
 
 
 async def run_load(
@@ -763,6 +771,7 @@ async def run_load(
     request_timeout_s: float | None = 600.0,
     api_key: str | None = None,
     progress: bool = False,
+    warmup_arms: Sequence[str] | None = None,
 ) -> LoadResult:
     """Warm up (``num_warmups`` requests, one after another), then send ``num_prompts`` requests
     (cycling over ``prompts``: token-id sequences, strings, :class:`Prompt` or benchmark samples)
@@ -771,6 +780,8 @@ async def run_load(
     ``timeout_s`` is the total wall budget (warm-ups included): after it no request is sent and
     the in-flight ones are cancelled and count as failed. ``sessions`` K reuses K session ids
     round-robin (default: a fresh one per request); ``arm`` forces every request to that arm.
+    ``warmup_arms``: warm-up ``i`` goes to arm ``warmup_arms[i % n]`` (``x-arm``), so every arm's
+    first, slow requests are excluded (give at least one warm-up per arm).
     """
     if not prompts:
         raise ValueError("no prompts")
@@ -800,6 +811,8 @@ async def run_load(
         headers = {"x-session-id": session}
         if arm:
             headers["x-arm"] = arm
+        elif warm and warmup_arms:
+            headers["x-arm"] = warmup_arms[i % len(warmup_arms)]
         if api_key:
             headers["Authorization"] = f"Bearer {api_key}"
         rec = RequestRecord(index=i, session=session, prompt_len=p.num_tokens, max_tokens=p.max_tokens,
@@ -1061,14 +1074,14 @@ def main(argv: Sequence[str] | None = None, *, prompts: Sequence[Any] | None = N
             trust_env=False,  # loopback: never through a proxy from the environment
         )
         try:
-            await check_reachable(c, base)
+            arms = await check_reachable(c, base, model=args.model, api_key=args.api_key)
             return await run_load(
                 c, url=base, endpoint=args.endpoint, model=args.model, prompts=plist, num_prompts=args.num_prompts,
                 request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
                 num_warmups=args.num_warmups, seed=args.seed, sessions=args.sessions,
                 session_prefix=args.session_prefix, arm=args.arm, ignore_eos=args.ignore_eos,
                 max_tokens=args.max_tokens, timeout_s=args.timeout_s, request_timeout_s=args.request_timeout_s,
-                api_key=args.api_key, progress=not args.disable_tqdm and sys.stderr.isatty(),
+                api_key=args.api_key, progress=not args.disable_tqdm and sys.stderr.isatty(), warmup_arms=arms,
             )
         finally:
             if own:

@@ -315,7 +315,9 @@ def _make_app(state: FakeState):
                 "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
 
     async def models(request):
-        return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model"}]})
+        return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model"},
+                                                         {"id": "m:ar", "object": "model"},
+                                                         {"id": "m:sparsespec-l", "object": "model"}]})
 
     async def completions(request):
         body = await request.json()
@@ -501,6 +503,25 @@ def test_forced_arm_sessions_and_concurrency(server):
     assert len(res.records) == 8 and res.not_sent == 0 and not res.timed_out
     # 8 requests, 2 at a time, each >= TTFT + ITL: at least 4 rounds
     assert res.duration_s >= 4 * (TTFT_S + ITL_S) - 0.01
+
+
+def test_warmups_reach_every_arm_the_server_lists(server):
+    from cluster.loadtest import check_reachable
+
+    url, state = server
+
+    async def arms():
+        async with httpx.AsyncClient(trust_env=False, timeout=30) as c:
+            return await check_reachable(c, url, model="m")
+
+    listed = asyncio.run(arms())
+    assert listed == ["ar", "sparsespec-l"]
+    state.calls.clear()
+    res = _run(url, prompts=OK_PROMPTS, num_prompts=2, num_warmups=4, warmup_arms=listed)
+    warm = state.calls[:4]
+    assert [c["x_arm"] for c in warm] == ["ar", "sparsespec-l", "ar", "sparsespec-l"]
+    assert all(c["x_arm"] is None for c in state.calls[4:])  # measured requests go through the split
+    assert len(res.warmups) == 4 and len(res.records) == 2
 
 
 def test_fresh_sessions_and_poisson_rate(server):
