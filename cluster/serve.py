@@ -664,7 +664,7 @@ class ChatRequest(_CommonRequest):
 
 def _validation_error(e: ValidationError) -> APIError:
     err = e.errors()[0]
-    loc = ".".join(str(x) for x in err["loc"] if not isinstance(x, int) or True)
+    loc = ".".join(str(x) for x in err["loc"])  # e.g. "temperature", "messages.0.role"
     if err["type"] == "missing":
         return APIError(400, f"'{loc}' is a required field", loc)
     return APIError(400, f"{loc}: {err['msg']} (got {err.get('input')!r})"[:500], loc)

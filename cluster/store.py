@@ -571,8 +571,8 @@ class Store:
         with self._session.begin() as s:
             n = 0
             for d in clean:  # one statement per row: rows may carry different optional columns
-                res = s.execute(ins(ServeRequest).values(**d).on_conflict_do_nothing(index_elements=["request_id"]))
-                n += res.rowcount or 0
+                stmt = ins(ServeRequest).values(**d).on_conflict_do_nothing(index_elements=["request_id"])
+                n += len(s.execute(stmt.returning(ServeRequest.id)).all())  # rowcount is -1 on psycopg
         return n
 
     def serve_requests(self, experiment: str | None = None) -> list[dict[str, Any]]:
