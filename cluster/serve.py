@@ -217,7 +217,7 @@ def pick_arm(weights: Sequence[tuple[str, float]], session: str | None, rng: ran
     acc = 0.0
     for name, w in weights:
         acc += w / total
-        if u < acc and w > 0:
+        if u < acc:  # a weight-0 arm adds nothing to acc, so it is never picked here
             return name
     return next(name for name, w in reversed(weights) if w > 0)  # u rounding at the top end
 
@@ -688,43 +688,33 @@ def _arm_failure(arm: str, e: BaseException) -> APIError:
     return APIError(503, f"arm '{arm}' is unavailable: {type(e).__name__}: {e}"[:500], None, "arm_unavailable")
 
 
-# Serve pickles the ingress class when it is decorated: everything its methods use is defined above.
-fastapi_app = FastAPI(title="sparsespec A/B endpoint", docs_url=None, redoc_url=None)
+class Gateway:
+    """The ingress's logic without Serve (``Router`` holds one; tests drive it directly): the API
+    key, parsing and validation, the split, prompts, sampling, and the OpenAI bodies and chunks.
+    Every refusal is an ``APIError`` naming the field. ``headers``: any mapping of header names
+    (case-insensitive) to values."""
 
-
-@serve.deployment(max_ongoing_requests=256, max_queued_requests=256, ray_actor_options={"num_cpus": 0})
-@serve.ingress(fastapi_app)
-class Router:
-    """The ingress: OpenAI routes, validation, the API key, the split (see the module docstring)."""
-
-    def __init__(self, args: Mapping[str, Any], arms: Mapping[str, Any]) -> None:
-        from transformers import AutoTokenizer
-
-        from sparsespec.provision import resolve_model
-
-        self.args = parse_args(args)
-        self.arms = dict(arms)  # arm name -> DeploymentHandle
-        self.weights = [(a.name, a.weight) for a in self.args.arms]
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(self.args.model))
-        from transformers import AutoConfig
-
-        window = AutoConfig.from_pretrained(resolve_model(self.args.model)).max_position_embeddings
-        self.window = min(self.args.max_model_len or window, window)
-        self.api_key = self.args.api_key if self.args.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
-        self.rng = random.Random()
-        self.log = RequestLog(self.args.db)
+    def __init__(self, args: ServeArgs, tokenizer: Any, window: int, api_key: str | None = None,
+                 rng: random.Random | None = None) -> None:
+        self.args, self.tokenizer, self.window = args, tokenizer, window
+        self.api_key = api_key
+        self.arm_names = [a.name for a in args.arms]
+        self.weights = [(a.name, a.weight) for a in args.arms]
+        self.rng = rng or random.Random()
         self.created = int(time.time())
 
-    # ------------------------------------------------------------ helpers
-    def _auth(self, request: Request) -> None:
+    @staticmethod
+    def _h(headers: Mapping[str, str]) -> dict[str, str]:
+        return {str(k).lower(): v for k, v in headers.items()}
+
+    def auth(self, headers: Mapping[str, str]) -> None:
         if self.api_key is None:
             return
-        got = request.headers.get("authorization", "")
-        if got != f"Bearer {self.api_key}":
+        if self._h(headers).get("authorization", "") != f"Bearer {self.api_key}":
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", None)
 
-    async def _body(self, request: Request, kind: type[BaseModel]) -> Any:
-        raw = await request.body()
+    def parse(self, raw: bytes, chat: bool) -> Any:
+        """The validated request body (``ChatRequest`` or ``CompletionRequest``)."""
         try:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -732,40 +722,53 @@ class Router:
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object", None, "invalid_json")
         try:
-            body = kind(**data)
+            body = (ChatRequest if chat else CompletionRequest)(**data)
         except ValidationError as e:
             raise _validation_error(e) from None
         body.check_supported()
         return body
 
-    def _route(self, request: Request, body: _CommonRequest) -> str:
-        """The arm name: explicit (model suffix or x-arm), else the weighted sticky split."""
+    def session(self, headers: Mapping[str, str], body: Any) -> str | None:
+        return self._h(headers).get(SESSION_HEADER) or getattr(body, "user", None) or None
+
+    def route(self, headers: Mapping[str, str], body: Any) -> str:
+        """The arm name: explicit (``model: "<model>:<arm>"`` or ``x-arm``), else the weighted
+        sticky split on the session."""
         explicit = None
         if body.model != self.args.model_id:
             base, sep, arm = body.model.partition(":")
-            if not sep or base != self.args.model_id or arm not in self.arms:
+            if not sep or base != self.args.model_id or arm not in self.arm_names:
                 raise APIError(404, f"the model '{body.model}' does not exist; this server has "
-                               f"{', '.join(self._model_ids())}", "model")
+                               f"{', '.join(self.model_ids())}", "model")
             explicit = arm
-        header = request.headers.get(ARM_HEADER)
+        header = self._h(headers).get(ARM_HEADER)
         if header:
-            if header not in self.arms:
-                raise APIError(404, f"unknown arm '{header}' ({ARM_HEADER}); arms: {', '.join(self.arms)}", ARM_HEADER)
+            if header not in self.arm_names:
+                raise APIError(404, f"unknown arm '{header}' ({ARM_HEADER}); arms: {', '.join(self.arm_names)}",
+                               ARM_HEADER)
             if explicit and explicit != header:
                 raise APIError(400, f"model names arm '{explicit}' but {ARM_HEADER} names '{header}'", ARM_HEADER)
             explicit = header
-        if explicit:
-            return explicit
-        return pick_arm(self.weights, self._session(request, body), self.rng)
+        return explicit or pick_arm(self.weights, self.session(headers, body), self.rng)
 
-    @staticmethod
-    def _session(request: Request, body: _CommonRequest) -> str | None:
-        return request.headers.get(SESSION_HEADER) or body.user or None
+    def model_ids(self) -> list[str]:
+        return [self.args.model_id] + [f"{self.args.model_id}:{a}" for a in self.arm_names]
 
-    def _model_ids(self) -> list[str]:
-        return [self.args.model_id] + [f"{self.args.model_id}:{a}" for a in self.arms]
+    def models_body(self) -> dict[str, Any]:
+        """``GET /v1/models``: the experiment's model, then one entry per arm."""
+        a0 = self.args
+        data = [{"id": a0.model_id, "object": "model", "created": self.created, "owned_by": "sparsespec",
+                 "root": a0.model, "parent": None,
+                 "arms": [{"name": a.name, "method": a.method, "weight": a.weight} for a in a0.arms]}]
+        for a in a0.arms:
+            data.append({"id": f"{a0.model_id}:{a.name}", "object": "model", "created": self.created,
+                         "owned_by": "sparsespec", "root": a0.model, "parent": a0.model_id, "method": a.method,
+                         "options": a.options, "weight": a.weight})
+        return {"object": "list", "data": data}
 
-    def _prompt_ids(self, body: Any, chat: bool) -> tuple[list[int], str]:
+    def prompt_ids(self, body: Any, chat: bool) -> tuple[list[int], str]:
+        """The prompt's token ids (chat: the tokenizer's template with the generation prompt) and
+        the field to name in errors."""
         tok = self.tokenizer
         if chat:
             msgs = []
@@ -789,18 +792,17 @@ class Router:
             if len(p) != 1:
                 raise APIError(400, "a batch of prompts is not supported; send one prompt per request", "prompt")
             p = p[0]
-        if isinstance(p, str):
-            if not p:
-                raise APIError(400, "prompt is empty", "prompt")
-            return list(tok(p, add_special_tokens=True)["input_ids"]), "prompt"
         if not p:
             raise APIError(400, "prompt is empty", "prompt")
+        if isinstance(p, str):
+            return list(tok(p, add_special_tokens=True)["input_ids"]), "prompt"
         vocab = len(tok)
         if min(p) < 0 or max(p) >= vocab:
             raise APIError(400, f"prompt has token ids outside [0, {vocab})", "prompt")
         return list(p), "prompt"
 
-    def _sampling(self, body: Any, n_prompt: int, prompt_param: str, chat: bool) -> dict[str, Any]:
+    def sampling(self, body: Any, n_prompt: int, prompt_param: str, chat: bool) -> dict[str, Any]:
+        """``SamplingParams`` fields of the request, checked against the window."""
         room = self.window - n_prompt
         if room < 1:
             raise APIError(400, f"this model's maximum context length is {self.window} tokens; the {prompt_param} "
@@ -813,7 +815,7 @@ class Router:
             raise APIError(400, f"this model's maximum context length is {self.window} tokens; you requested "
                            f"{n_prompt + max_tokens} tokens ({n_prompt} in the {prompt_param}, {max_tokens} in "
                            f"{param})", param)
-        if body.min_tokens >= max_tokens and body.min_tokens:
+        if body.min_tokens and body.min_tokens >= max_tokens:
             raise APIError(400, f"min_tokens ({body.min_tokens}) must be below {param} ({max_tokens})", "min_tokens")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         sampling = {"max_new_tokens": int(max_tokens), "temperature": float(body.temperature),
@@ -828,20 +830,113 @@ class Router:
             raise APIError(400, str(e), None) from None
         return sampling
 
-    def _refused(self, request: Request, endpoint: str, err: APIError, body: Any = None, arm: str | None = None,
-                 request_id: str | None = None) -> JSONResponse:
-        self.log.put({"request_id": request_id or f"rej-{uuid.uuid4().hex}", "experiment": self.args.experiment,
-                      "model": self.args.model_id, "arm": arm,
-                      "method": self.args.arm(arm).method if arm else None,
-                      "session": request.headers.get(SESSION_HEADER) or getattr(body, "user", None),
-                      "endpoint": endpoint, "stream": bool(getattr(body, "stream", False)), "status": err.status,
-                      "error": err.message[:2000]})
-        headers = {}
-        if arm:
-            headers = {SERVED_ARM_HEADER: arm, SERVED_METHOD_HEADER: self.args.arm(arm).method}
-        return err.response(headers)
+    def prepare(self, headers: Mapping[str, str], raw: bytes, chat: bool, request_id: str) -> tuple[Any, str, dict]:
+        """Everything before an arm sees the request: (body, arm, the arm's payload)."""
+        self.auth(headers)
+        body = self.parse(raw, chat)
+        arm = self.route(headers, body)
+        prompt_ids, prompt_param = self.prompt_ids(body, chat)
+        sampling = self.sampling(body, len(prompt_ids), prompt_param, chat)
+        payload = {"request_id": request_id, "prompt_ids": prompt_ids, "sampling": sampling,
+                   "session": self.session(headers, body), "endpoint": "chat.completions" if chat else "completions",
+                   "stream": body.stream}
+        return body, arm, payload
 
-    # ------------------------------------------------------------ routes
+    def refusal_row(self, headers: Mapping[str, str], chat: bool, err: APIError, body: Any = None,
+                    arm: str | None = None, request_id: str | None = None) -> dict[str, Any]:
+        """The ``serve_requests`` row of a request refused before or at the arm's door."""
+        return {"request_id": request_id or f"rej-{uuid.uuid4().hex}", "experiment": self.args.experiment,
+                "model": self.args.model_id, "arm": arm, "method": self.args.arm(arm).method if arm else None,
+                "session": self.session(headers, body) if body is not None else self._h(headers).get(SESSION_HEADER),
+                "endpoint": "chat.completions" if chat else "completions",
+                "stream": bool(getattr(body, "stream", False)), "status": err.status, "error": err.message[:2000]}
+
+    @staticmethod
+    def full_body(final: Mapping[str, Any], rid: str, model: str, arm: str, method: str, chat: bool) -> dict:
+        """The non-streamed answer from the arm's ``final`` event."""
+        text, reason = final["all_text"], final["finish_reason"]
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": model, "choices": [choice], "usage": final["usage"], "arm": arm, "method": method,
+                "speculation": final["speculation"], "timing": final["timing"]}
+
+    @staticmethod
+    async def sse(events: Any, rid: str, model: str, arm: str, method: str, chat: bool, include_usage: bool,
+                  on_abandon: Any = None):
+        """OpenAI's streaming chunks (``data: {...}`` events, then ``data: [DONE]``) from the arm's
+        events (after ``started``). If the consumer stops early (the client went away: Serve
+        cancels this generator), ``on_abandon()`` runs: it cancels the arm's call, which aborts
+        the request in the core."""
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str | None, reason: str | None, first: bool = False) -> str:
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+                if text:
+                    delta["content"] = text
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model,
+                                          "choices": [choice]}) + "\n\n"
+
+        done = False
+        try:
+            if chat:
+                yield chunk(None, None, first=True)
+            async for ev in events:
+                if ev["type"] == "error":
+                    yield "data: " + json.dumps({"error": {"message": ev["message"], "type": "server_error",
+                                                           "param": None, "code": ev["status"]}}) + "\n\n"
+                    done = True
+                    break
+                if ev["type"] == "final":
+                    yield chunk(ev["text"], ev["finish_reason"])
+                    if include_usage:
+                        yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model,
+                                                      "choices": [], "usage": ev["usage"], "arm": arm,
+                                                      "method": method, "speculation": ev["speculation"],
+                                                      "timing": ev["timing"]}) + "\n\n"
+                    done = True
+                    break
+                if ev["text"]:
+                    yield chunk(ev["text"], None)
+            yield "data: [DONE]\n\n"
+        finally:
+            if not done and on_abandon is not None:
+                on_abandon()
+
+
+# Serve pickles the ingress class when it is decorated: everything its methods use is defined above.
+fastapi_app = FastAPI(title="sparsespec A/B endpoint", docs_url=None, redoc_url=None)
+
+
+@serve.deployment(max_ongoing_requests=256, max_queued_requests=256, ray_actor_options={"num_cpus": 0})
+@serve.ingress(fastapi_app)
+class Router:
+    """The ingress deployment: OpenAI routes over a ``Gateway`` and the arms' handles (see the
+    module docstring)."""
+
+    def __init__(self, args: Mapping[str, Any], arms: Mapping[str, Any]) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        from sparsespec.provision import resolve_model
+
+        cfg = parse_args(args)
+        folder = resolve_model(cfg.model)
+        window = AutoConfig.from_pretrained(folder).max_position_embeddings
+        api_key = cfg.api_key if cfg.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
+        self.gw = Gateway(cfg, AutoTokenizer.from_pretrained(folder), min(cfg.max_model_len or window, window),
+                          api_key)
+        self.args = cfg
+        self.arms = dict(arms)  # arm name -> DeploymentHandle
+        self.log = RequestLog(cfg.db)
+
     @fastapi_app.get("/healthz")
     async def healthz(self) -> JSONResponse:
         """200 when every arm answers, else 503 with each arm's state or error."""
@@ -862,17 +957,10 @@ class Router:
     @fastapi_app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
         try:
-            self._auth(request)
+            self.gw.auth(request.headers)
         except APIError as e:
             return e.response()
-        data = [{"id": self.args.model_id, "object": "model", "created": self.created, "owned_by": "sparsespec",
-                 "root": self.args.model, "parent": None,
-                 "arms": [{"name": a.name, "method": a.method, "weight": a.weight} for a in self.args.arms]}]
-        for a in self.args.arms:
-            data.append({"id": f"{self.args.model_id}:{a.name}", "object": "model", "created": self.created,
-                         "owned_by": "sparsespec", "root": self.args.model, "parent": self.args.model_id,
-                         "method": a.method, "options": a.options, "weight": a.weight})
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse(self.gw.models_body())
 
     @fastapi_app.post("/v1/completions")
     async def completions(self, request: Request):
@@ -882,107 +970,50 @@ class Router:
     async def chat_completions(self, request: Request):
         return await self._serve(request, chat=True)
 
+    def _refuse(self, request: Request, chat: bool, err: APIError, body: Any = None, arm: str | None = None,
+                rid: str | None = None, record: bool = True) -> JSONResponse:
+        if record:
+            self.log.put(self.gw.refusal_row(request.headers, chat, err, body, arm, rid))
+        headers = {SERVED_ARM_HEADER: arm, SERVED_METHOD_HEADER: self.args.arm(arm).method} if arm else {}
+        return err.response(headers)
+
     async def _serve(self, request: Request, chat: bool):
-        endpoint = "chat.completions" if chat else "completions"
-        body, arm = None, None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        body = arm = None
         try:
-            self._auth(request)
-            body = await self._body(request, ChatRequest if chat else CompletionRequest)
-            arm = self._route(request, body)
-            prompt_ids, prompt_param = self._prompt_ids(body, chat)
-            sampling = self._sampling(body, len(prompt_ids), prompt_param, chat)
+            body, arm, payload = self.gw.prepare(request.headers, await request.body(), chat, rid)
         except APIError as e:
-            return self._refused(request, endpoint, e, body, None, rid)
-        payload = {"request_id": rid, "prompt_ids": prompt_ids, "sampling": sampling,
-                   "session": self._session(request, body), "endpoint": endpoint, "stream": body.stream}
+            return self._refuse(request, chat, e, body, None, rid)
         gen = None
         try:
             gen = self.arms[arm].options(stream=True).generate.remote(payload)
             first = await gen.__anext__()
         except Exception as e:  # noqa: BLE001 - back-pressure, a dead replica, ...
-            log.warning("arm %s refused %s: %s: %s", arm, rid, type(e).__name__, e)
             _cancel(gen)
-            return self._refused(request, endpoint, _arm_failure(arm, e), body, arm, rid)
-        if first["type"] == "error":
-            return self._refused_by_arm(first, arm)
-        headers = {SERVED_ARM_HEADER: arm, SERVED_METHOD_HEADER: first["method"], REQUEST_ID_HEADER: rid}
+            return self._refuse(request, chat, _arm_failure(arm, e), body, arm, rid)
+        if first["type"] == "error":  # the arm refused it (and recorded it)
+            return self._refuse(request, chat, APIError(int(first["status"]), str(first["message"]),
+                                                        first.get("param")), body, arm, rid, record=False)
         method = first["method"]
+        headers = {SERVED_ARM_HEADER: arm, SERVED_METHOD_HEADER: method, REQUEST_ID_HEADER: rid}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse(gen, rid, body.model, arm, method, chat, include_usage),
+            return StreamingResponse(self.gw.sse(gen, rid, body.model, arm, method, chat, include_usage,
+                                                 on_abandon=lambda: _cancel(gen)),
                                      media_type="text/event-stream", headers=headers)
         final = None
         try:
             async for ev in gen:
                 if ev["type"] == "error":
-                    return self._refused_by_arm(ev, arm)
+                    return self._refuse(request, chat, APIError(int(ev["status"]), str(ev["message"])), body, arm,
+                                        rid, record=False)
                 if ev["type"] == "final":
                     final = ev
         except Exception as e:  # noqa: BLE001
             return APIError(503, f"arm '{arm}' failed mid-request: {type(e).__name__}: {e}"[:500]).response(headers)
         if final is None:
             return APIError(500, "the arm ended the request without a result").response(headers)
-        return JSONResponse(self._full_body(final, rid, body.model, arm, method, chat), headers=headers)
-
-    def _refused_by_arm(self, ev: Mapping[str, Any], arm: str) -> JSONResponse:
-        # the arm already recorded the request
-        headers = {SERVED_ARM_HEADER: arm, SERVED_METHOD_HEADER: self.args.arm(arm).method}
-        return APIError(int(ev["status"]), str(ev["message"]), ev.get("param")).response(headers)
-
-    def _full_body(self, final: Mapping[str, Any], rid: str, model: str, arm: str, method: str, chat: bool) -> dict:
-        text, reason = final["all_text"], final["finish_reason"]
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": model, "choices": [choice], "usage": final["usage"], "arm": arm, "method": method,
-                "speculation": final["speculation"], "timing": final["timing"]}
-
-    async def _sse(self, gen: Any, rid: str, model: str, arm: str, method: str, chat: bool, include_usage: bool):
-        """OpenAI's streaming chunks (``data: {...}`` events, then ``data: [DONE]``). If the client
-        goes away, Serve cancels this generator; cancelling ``gen`` aborts the request at the arm."""
-        created = int(time.time())
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(text: str | None, reason: str | None, first: bool = False) -> str:
-            if chat:
-                delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
-                if text:
-                    delta["content"] = text
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-            else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-            return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model,
-                                          "choices": [choice]}) + "\n\n"
-
-        done = False
-        try:
-            if chat:
-                yield chunk(None, None, first=True)
-            async for ev in gen:
-                if ev["type"] == "error":
-                    yield "data: " + json.dumps({"error": {"message": ev["message"], "type": "server_error",
-                                                           "param": None, "code": ev["status"]}}) + "\n\n"
-                    done = True
-                    break
-                if ev["type"] == "final":
-                    yield chunk(ev["text"], ev["finish_reason"])
-                    if include_usage:
-                        yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model,
-                                                      "choices": [], "usage": ev["usage"], "arm": arm,
-                                                      "method": method, "speculation": ev["speculation"],
-                                                      "timing": ev["timing"]}) + "\n\n"
-                    done = True
-                    break
-                if ev["text"]:
-                    yield chunk(ev["text"], None)
-            yield "data: [DONE]\n\n"
-        finally:
-            if not done:
-                _cancel(gen)
+        return JSONResponse(self.gw.full_body(final, rid, body.model, arm, method, chat), headers=headers)
 
 
 # ====================================================================== the application

@@ -137,6 +137,13 @@ def test_arm_batches_concurrent_requests_and_matches_a_fresh_ar_decode(tiny, tmp
             assert final["usage"] == {"prompt_tokens": len(prompts[results.index(events)]), "completion_tokens": 40,
                                       "total_tokens": len(prompts[results.index(events)]) + 40}
         assert arm.state()["max_batch_seen"] == 2
+        for events in results:  # the timings add up: chunk gaps span first token -> last token
+            tm, st = events[-1]["timing"], None
+            n_chunks = sum(1 for ev in events[1:] if ev.get("token_ids"))
+            assert tm["num_chunks"] == n_chunks >= 2
+            assert 0 < tm["queue_s"] < tm["ttft_s"] < tm["e2el_s"]
+            assert tm["tpot_s"] == pytest.approx((tm["e2el_s"] - tm["ttft_s"]) / (40 - 1))
+            assert tm["itl_p50_s"] <= tm["itl_p95_s"] <= tm["itl_p99_s"]
     finally:
         arm.shutdown()
     from cluster.store import open_store
@@ -144,6 +151,11 @@ def test_arm_batches_concurrent_requests_and_matches_a_fresh_ar_decode(tiny, tmp
     rows = open_store(f"sqlite:///{tmp_path}/r.db").serve_requests()
     assert sorted(r["request_id"] for r in rows) == ["r0", "r1"]
     assert all(r["status"] == 200 and r["output_tokens"] == 40 and r["ttft_s"] > 0 for r in rows)
+    for r, events in zip(sorted(rows, key=lambda r: r["request_id"]), results):
+        gaps = r["stats"]["chunk_gaps_s"]
+        assert len(gaps) == r["stats"]["num_chunks"] - 1
+        assert sum(gaps) == pytest.approx(r["e2el_s"] - r["ttft_s"], abs=1e-6)
+        assert r["stats"]["num_drafted"] == events[-1]["speculation"]["num_draft_tokens"]
 
 
 def test_an_abandoned_request_frees_its_slot(tiny, tmp_path):
@@ -183,6 +195,252 @@ def test_an_invalid_request_at_the_arm_is_an_error_event_and_the_arm_keeps_servi
         ev = asyncio.run(_collect(arm, _payload("bad", [1, 2], 4, temperature=-1.0)))
         assert ev[-1]["type"] == "error" and ev[-1]["status"] == 400 and "temperature" in ev[-1]["message"]
         assert asyncio.run(_collect(arm, _payload("ok", [1, 2], 4)))[-1]["type"] == "final"
+        one = asyncio.run(_collect(arm, _payload("one", [1, 2], 1)))[-1]  # done in its prefill step
+        assert one["type"] == "final" and one["timing"]["max_batch"] == 1 and one["usage"]["completion_tokens"] == 1
         arm.check_health()
     finally:
         arm.shutdown()
+
+
+# ---------------------------------------------------------------- the ingress's logic (Gateway)
+KEY = "sk-unit"
+
+
+@pytest.fixture(scope="module")
+def gw(tiny):
+    from transformers import AutoTokenizer
+
+    from cluster.serve import Gateway
+
+    args = parse_args({"model": str(tiny), "arms": [{"method": "ar", "weight": 0.7},
+                                                    {"method": "sparsespec-l", "options": {"k": 4}, "weight": 0.3}],
+                       "default_max_tokens": 32})
+    return Gateway(args, AutoTokenizer.from_pretrained(tiny), window=512, api_key=KEY, rng=random.Random(0))
+
+
+def _auth(**h):
+    return {"Authorization": f"Bearer {KEY}", **h}
+
+
+def _prep(gw, body, chat=False, headers=None):
+    import json as _json
+
+    raw = body if isinstance(body, bytes) else _json.dumps(body).encode()
+    return gw.prepare(headers if headers is not None else _auth(), raw, chat, "rid-1")
+
+
+BAD = [
+    (b"{not json", False, 400, None),
+    (b"[1, 2]", False, 400, None),
+    ({"prompt": "x"}, False, 400, "model"),
+    ({"model": "M"}, False, 400, "prompt"),
+    ({"model": "nosuch", "prompt": "x"}, False, 404, "model"),
+    ({"model": "M:nosuch", "prompt": "x"}, False, 404, "model"),
+    ({"model": "M", "prompt": "x", "temperature": -0.5}, False, 400, "temperature"),
+    ({"model": "M", "prompt": "x", "top_p": 0}, False, 400, "top_p"),
+    ({"model": "M", "prompt": "x", "top_p": 1.5}, False, 400, "top_p"),
+    ({"model": "M", "prompt": "x", "top_k": -2}, False, 400, "top_k"),
+    ({"model": "M", "prompt": "x", "n": 2}, False, 400, "n"),
+    ({"model": "M", "prompt": "x", "best_of": 3}, False, 400, "best_of"),
+    ({"model": "M", "prompt": "x", "echo": True}, False, 400, "echo"),
+    ({"model": "M", "prompt": "x", "presence_penalty": 0.5}, False, 400, "presence_penalty"),
+    ({"model": "M", "prompt": "x", "frequency_penalty": 0.5}, False, 400, "frequency_penalty"),
+    ({"model": "M", "prompt": "x", "logit_bias": {"5": 1.0}}, False, 400, "logit_bias"),
+    ({"model": "M", "prompt": "x", "max_tokens": 0}, False, 400, "max_tokens"),
+    ({"model": "M", "prompt": "x", "max_tokens": 512}, False, 400, "max_tokens"),  # 1 prompt token + 512 > 512
+    ({"model": "M", "prompt": [5] * 512, "max_tokens": 1}, False, 400, "prompt"),
+    ({"model": "M", "prompt": [1, 10 ** 9]}, False, 400, "prompt"),
+    ({"model": "M", "prompt": [-1, 3]}, False, 400, "prompt"),
+    ({"model": "M", "prompt": [1, 49152]}, False, 400, "prompt"),  # == the vocabulary size (SmolLM2's)
+    ({"model": "M", "prompt": ""}, False, 400, "prompt"),
+    ({"model": "M", "prompt": []}, False, 400, "prompt"),
+    ({"model": "M", "prompt": ["a", "b"]}, False, 400, "prompt"),
+    ({"model": "M", "prompt": "x", "logprobs": 2}, False, 400, "logprobs"),
+    ({"model": "M", "prompt": "x", "stop": [""]}, False, 400, "stop"),
+    ({"model": "M", "prompt": "x", "max_tokens": 4, "min_tokens": 4}, False, 400, "min_tokens"),
+    ({"model": "M", "prompt": "x", "seed": "abc"}, False, 400, "seed"),
+    ({"model": "M", "messages": []}, True, 400, "messages"),
+    ({"model": "M", "messages": [{"role": "wizard", "content": "x"}]}, True, 400, "messages.0.role"),
+    ({"model": "M", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, True, 400,
+     "messages.0.content"),
+    ({"model": "M", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10 ** 6}, True, 400,
+     "max_completion_tokens"),
+    ({"model": "M", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, True, 400, "logprobs"),
+    ({"model": "M", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, True, 400,
+     "tools"),
+]
+
+
+@pytest.mark.parametrize("body, chat, status, param", BAD)
+def test_bad_input_is_refused_naming_the_field(gw, tiny, body, chat, status, param):
+    from cluster.serve import APIError
+
+    if isinstance(body, dict) and isinstance(body.get("model"), str):
+        body = {**body, "model": body["model"].replace("M", str(tiny), 1) if body["model"].startswith("M") else
+                body["model"]}
+    with pytest.raises(APIError) as e:
+        _prep(gw, body, chat)
+    assert (e.value.status, e.value.param) == (status, param), e.value.message
+    resp = e.value.response()
+    import json as _json
+
+    err = _json.loads(resp.body)["error"]
+    assert resp.status_code == status and err["param"] == param and err["message"] and err["type"] and err["code"]
+
+
+def test_api_key(gw, tiny):
+    from cluster.serve import APIError
+
+    body = {"model": str(tiny), "prompt": "hi", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": KEY}, {"authorization": f"bearer {KEY}"}):
+        with pytest.raises(APIError) as e:
+            _prep(gw, body, headers=headers)
+        assert e.value.status == 401 and e.value.code == "invalid_api_key"
+    assert _prep(gw, body, headers={"authorization": f"Bearer {KEY}"})[1] in ("ar", "sparsespec-l")
+
+
+def test_routing_explicit_arms_and_sticky_sessions(gw, tiny):
+    from cluster.serve import APIError
+
+    m = str(tiny)
+    assert _prep(gw, {"model": f"{m}:sparsespec-l", "prompt": "x"})[1] == "sparsespec-l"
+    assert _prep(gw, {"model": m, "prompt": "x"}, headers=_auth(**{"X-Arm": "sparsespec-l"}))[1] == "sparsespec-l"
+    assert _prep(gw, {"model": f"{m}:ar", "prompt": "x"}, headers=_auth(**{"x-arm": "ar"}))[1] == "ar"
+    with pytest.raises(APIError) as e:
+        _prep(gw, {"model": f"{m}:ar", "prompt": "x"}, headers=_auth(**{"x-arm": "sparsespec-l"}))
+    assert (e.value.status, e.value.param) == (400, "x-arm")
+    with pytest.raises(APIError) as e:
+        _prep(gw, {"model": m, "prompt": "x"}, headers=_auth(**{"x-arm": "nosuch"}))
+    assert (e.value.status, e.value.param) == (404, "x-arm")
+    weights = [("ar", 0.7), ("sparsespec-l", 0.3)]
+    for s in (f"sess-{i}" for i in range(30)):
+        want = pick_arm(weights, s)
+        assert _prep(gw, {"model": m, "prompt": "x"}, headers=_auth(**{"X-Session-Id": s}))[1] == want
+        assert _prep(gw, {"model": m, "prompt": "x", "user": s})[1] == want  # the OpenAI user field
+        # the header wins over `user`
+        other = next(o for o in (f"o{j}" for j in range(100)) if pick_arm(weights, o) != want)
+        assert _prep(gw, {"model": m, "prompt": "x", "user": other}, headers=_auth(**{"x-session-id": s}))[1] == want
+    got = Counter(_prep(gw, {"model": m, "prompt": "x"}, headers=_auth(**{"x-session-id": f"u{i}"}))[1]
+                  for i in range(3000))
+    assert abs(got["ar"] / 3000 - 0.7) < 0.04
+
+
+def test_payload_prompt_and_sampling(gw, tiny):
+    m = str(tiny)
+    tok = gw.tokenizer
+    _, arm, p = _prep(gw, {"model": m, "prompt": "Hello world", "temperature": 0.5, "top_p": 0.9, "top_k": -1,
+                           "seed": 7, "stop": "\n", "ignore_eos": True, "min_tokens": 2, "stop_token_ids": [13],
+                           "max_tokens": 9}, headers=_auth(**{"x-session-id": "abc"}))
+    assert p["prompt_ids"] == tok("Hello world", add_special_tokens=True).input_ids
+    assert p["sampling"] == {"max_new_tokens": 9, "temperature": 0.5, "top_p": 0.9, "top_k": 0, "seed": 7,
+                             "stop": ("\n",), "ignore_eos": True, "min_new_tokens": 2, "stop_token_ids": (13,)}
+    assert p["session"] == "abc" and p["endpoint"] == "completions" and p["request_id"] == "rid-1"
+    # defaults: OpenAI's temperature 1; max_tokens = default_max_tokens, capped by the room left
+    d = _prep(gw, {"model": m, "prompt": [3] * 500})[2]["sampling"]
+    assert d["temperature"] == 1.0 and d["max_new_tokens"] == 12  # 512 - 500
+    assert _prep(gw, {"model": m, "prompt": [3] * 5})[2]["sampling"]["max_new_tokens"] == 32
+    assert _prep(gw, {"model": m, "prompt": [[4, 5, 6]]})[2]["prompt_ids"] == [4, 5, 6]
+    msgs = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]
+    c = _prep(gw, {"model": m, "messages": msgs, "max_completion_tokens": 5}, chat=True)[2]
+    want = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}],
+                                   tokenize=False, add_generation_prompt=True)
+    assert c["prompt_ids"] == tok(want, add_special_tokens=False).input_ids
+    assert c["sampling"]["max_new_tokens"] == 5 and c["endpoint"] == "chat.completions"
+
+
+def test_models_body(gw, tiny):
+    m = str(tiny)
+    data = gw.models_body()["data"]
+    assert [d["id"] for d in data] == [m, f"{m}:ar", f"{m}:sparsespec-l"]
+    assert data[2]["method"] == "sparsespec-l" and data[2]["options"] == {"k": 4} and data[1]["weight"] == 0.7
+
+
+def _events(texts, final_text, spec=None):
+    evs = [{"type": "delta", "text": t, "token_ids": [1], "finished": False} for t in texts]
+    evs.append({"type": "final", "text": final_text, "token_ids": [1], "finish_reason": "length",
+                "usage": {"prompt_tokens": 3, "completion_tokens": len(texts) + 1, "total_tokens": len(texts) + 4},
+                "speculation": spec or {"num_draft_tokens": 0}, "timing": {"ttft_s": 0.1}})
+    return evs
+
+
+async def _agen(items):
+    for x in items:
+        yield x
+
+
+def _drain(gen, stop_after=None):
+    async def run():
+        out = []
+        async for chunk in gen:
+            out.append(chunk)
+            if stop_after is not None and len(out) >= stop_after:
+                await gen.aclose()
+                break
+        return out
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_sse_chunks_concatenate_to_the_text_and_end_with_done(gw, chat):
+    import json as _json
+
+    from cluster.serve import Gateway
+
+    abandoned = []
+    chunks = _drain(Gateway.sse(_agen(_events(["Hel", "", "lo"], " world")), "id1", "m", "ar", "ar", chat, True,
+                                on_abandon=lambda: abandoned.append(1)))
+    assert chunks[-1] == "data: [DONE]\n\n" and all(c.startswith("data: ") and c.endswith("\n\n") for c in chunks)
+    objs = [_json.loads(c[6:]) for c in chunks[:-1]]
+    if chat:
+        assert objs[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        text = "".join(o["choices"][0]["delta"].get("content", "") for o in objs if o["choices"])
+        assert all(o["object"] == "chat.completion.chunk" for o in objs)
+    else:
+        text = "".join(o["choices"][0]["text"] for o in objs if o["choices"])
+        assert all(o["object"] == "text_completion" for o in objs)
+    assert text == "Hello world"
+    assert [o["choices"][0]["finish_reason"] for o in objs if o["choices"]][-1] == "length"
+    assert objs[-1]["choices"] == [] and objs[-1]["usage"]["completion_tokens"] == 4 and objs[-1]["arm"] == "ar"
+    assert "speculation" in objs[-1] and not abandoned
+    no_usage = _drain(Gateway.sse(_agen(_events(["a"], "b")), "id1", "m", "ar", "ar", chat, False))
+    assert all("usage" not in c for c in no_usage)
+
+
+def test_sse_abandoned_midway_cancels_the_arm_call_and_errors_are_reported():
+    import json as _json
+
+    from cluster.serve import Gateway
+
+    abandoned = []
+    got = _drain(Gateway.sse(_agen(_events(["a", "b", "c"], "d")), "i", "m", "ar", "ar", False, True,
+                             on_abandon=lambda: abandoned.append(1)), stop_after=1)
+    assert len(got) == 1 and abandoned == [1]
+    err = _drain(Gateway.sse(_agen([{"type": "delta", "text": "x", "token_ids": [1], "finished": False},
+                                    {"type": "error", "status": 500, "message": "engine died", "param": None}]),
+                             "i", "m", "ar", "ar", False, True, on_abandon=lambda: abandoned.append(2)))
+    assert _json.loads(err[-2][6:])["error"]["message"] == "engine died" and err[-1] == "data: [DONE]\n\n"
+    assert abandoned == [1]
+
+
+def test_full_body(gw):
+    final = _events([], "Paris.")[-1]
+    final.update(all_text="Paris.", finish_reason="stop")
+    b = gw.full_body(final, "chatcmpl-1", "m", "sparsespec-l", "sparsespec-l", True)
+    assert b["object"] == "chat.completion" and b["choices"][0]["message"] == {"role": "assistant", "content": "Paris."}
+    assert b["choices"][0]["finish_reason"] == "stop" and b["arm"] == "sparsespec-l" and b["usage"]["prompt_tokens"] == 3
+    c = gw.full_body(final, "cmpl-1", "m", "ar", "ar", False)
+    assert c["object"] == "text_completion" and c["choices"][0]["text"] == "Paris." and c["method"] == "ar"
+
+
+def test_refusal_row_fits_the_store(gw, tmp_path):
+    from cluster.serve import APIError
+    from cluster.store import SERVE_REQUEST_FIELDS, open_store
+
+    row = gw.refusal_row({"X-Session-Id": "s9"}, True, APIError(400, "temperature: bad", "temperature"))
+    assert set(row) <= set(SERVE_REQUEST_FIELDS) and row["session"] == "s9" and row["arm"] is None
+    assert row["status"] == 400 and row["endpoint"] == "chat.completions"
+    busy = gw.refusal_row({}, False, APIError(503, "full"), None, "sparsespec-l", "cmpl-9")
+    assert busy["arm"] == "sparsespec-l" and busy["method"] == "sparsespec-l" and busy["request_id"] == "cmpl-9"
+    store = open_store(f"sqlite:///{tmp_path}/r.db")
+    assert store.add_serve_requests([row, busy]) == 2
