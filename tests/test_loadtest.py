@@ -265,6 +265,11 @@ def test_bad_arguments_exit_2(capsys):
     assert main(["--url", "http://127.0.0.1:1", "--model", "m", "--goodput", "ttft:x"], prompts=[[1]]) == 2
     assert "goodput" in capsys.readouterr().err
     assert main(["--model", "m", "--num-prompts", "0"], prompts=[[1]]) == 2
+    assert "must be >= 1" in capsys.readouterr().err
+    assert main(["--model", "m", "--num-warmups", "-1"], prompts=[[1]]) == 2
+    assert "must be >= 0" in capsys.readouterr().err
+    assert main(["--model", "m", "--num-warmups", "x"], prompts=[[1]]) == 2
+    assert "not an integer" in capsys.readouterr().err
     assert main(["--model", "m", "--request-rate", "-1"], prompts=[[1]]) == 2
     assert main(["--url", "http://127.0.0.1:1"], prompts=[[1]]) == 2  # --model missing
 
