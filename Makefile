@@ -9,7 +9,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 export RAY_AUTH_MODE ?= disabled
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: demo test test-fast install provision report dashboard serve clean
+.PHONY: demo test test-fast install provision report dashboard screenshots serve clean
 
 $(STAMP): pyproject.toml Makefile
 	@command -v $(PY) >/dev/null || { echo "need $(PY) (Python 3.11)"; exit 1; }
@@ -48,6 +48,10 @@ report: $(STAMP)
 
 dashboard: $(STAMP)
 	$(BIN)/streamlit run dashboard/app.py --server.headless true --server.address 127.0.0.1 -- --db $(DB)
+
+# One PNG per dashboard page in results/screenshots (Debian's chromium: apt-get install -y chromium).
+screenshots: $(STAMP)
+	$(BIN)/python -m dashboard.screenshots --db $(DB) --out results/screenshots
 
 # The A/B endpoint on 127.0.0.1:8000 (configs/serve.yaml); `python -m cluster.loadtest` drives it.
 serve: provision
