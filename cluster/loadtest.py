@@ -80,6 +80,8 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from cluster.queries import bootstrap_means, bootstrap_medians, percentile_ci
+
 __all__ = [
     "Prompt",
     "RequestRecord",
@@ -460,35 +462,6 @@ def summarize_by_arm(
     return {a: summarize([r for r in records if r.arm == a], duration_s, goodput, percentiles) for a in arms}
 
 
-def _bootstrap_medians(x: np.ndarray, n_boot: int, rng: np.random.Generator) -> np.ndarray:
-    out = np.empty(n_boot)
-    block = max(1, min(n_boot, 2_000_000 // max(1, x.size)))
-    for s in range(0, n_boot, block):
-        e = min(n_boot, s + block)
-        idx = rng.integers(0, x.size, size=(e - s, x.size))
-        out[s:e] = np.median(x[idx], axis=1)
-    return out
-
-
-def _bootstrap_means(x: np.ndarray, n_boot: int, rng: np.random.Generator) -> np.ndarray:
-    out = np.empty(n_boot)
-    block = max(1, min(n_boot, 2_000_000 // max(1, x.size)))
-    for s in range(0, n_boot, block):
-        e = min(n_boot, s + block)
-        idx = rng.integers(0, x.size, size=(e - s, x.size))
-        out[s:e] = x[idx].mean(axis=1)
-    return out
-
-
-def _ci(ratios: np.ndarray, confidence: float) -> tuple[float, float] | None:
-    ratios = ratios[np.isfinite(ratios)]
-    if ratios.size == 0:
-        return None
-    a = (1.0 - confidence) / 2.0 * 100.0
-    lo, hi = np.percentile(ratios, [a, 100.0 - a])
-    return float(lo), float(hi)
-
-
 def _fmt_ci(ci: tuple[float, float] | None, pct: int) -> str:
     return f"{pct}% CI {ci[0]:.2f}-{ci[1]:.2f}" if ci else "no CI"
 
@@ -537,7 +510,7 @@ def ab_decision(
     ci = None
     if not too_small and ratio is not None:
         with np.errstate(divide="ignore", invalid="ignore"):
-            ci = _ci(_bootstrap_medians(xt, n_boot, rng) / _bootstrap_medians(xb, n_boot, rng), confidence)
+            ci = percentile_ci(bootstrap_medians(xt, n_boot, rng) / bootstrap_medians(xb, n_boot, rng), confidence)
     significant = None if ci is None else bool(ci[1] < 1.0 or ci[0] > 1.0)
     d: dict[str, Any] = {
         "baseline": baseline,
@@ -580,7 +553,7 @@ def ab_decision(
         g_ci = None
         if not g_small and g_ratio is not None:
             with np.errstate(divide="ignore", invalid="ignore"):
-                g_ci = _ci(_bootstrap_means(gt, n_boot, rng) / _bootstrap_means(gb, n_boot, rng), confidence)
+                g_ci = percentile_ci(bootstrap_means(gt, n_boot, rng) / bootstrap_means(gb, n_boot, rng), confidence)
         g_sig = None if g_ci is None else bool(g_ci[1] < 1.0 or g_ci[0] > 1.0)
         d.update({
             "goodput": dict(goodput),

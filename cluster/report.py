@@ -241,6 +241,73 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     return tabulate(body, headers=headers, tablefmt="github", disable_numparse=True)
 
 
+LEADERBOARD_HEADERS = {
+    "benchmark": "benchmark", "model": "model", "context_length": "ctx", "batch_size": "batch", "variant": "method",
+    "n": "n", "speedup": "speedup", "ci_low": "ci_low", "ci_high": "ci_high", "speedup_total": "speedup_total",
+    "alpha": "alpha", "tau": "tau", "mean_k": "mean_k", "gamma": "gamma", "score": "score", "score_delta": "score_delta",
+    "lossless_rate": "lossless_rate", "tpot_p50_s": "tpot_ms", "throughput": "tokens_per_s",
+}
+
+
+def leaderboard_rows(db_url: str, run_ids: str | Iterable[str] | None = None
+                     ) -> tuple[list[dict[str, Any]], Any]:
+    """``cluster.queries.leaderboard`` rows of the store and the ``Environment`` they ran in."""
+    from cluster import queries
+
+    with open_store(db_url, create=False) as store:
+        runs = [r for r in store.runs() if run_ids is None or r["run_id"] in set(
+            [run_ids] if isinstance(run_ids, str) else run_ids)]
+        rows = queries.with_run_fields(store.results(run_ids=run_ids), runs)
+    return queries.leaderboard(rows), queries.environment(runs)
+
+
+def _lb_cell(key: str, v: Any) -> Any:
+    if v is None:
+        return ""
+    if key in ("score", "score_delta"):
+        return f"{100.0 * v:.1f}"
+    if key == "tpot_p50_s":
+        return f"{1000.0 * v:.2f}"
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    return v
+
+
+def _lb_header(env: Any, prefix: str) -> list[str]:
+    pkgs = ", ".join(f"{k} {v}" for k, v in env.packages.items()) or "unknown"
+    return [f"{prefix}sparsespec leaderboard: {env.runs} run(s)",
+            f"{prefix}device: {'; '.join(env.devices) or 'unknown'}",
+            f"{prefix}software: {pkgs}",
+            f"{prefix}commit: {', '.join(env.commits) or 'unknown'}",
+            f"{prefix}speedup: median over paired batches of TPOT_ar / TPOT_method (ci: 95% bootstrap, >= 5 pairs); "
+            f"score and score_delta x100; tpot_ms: median request; an ar row per setting is the reference"]
+
+
+def format_leaderboard_md(rows: Sequence[Mapping[str, Any]], env: Any) -> str:
+    """Markdown: the environment as a header, then one table row per (setting, method)."""
+    from tabulate import tabulate
+
+    head = _lb_header(env, "")
+    body = [[_lb_cell(k, r.get(k)) for k in LEADERBOARD_HEADERS] for r in rows]
+    table = tabulate(body, headers=list(LEADERBOARD_HEADERS.values()), tablefmt="github", disable_numparse=True)
+    return "# " + head[0] + "\n\n" + "\n".join(f"- {h}" for h in head[1:]) + "\n\n" + table + "\n"
+
+
+def format_leaderboard_csv(rows: Sequence[Mapping[str, Any]], env: Any) -> str:
+    """CSV with the environment as leading ``#`` comment lines (pandas: ``read_csv(comment="#")``);
+    raw values (score in [0, 1], seconds)."""
+    import csv
+    import io
+
+    buf = io.StringIO()
+    for h in _lb_header(env, "# "):
+        buf.write(h + "\n")
+    w = csv.DictWriter(buf, fieldnames=list(LEADERBOARD_HEADERS), extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    w.writerows({k: ("" if r.get(k) is None else r.get(k)) for k in LEADERBOARD_HEADERS} for r in rows)
+    return buf.getvalue()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m cluster.report",
                                 description="Per (benchmark, task, model, context length, batch size, method) report "
@@ -249,7 +316,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print a JSON list with exactly the report keys")
     p.add_argument("--run", action="append", dest="runs", metavar="RUN_ID",
                    help="only this run (repeatable); default: all runs, pooled")
+    p.add_argument("--leaderboard", action="store_true",
+                   help="print the Spec-Bench-style leaderboard (Markdown; an ar row per setting, device and "
+                        "software versions in the header)")
+    p.add_argument("--out", metavar="PREFIX", default=None,
+                   help="with --leaderboard: also write PREFIX.md and PREFIX.csv")
     args = p.parse_args(argv)
+    if args.out and not args.leaderboard:
+        p.error("--out needs --leaderboard")
+    if args.leaderboard:
+        return _leaderboard_main(args)
     try:
         rows = report_rows(args.db, args.runs)
     except StoreURLError as e:
@@ -270,6 +346,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(rows, indent=2))
     else:
         print(format_table(rows))
+    return 0
+
+
+def _leaderboard_main(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    try:
+        rows, env = leaderboard_rows(args.db, args.runs)
+    except StoreURLError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except StoreError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if not rows:
+        print(f"error: no results in {safe_url(args.db)}; run a benchmark first (e.g. make demo)", file=sys.stderr)
+        return 1
+    md = format_leaderboard_md(rows, env)
+    print(md, end="")
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        Path(f"{out}.md").write_text(md)
+        Path(f"{out}.csv").write_text(format_leaderboard_csv(rows, env))
+        print(f"wrote {out}.md and {out}.csv", file=sys.stderr)
     return 0
 
 

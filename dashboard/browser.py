@@ -24,12 +24,14 @@ from pathlib import Path
 
 import httpx
 
+from dashboard import PAGES
+
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "dashboard" / "app.py"
 
-# The url paths of dashboard/app.py's st.navigation pages ("compare" is the default, also served at
-# "/"). Hard-coded on purpose: the app defines no importable list of them; keep in step with it.
-PAGE_PATHS: tuple[str, ...] = ("compare", "ledger", "gates", "ab", "runs")
+# The url paths of dashboard/app.py's st.navigation pages; the first is the default page, served at "/".
+PAGE_PATHS: tuple[str, ...] = tuple(p[2] for p in PAGES)
+_NOT_FOUND = "Page not found"
 
 CHROMIUM = os.environ.get("SPARSESPEC_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
@@ -146,7 +148,9 @@ def open_browser(*, headless: bool = True):
 
 
 def page_url(base_url: str, path: str) -> str:
-    return f"{base_url.rstrip('/')}/{path.strip('/')}"
+    """The page's address; the default page (the first of ``PAGE_PATHS``) lives at ``/``."""
+    path = path.strip("/")
+    return f"{base_url.rstrip('/')}/{'' if path == PAGE_PATHS[0] else path}"
 
 
 def wait_until_idle(page, *, timeout_ms: float = 60000, settle_ms: int = 300) -> None:
@@ -164,14 +168,18 @@ def load_page(page, base_url: str, path: str, *, wait_for: str | None = None,
               timeout_ms: float = 60000) -> list[str]:
     """Open ``base_url/path``, wait for the app to finish its run (and for `wait_for`, if given).
 
-    Returns the texts of the ``st.exception`` / uncaught-error elements on the page (empty: none).
+    Returns the texts of the ``st.exception`` / uncaught-error elements on the page, and
+    Streamlit's "Page not found" dialog for an unknown path (empty: none).
     """
     page.goto(page_url(base_url, path), wait_until="domcontentloaded", timeout=timeout_ms)
     page.wait_for_selector("[data-testid='stApp']", state="attached", timeout=timeout_ms)
     wait_until_idle(page, timeout_ms=timeout_ms)
     if wait_for:
         page.wait_for_selector(wait_for, state="visible", timeout=timeout_ms)
-    return page.locator(_EXCEPTION).all_inner_texts()
+    errors = page.locator(_EXCEPTION).all_inner_texts()
+    if page.get_by_text(_NOT_FOUND, exact=True).count():
+        errors.append(f"{_NOT_FOUND}: {path!r} is not a page of the app (served the default page instead)")
+    return errors
 
 
 def screenshot_pages(base_url: str, out_dir: str | os.PathLike, paths: Sequence[str] = PAGE_PATHS, *,

@@ -7,6 +7,7 @@ the documented columns, so callers can test ``df.empty``.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ from cluster.report import (
     predicted_speedup,
     tpot,
 )
+from cluster import queries as cq
 from cluster.store import DEFAULT_DB_URL, open_store
 from sparsespec.roofline import max_speedup, x_roofline
 from sparsespec.stats import derive
@@ -106,7 +108,15 @@ def ledger_frame(report: pd.DataFrame) -> pd.DataFrame:
 
 def sample_frame(db_url: str, run_id: str) -> pd.DataFrame:
     """Per-sample rows of one run, with per-sample TPOT and the paired ratio against ar."""
-    results = _results(db_url, [run_id])
+    return _sample_frame(_results(db_url, [run_id]))
+
+
+def sample_rows(data: "Data", run_id: str) -> pd.DataFrame:
+    """``sample_frame`` from already loaded rows."""
+    return _sample_frame([r for r in data.results if r["run_id"] == run_id])
+
+
+def _sample_frame(results: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     ar_tpot = {(r["task"], r["sample_id"]): tpot(r["stats"] or {}) for r in results if r["method"] == "ar"}
     rows = []
     for r in results:
@@ -178,3 +188,166 @@ def roofline_frame(db_url: str = DEFAULT_DB_URL, run_ids: str | Iterable[str] | 
             "roofline_max_speedup": roof_max, "step_max_speedup": step_max,
         })
     return pd.DataFrame(out, columns=ROOFLINE_COLUMNS)
+
+
+# --------------------------------------------------------------------------- the pages' data
+@dataclass(frozen=True)
+class Data:
+    """Everything the pages read, loaded once per refresh: result rows (with their run's
+    context length, batch size and sampling temperature), runs, shards, per-step acceptance,
+    Serve requests and bench rows (plain dicts, as the store returns them)."""
+
+    results: list[dict[str, Any]] = field(default_factory=list)
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    shards: list[dict[str, Any]] = field(default_factory=list)
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    serve_requests: list[dict[str, Any]] = field(default_factory=list)
+
+
+def load(db_url: str = DEFAULT_DB_URL) -> Data:
+    """Read the store at ``db_url`` (read-only; StoreNotFoundError for a missing SQLite file)."""
+    with open_store(db_url, create=False) as store:
+        runs = store.runs()
+        steps = store.acceptance_steps() if hasattr(store, "acceptance_steps") else []
+        return Data(results=cq.with_run_fields(store.results(), runs), runs=runs, shards=store.shards(),
+                    steps=steps, serve_requests=store.serve_requests())
+
+
+@dataclass(frozen=True)
+class Filters:
+    """The sidebar's choices: None = no restriction on that key; values are the stored strings."""
+
+    run_ids: tuple[str, ...] | None = None
+    benchmarks: tuple[str, ...] | None = None
+    tasks: tuple[str, ...] | None = None
+    models: tuple[str, ...] | None = None
+    methods: tuple[str, ...] | None = None
+    batch_sizes: tuple[int, ...] | None = None
+    context_lengths: tuple[int | None, ...] | None = None
+
+    _KEYS = (("run_ids", "run_id"), ("benchmarks", "benchmark"), ("tasks", "task"), ("models", "model"),
+             ("methods", "method"), ("batch_sizes", "batch_size"), ("context_lengths", "context_length"))
+
+    def keep(self, row: Mapping[str, Any], *, keep_ar: bool = True) -> bool:
+        """Whether a result (or acceptance-step) row passes; ``ar`` rows pass the method filter
+        when ``keep_ar`` (every speedup needs its reference)."""
+        for attr, key in self._KEYS:
+            allowed = getattr(self, attr)
+            if allowed is None:
+                continue
+            if key == "method" and keep_ar and row.get("method") == cq.AR:
+                continue
+            if row.get(key) not in allowed:
+                return False
+        return True
+
+
+def filter_options(data: Data) -> dict[str, list]:
+    """The distinct stored values of each filter key (sorted; None, the benchmark default, first)."""
+    out = {}
+    for key in ("benchmark", "task", "model", "method", "batch_size", "context_length"):
+        vals = {r.get(key) for r in data.results}
+        out[key] = sorted(vals, key=lambda v: (v is not None, v if v is not None else 0))
+    return out
+
+
+def filtered(data: Data, f: Filters) -> list[dict[str, Any]]:
+    return [r for r in data.results if f.keep(r)]
+
+
+def cells_frame(rows: Sequence[Mapping[str, Any]], by: Sequence[str] = cq.CELL_KEYS) -> pd.DataFrame:
+    """``cluster.queries.cell_table`` as a frame (``k`` as text, so "auto" and 4 share a column)."""
+    return _k_text(pd.DataFrame(cq.cell_table(rows, by=by)))
+
+
+def speedup_map(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+    """Speedup per (model, variant, context, batch), the selected benchmarks and tasks pooled."""
+    return cells_frame(rows, by=("model", "context_length", "batch_size", "method", "k"))
+
+
+def best_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+    cells = cq.cell_table(rows, by=("model", "context_length", "batch_size", "method", "k"))
+    return pd.DataFrame(cq.best_per_cell(cells, ("model", "context_length", "batch_size")),
+                        columns=["model", "context_length", "batch_size", "best", "speedup", "runner_up"])
+
+
+LEDGER_PAGE_COLUMNS = ["benchmark", "task", "model", "context_length", "batch_size", "variant", "n", "alpha",
+                       "mean_k", "gamma", "tau", "predicted_speedup", "predicted_speedup_round", "speedup",
+                       "speedup_total", "draft_forwards_per_round", "c_draft", "c_verify", "c_other", "gap"]
+
+
+def ledger_page_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+    """Per speculative cell: the ledger's three numbers, both predictions next to the measured
+    speedup, and the round costs that explain the gap (``gap`` = measured / ledger - 1)."""
+    df = cells_frame(rows)
+    if df.empty:
+        return pd.DataFrame(columns=LEDGER_PAGE_COLUMNS)
+    df = df[df["method"] != cq.AR].copy()
+    df["gap"] = [(m / p - 1.0) if (p and m is not None and not pd.isna(m)) else None
+                 for m, p in zip(df["speedup"], df["predicted_speedup"])]
+    return df.reindex(columns=LEDGER_PAGE_COLUMNS)
+
+
+def s_vs_k_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+    """``cluster.queries.s_vs_k`` per setting (benchmark, task, model, context, batch, method)
+    that has at least two fixed-k cells."""
+    cells = cq.cell_table(rows)
+    groups: dict[tuple, list] = {}
+    for c in cells:
+        if c["method"] != cq.AR:
+            groups.setdefault(tuple(c[k] for k in cq.CELL_KEYS[:6]), []).append(c)
+    out = []
+    for key, cs in groups.items():
+        pts = cq.s_vs_k(cs)
+        if len(pts) >= 2:
+            out.extend({**dict(zip(cq.CELL_KEYS[:6], key)), **p} for p in pts)
+    return pd.DataFrame(out, columns=[*cq.CELL_KEYS[:6], "k", "variant", "speedup", "predicted_speedup", "alpha",
+                                      "gamma", "expected_accepted", "marginal_acceptance", "inversion"])
+
+
+def acceptance_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+    """Acceptance by draft position per method variant (speculative rows only)."""
+    by: dict[str, list] = {}
+    for r in rows:
+        if r["method"] != cq.AR:
+            by.setdefault(cq.variant(r["method"], cq.run_k(r)), []).append(r)
+    out = [{"variant": v, **p} for v, rs in sorted(by.items()) for p in cq.acceptance_by_position(rs)]
+    return pd.DataFrame(out, columns=["variant", "position", "drafted", "reached", "accepted", "rate", "conditional"])
+
+
+def k_trace_frame(data: Data, f: Filters) -> pd.DataFrame:
+    steps = [s for s in data.steps if f.keep(s, keep_ar=False)]
+    return pd.DataFrame(cq.k_trace(steps), columns=["run_id", "task", "sample_id", "method", "context_length",
+                                                    "batch_size", "step", "k", "accepted", "mean_k_so_far"])
+
+
+def _k_text(df: pd.DataFrame) -> pd.DataFrame:
+    """``k`` as text ("auto", "4", None), so Arrow sees one type in the column."""
+    if not df.empty and "k" in df:
+        df["k"] = df["k"].map(lambda v: None if v is None or (isinstance(v, float) and v != v) else str(v))
+    return df
+
+
+def gates_frame(rows: Sequence[Mapping[str, Any]], thresholds: cq.GateThresholds) -> pd.DataFrame:
+    return _k_text(pd.DataFrame(cq.gates_table(rows, thresholds),
+                        columns=[*cq.SETTING_KEYS, "variant", "n", *cq.GATES, "passed", "lossless_rate", "n_conclusive",
+                                 "n_sampling", "score_delta", "speedup", "itl_p95_ratio", "mem_ratio", "kv_ratio",
+                                 "throughput_ratio", "reason"]))
+
+
+def experiments(data: Data) -> list[str]:
+    return sorted({q["experiment"] for q in data.serve_requests})
+
+
+def runs_frame(data: Data) -> pd.DataFrame:
+    return pd.DataFrame(cq.run_rows(data.runs, data.shards))
+
+
+SHARD_COLUMNS = ["run_id", "key", "task", "status", "attempts", "error", "worker", "wall_s", "started_at",
+                 "finished_at"]
+
+
+def shards_frame(data: Data, run_ids: Sequence[str] | None = None) -> pd.DataFrame:
+    rows = [{**{k: s.get(k) for k in SHARD_COLUMNS}, "worker": str(s.get("worker") or "")}
+            for s in data.shards if run_ids is None or s["run_id"] in run_ids]
+    return pd.DataFrame(rows, columns=SHARD_COLUMNS)

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from cluster import report
-from cluster.report import REPORT_KEYS, compute_extras, compute_report, report_rows, tpot
+from cluster.report import REPORT_KEYS, compute_extras, compute_report, main, report_rows, tpot
 from cluster.store import open_store
 
 
@@ -156,3 +156,40 @@ def test_cli_missing_and_empty_db(tmp_path, capsys):
     assert "no results" in capsys.readouterr().err
     assert report.main(["--db", "not-a-url"]) == 2
     assert "sqlite:///" in capsys.readouterr().err
+
+
+def test_leaderboard_markdown_and_csv(tmp_path, capsys):
+    import pandas as pd
+
+    from tests.dashboard_seed import seed
+
+    url = f"sqlite:///{tmp_path}/lb.db"
+    seed(url)
+    prefix = tmp_path / "out" / "leaderboard"
+    assert main(["--db", url, "--leaderboard", "--out", str(prefix)]) == 0
+    md = capsys.readouterr().out
+    assert md == (tmp_path / "out" / "leaderboard.md").read_text()
+    head = md.splitlines()[:6]
+    assert head[0] == "# sparsespec leaderboard: 10 run(s)"
+    assert "- device: cpu (2 cores on vm)" in head and "- commit: abc1234" in head
+    assert any(h.startswith("- software:") and "torch 2.13.0+cpu" in h for h in head)
+    table = [line for line in md.splitlines() if line.startswith("| ruler ") and "| 2048 " in line and "| 1 " in line]
+    assert table[0].split("|")[5].strip() == "ar"  # the reference row first in its setting
+    assert table[1].split("|")[5].strip() == "sparsespec-l k=2" and "1.964" in table[1]
+    df = pd.read_csv(prefix.with_suffix(".csv"), comment="#")
+    assert list(df.columns)[:5] == ["benchmark", "model", "context_length", "batch_size", "variant"]
+    first = df[(df["benchmark"] == "longbench")].iloc[1]
+    assert first["variant"] == "ngram k=3" and first["score_delta"] == pytest.approx(-0.1)
+    assert first["speedup"] == pytest.approx(1.2)
+    assert (tmp_path / "out" / "leaderboard.csv").read_text().startswith("# sparsespec leaderboard")
+
+
+def test_leaderboard_errors(tmp_path, capsys):
+    assert main(["--db", f"sqlite:///{tmp_path}/none.db", "--leaderboard"]) == 1
+    assert "no database" in capsys.readouterr().err
+    url = f"sqlite:///{tmp_path}/empty.db"
+    open_store(url).close()
+    assert main(["--db", url, "--leaderboard"]) == 1
+    assert "no results" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--db", url, "--out", str(tmp_path / "x")])  # --out without --leaderboard

@@ -1,44 +1,21 @@
-"""Dashboard: pure queries and the Streamlit page (AppTest, no browser)."""
+"""Dashboard: its frames and every page through Streamlit's AppTest (no browser) on the seeded store."""
 from pathlib import Path
 
 import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from cluster.fake import FakeEngine
 from cluster.store import open_store
-from dashboard import queries
+from dashboard import PAGES, queries
+from tests import dashboard_seed as seed
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
-
-
-def _populate(url, *, tasks=("qa", "sum"), n=3, run_id="toy-0001"):
-    """Rows as the coordinator writes them, from the fake engine (ar + one speculative method)."""
-    eng = FakeEngine()
-    rows = []
-    for task in tasks:
-        for i in range(n):
-            prompt = [1, 2, 3, i, len(task)]
-            outs = {m: eng.generate([prompt], method=m, method_options={"k": 4} if m != "ar" else {},
-                                    max_new_tokens=9)[0] for m in ("ar", "sparsespec-l")}
-            for m, o in outs.items():
-                rows.append(dict(run_id=run_id, benchmark="toy", task=task, model="fake", method=m,
-                                 sample_id=f"s{i}", prediction=o.text, token_ids=o.token_ids,
-                                 score=float(i % 2), stats=o.stats,
-                                 lossless=None if m == "ar" else o.token_ids == outs["ar"].token_ids,
-                                 first_divergence=None, num_input_tokens_raw=5, num_input_tokens=5,
-                                 references=["x"]))
-    with open_store(url) as st:
-        st.start_run(run_id, benchmark="toy", model="fake", methods=["ar", "sparsespec-l"], config={})
-        st.add_results(rows)
-        st.finish_run(run_id)
-    return rows
 
 
 @pytest.fixture
 def db(tmp_path):
     url = f"sqlite:///{tmp_path}/dash.db"
-    _populate(url)
+    seed.seed(url)
     return url
 
 
@@ -52,68 +29,147 @@ def test_db_url_precedence():
     assert f(["-q", "tests/x.py", "--durations=3", "--d"], {}) == DEFAULT_DB_URL
 
 
-def test_queries(db):
+def test_frames_on_the_seeded_store(db):
     runs = queries.list_runs(db)
-    assert list(runs["run_id"]) == ["toy-0001"] and runs.loc[0, "num_results"] == 12
-    rep = queries.report_frame(db)
+    assert len(runs) == 10 and set(runs["status"]) == {"finished", "running"}
+    rep = queries.report_frame(db, ["ruler-L2048-B1"])
     assert list(rep.columns) == queries.REPORT_COLUMNS
-    assert list(rep["method"]) == ["ar", "sparsespec-l", "ar", "sparsespec-l"]
     sp = rep[rep["method"] == "sparsespec-l"].iloc[0]
-    assert sp["speedup"] > 1 and sp["lossless_rate"] == 1.0 and sp["n"] == 3
+    assert sp["speedup"] == pytest.approx(1.25) and sp["speedup_total"] == pytest.approx(1.2)
+    assert sp["alpha"] == pytest.approx(0.75) and sp["lossless_rate"] == 1.0
     led = queries.ledger_frame(rep)
-    assert list(led["method"]) == ["sparsespec-l", "sparsespec-l"]
-    row = led.iloc[0]
-    assert row["predicted_speedup"] == pytest.approx((row["alpha"] * row["mean_k"] + 1) / (row["mean_k"] * row["gamma"] + 1))
-    assert row["error"] == pytest.approx(row["speedup"] / row["predicted_speedup"] - 1)
-    samples = queries.sample_frame(db, "toy-0001")
-    assert len(samples) == 12 and list(samples.columns) == queries.SAMPLE_COLUMNS
-    assert samples[samples["method"] == "ar"]["speedup_vs_ar"].tolist() == [1.0] * 6
+    row = led[led["method"] == "sparsespec-l"].iloc[0]
+    assert row["predicted_speedup"] == pytest.approx((0.75 * 2 + 1) / (2 * 0.1 + 1))
+    assert row["error"] == pytest.approx(1.25 / row["predicted_speedup"] - 1)
+    samples = queries.sample_frame(db, "ruler-L1024-B1")
+    assert len(samples) == 6 and list(samples.columns) == queries.SAMPLE_COLUMNS
+    assert samples[samples["method"] == "ar"]["speedup_vs_ar"].tolist() == [1.0, 1.0]
+    assert samples[samples["method"] == "sparsespec-l"]["speedup_vs_ar"].tolist() == pytest.approx([0.8, 0.8])
     assert queries.sample_frame(db, "no-such-run").empty
 
 
-def test_queries_on_empty_db(tmp_path):
+def test_filters_keep_ar_as_the_reference(db):
+    data = queries.load(db)
+    f = queries.Filters(methods=("ngram",), batch_sizes=(2,), context_lengths=(2048,))
+    rows = queries.filtered(data, f)
+    assert {r["method"] for r in rows} == {"ar", "ngram"} and {r["batch_size"] for r in rows} == {2}
+    cells = queries.speedup_map(rows)
+    assert set(cells["variant"]) == {"ar", "ngram k=3"} and cells["speedup"].tolist() == pytest.approx([1.0, 0.9])
+    opts = queries.filter_options(data)
+    assert opts["batch_size"] == [1, 2] and opts["context_length"] == [1024, 2048]
+    assert opts["method"] == ["ar", "ngram", "sparsespec-l"]
+    trace = queries.k_trace_frame(data, queries.Filters(run_ids=("ruler-L1024-B2",), methods=("ngram",)))
+    assert set(trace["method"]) == {"ngram"} and len(trace) == 2 * 5 and set(trace["k"]) == {3}
+
+
+def test_frames_on_an_empty_db(tmp_path):
     url = f"sqlite:///{tmp_path}/empty.db"
     open_store(url).close()
     assert queries.list_runs(url).empty
     rep = queries.report_frame(url)
     assert rep.empty and list(rep.columns) == queries.REPORT_COLUMNS
     assert queries.ledger_frame(rep).empty
+    data = queries.load(url)
+    assert queries.ledger_page_frame([]).empty and queries.s_vs_k_frame([]).empty
+    assert queries.acceptance_frame([]).empty and queries.gates_frame([], queries.cq.GateThresholds()).empty
+    assert queries.k_trace_frame(data, queries.Filters()).empty and queries.runs_frame(data).empty
 
 
-def _app(monkeypatch, url):
+def _page(monkeypatch, url, path="compare"):
+    """Run the app at ``path`` (a url path of ``dashboard.PAGES``); no exception allowed."""
     monkeypatch.setenv("SPARSESPEC_DB", url)
     at = AppTest.from_file(APP, default_timeout=60)
     at.run()
     assert not at.exception, [e.value for e in at.exception]
+    if path != PAGES[0][2]:
+        file = next(f for f, _, u, _ in PAGES if u == path)
+        at.switch_page(f"views/{file}").run()
+        assert not at.exception, [e.value for e in at.exception]
     return at
 
 
-def test_app_with_results(monkeypatch, db):
-    at = _app(monkeypatch, db)
-    report = at.dataframe[0].value
-    assert isinstance(report, pd.DataFrame)
-    assert set(report["method"]) == {"ar", "sparsespec-l"} and set(report["task"]) == {"qa", "sum"}
-    assert len(at.dataframe) == 4  # report, ledger, runs, per-sample
-    assert len(at.get("plotly_chart")) == 3  # speedup, alpha, ledger
-    assert any("Ledger" in s.value for s in at.subheader)
-    ledger = at.dataframe[1].value
-    assert {"predicted_speedup", "speedup"} <= set(ledger.columns)
-    assert not at.info and not at.warning
+def _downloads(at):
+    return at.get("download_button")
 
 
-def test_app_on_empty_db(monkeypatch, tmp_path):
+def test_compare_page(monkeypatch, db):
+    at = _page(monkeypatch, db, "compare")
+    assert at.title[0].value.startswith("Compare")
+    # one heatmap per variant (ngram k=3, sparsespec-l, and the four fixed-k), the best-per-cell
+    # map, speedup vs context, vs batch, score delta
+    assert len(at.get("plotly_chart")) == 6 + 1 + 3
+    best = at.dataframe[0].value
+    assert list(best["best"]) == ["ngram k=3", "sparsespec-l", "sparsespec-l k=2", "sparsespec-l"]
+    cells = at.dataframe[1].value
+    assert {"speedup", "ci_low", "alpha", "lossless_rate"} <= set(cells.columns)
+    assert len(_downloads(at)) == 2 and not at.info and not at.warning
+    # a filter narrows every chart: batch size 2 only
+    at.sidebar.multiselect(key="f_batch").set_value([2]).run()
+    assert not at.exception
+    assert list(at.dataframe[0].value["batch_size"]) == [2, 2]  # the best-per-cell table: two contexts at batch 2
+
+
+def test_ledger_page(monkeypatch, db):
+    at = _page(monkeypatch, db, "ledger")
+    led = at.dataframe[0].value
+    assert list(led.columns) == queries.LEDGER_PAGE_COLUMNS
+    row = led[(led["variant"] == "sparsespec-l") & (led["context_length"] == 2048) & (led["batch_size"] == 1)].iloc[0]
+    assert row["predicted_speedup"] == pytest.approx(2.5 / 1.2) and row["speedup"] == pytest.approx(1.25)
+    svk = at.dataframe[1].value
+    assert list(svk["k"]) == [1, 2, 4, 8] and list(svk["inversion"]) == [False, False, False, True]
+    # ledger bars, round costs, S vs k, acceptance by position, the k trace
+    assert len(at.get("plotly_chart")) == 5 and len(_downloads(at)) == 4
+    assert not at.info
+
+
+def test_gates_page_and_editable_thresholds(monkeypatch, db):
+    at = _page(monkeypatch, db, "gates")
+    gates = at.dataframe[0].value
+    assert set(gates["passed"]) == {"pass", "FAIL"}
+    assert at.metric[0].value == f"{(gates['passed'] == 'pass').sum()} / {len(gates)}"
+    before = (gates["passed"] == "pass").sum()
+    at.number_input(key="g_speed").set_value(0.0).run()
+    at.number_input(key="g_itl").set_value(20.0).run()
+    at.number_input(key="g_thr").set_value(0.0).run()
+    after = at.dataframe[0].value
+    assert (after["passed"] == "pass").sum() > before
+    q = after[(after["benchmark"] == "longbench")].iloc[0]
+    assert q["correctness"] == "no data" and q["quality"] == "FAIL"
+
+
+def test_ab_page(monkeypatch, db):
+    at = _page(monkeypatch, db, "ab")
+    arms = at.dataframe[0].value
+    assert set(arms["arm"]) == {"ar", "spec", "(refused at the router)"}
+    assert any("0.80x ar's" in m.value and "significantly faster" in m.value for m in at.markdown)
+    assert len(at.get("plotly_chart")) == 4 and len(_downloads(at)) == 2
+
+
+def test_runs_page(monkeypatch, db):
+    at = _page(monkeypatch, db, "runs")
+    runs = at.dataframe[0].value
+    assert runs.iloc[0]["run_id"] == "ruler-running" and runs.iloc[0]["shards_failed"] == 1
+    assert any("failed shards" in w.value for w in at.warning)
+    shards = at.dataframe[1].value
+    assert set(shards["status"]) == {"failed", "running"} and "worker died" in shards["error"].dropna().iloc[0]
+    assert any("No results for this run yet" in i.value for i in at.info)
+    at.selectbox(key="runs_pick").set_value("ruler-L1024-B1").run()
+    assert not at.exception
+    samples = at.dataframe[-1].value
+    assert len(samples) == 6 and set(samples["method"]) == {"ar", "sparsespec-l", "ngram"}
+
+
+@pytest.mark.parametrize("path", [p[2] for p in PAGES])
+def test_every_page_on_an_empty_and_a_missing_db(monkeypatch, tmp_path, path):
     url = f"sqlite:///{tmp_path}/empty.db"
     open_store(url).close()
-    at = _app(monkeypatch, url)
-    assert any("No runs" in i.value for i in at.info)
-    assert not at.dataframe
-
-
-def test_app_on_missing_db_and_bad_url(monkeypatch, tmp_path):
-    at = _app(monkeypatch, f"sqlite:///{tmp_path}/nothing-here.db")
+    at = _page(monkeypatch, url, path)
+    assert at.info and ("No runs in this database" in at.info[0].value or "No Serve requests" in at.info[0].value)
+    assert not at.get("plotly_chart") and not at.dataframe
+    at = _page(monkeypatch, f"sqlite:///{tmp_path}/nothing-here.db", path)
     assert any("No database yet" in i.value for i in at.info)
     assert not (tmp_path / "nothing-here.db").exists()
-    at = _app(monkeypatch, "definitely not a url")
+    at = _page(monkeypatch, "definitely not a url", path)
     assert any("Cannot read the result store" in w.value for w in at.warning)
 
 
@@ -158,21 +214,13 @@ def test_roofline_frame_by_hand(tmp_path):
     assert queries.roofline_frame(empty).empty and list(queries.roofline_frame(empty).columns) == queries.ROOFLINE_COLUMNS
 
 
-def test_app_shows_the_roofline_under_its_heading(monkeypatch, db):
-    _add_bench(db, [_steps_row(), _steps_row(batch_size=4)])
-    at = _app(monkeypatch, db)
+def test_runs_page_shows_the_roofline_of_a_bench_run(monkeypatch, tmp_path):
+    url = f"sqlite:///{tmp_path}/steps-only.db"
+    _add_bench(url, [_steps_row(), _steps_row(batch_size=4)])  # a bench run: steps rows, no results
+    at = _page(monkeypatch, url, "runs")
     assert any(s.value == "Roofline" for s in at.subheader)
     roof = at.dataframe[-1].value
     assert list(roof.columns) == queries.ROOFLINE_COLUMNS and list(roof["batch_size"]) == [1, 4]
-    # report, ledger, runs, roofline (the per-sample box opens on the newest run: the bench, no results)
-    assert len(at.dataframe) == 4 and any("No results for this run" in i.value for i in at.info)
-
-
-def test_app_without_bench_rows_has_no_roofline_and_a_steps_only_store_still_shows_it(monkeypatch, db, tmp_path):
-    at = _app(monkeypatch, db)
-    assert not any(s.value == "Roofline" for s in at.subheader)
-    url = f"sqlite:///{tmp_path}/steps-only.db"
-    _add_bench(url, [_steps_row()])  # a steps-only bench: a run without results
-    at = _app(monkeypatch, url)
-    assert any("no results yet" in i.value for i in at.info)
-    assert any(s.value == "Roofline" for s in at.subheader) and len(at.dataframe) == 1
+    assert any("No results for this run yet" in i.value for i in at.info)
+    at = _page(monkeypatch, url, "compare")  # no results: a sentence, not a chart
+    assert any("No results stored yet" in i.value for i in at.info) and not at.get("plotly_chart")

@@ -1,0 +1,104 @@
+"""Compare: where each method pays, as a map over context length x batch size."""
+from __future__ import annotations
+
+import plotly.express as px
+import streamlit as st
+
+from dashboard import common
+from dashboard import queries as dq
+
+st.title("Compare: where speculation pays")
+data = common.data_or_stop()
+f = common.sidebar_filters(data)
+rows = dq.filtered(data, f)
+if not any(r["method"] != "ar" for r in rows):
+    common.no_results(data)
+    st.stop()
+
+st.caption("Paired speedup = median over batches of TPOT_ar / TPOT_method, both decoded from the same "
+           "samples in the same worker (prefill excluded). The selected benchmarks and tasks are pooled "
+           "per cell; 1.0 = as fast as ar. A fixed draft length shows as its own method (`k=4`).")
+cells = dq.speedup_map(rows)
+spec = cells[cells["method"] != "ar"].dropna(subset=["speedup"])
+if spec.empty:
+    st.info("The speculative rows have no paired ar batch yet (a cell in progress).")
+    st.stop()
+
+spec = spec.assign(context=spec["context_length"].map(lambda v: "default" if v is None or v != v else str(int(v))),
+                   batch=spec["batch_size"].astype(int).astype(str))
+ctx_order = sorted(spec["context"].unique(), key=lambda s: (s != "default", int(s) if s.isdigit() else 0))
+batch_order = sorted(spec["batch"].unique(), key=int)
+for model in sorted(spec["model"].unique()):
+    st.subheader(f"Paired speedup vs ar · {model}")
+    m = spec[spec["model"] == model]
+    variants = sorted(m["variant"].unique())
+    cols = st.columns(min(3, len(variants)))
+    for i, v in enumerate(variants):
+        grid = (m[m["variant"] == v].pivot_table(index="batch", columns="context", values="speedup", aggfunc="first")
+                .reindex(index=batch_order, columns=ctx_order))
+        fig = px.imshow(grid, text_auto=".2f", aspect="auto", color_continuous_scale="RdBu", zmin=0, zmax=2,
+                        origin="lower", labels=dict(x="context length (tokens)", y="batch size", color="speedup"),
+                        title=v)
+        fig.update_layout(margin=dict(t=40, b=10, l=10, r=10), height=300)
+        fig.update_xaxes(type="category")
+        fig.update_yaxes(type="category")
+        cols[i % len(cols)].plotly_chart(fig, key=f"heat_{model}_{v}")
+
+best = dq.best_frame(rows)
+st.subheader("Best method per cell")
+st.caption("The fastest lossless method by median paired speedup; `ar` where no method beats 1.0.")
+b = best.assign(context=best["context_length"].map(lambda v: "default" if v is None or v != v else str(int(v))),
+                batch=best["batch_size"].astype(str))
+for model in sorted(b["model"].unique()):
+    bm = b[b["model"] == model]
+    label = bm.pivot_table(index="batch", columns="context", values="best", aggfunc="first")
+    value = bm.pivot_table(index="batch", columns="context", values="speedup", aggfunc="first")
+    text = label.astype(str) + "<br>" + value.map(lambda v: f"{v:.2f}x")
+    fig = px.imshow(value, aspect="auto", color_continuous_scale="Greens", origin="lower", zmin=1,
+                    labels=dict(x="context length (tokens)", y="batch size", color="speedup"), title=model)
+    fig.update_traces(text=text.values, texttemplate="%{text}")
+    fig.update_layout(margin=dict(t=40, b=10), height=300)
+    fig.update_xaxes(type="category")
+    fig.update_yaxes(type="category")
+    st.plotly_chart(fig, key=f"best_{model}")
+st.dataframe(best, hide_index=True)
+common.download(best, "best_per_cell", "Download best-per-cell CSV")
+
+left, right = st.columns(2)
+with left:
+    fig = px.line(spec.sort_values("context_length"), x="context", y="speedup", color="variant",
+                  facet_col="batch", markers=True, title="Speedup vs context length (facet: batch size)",
+                  category_orders={"context": ctx_order, "batch": batch_order},
+                  hover_data=["model", "n_pairs", "alpha", "mean_k"])
+    fig.add_hline(y=1.0, line_dash="dot", line_color="grey")
+    fig.update_xaxes(type="category")
+    st.plotly_chart(fig, key="vs_context")
+with right:
+    fig = px.line(spec.sort_values("batch_size"), x="batch", y="speedup", color="variant", facet_col="context",
+                  markers=True, title="Speedup vs batch size (facet: context length)",
+                  category_orders={"context": ctx_order, "batch": batch_order},
+                  hover_data=["model", "n_pairs", "alpha", "mean_k"])
+    fig.add_hline(y=1.0, line_dash="dot", line_color="grey")
+    fig.update_xaxes(type="category")
+    st.plotly_chart(fig, key="vs_batch")
+
+st.subheader("Score vs ar")
+st.caption("Score delta = mean over paired samples of (method score - ar score), in score points x100. "
+           "Greedy lossless methods give 0; a sampling run's delta is its quality cost.")
+per_task = dq.cells_frame(rows)
+q = per_task[per_task["method"] != "ar"].dropna(subset=["score_delta"])
+if q.empty:
+    st.info("No scored paired samples in the selection.")
+else:
+    q = q.assign(score_delta_x100=100 * q["score_delta"], setting=q["benchmark"] + "/" + q["task"])
+    fig = px.bar(q, x="setting", y="score_delta_x100", color="variant", barmode="group",
+                 hover_data=["context_length", "batch_size", "n", "score", "score_ar"],
+                 title="Score delta vs ar (x100)")
+    st.plotly_chart(fig, key="score_delta")
+
+st.subheader("Cells")
+shown = per_task[[c for c in ("benchmark", "task", "model", "context_length", "batch_size", "variant", "n", "n_pairs",
+                              "score", "score_delta", "speedup", "ci_low", "ci_high", "speedup_total", "alpha", "tau",
+                              "mean_k", "gamma", "lossless_rate", "tpot_p50_s", "ttft_p50_s", "throughput")]]
+st.dataframe(shown, hide_index=True)
+common.download(shown, "cells")
