@@ -462,6 +462,7 @@ class ArmServer:
                     continue
                 finished = True
                 stats = dict(out["stats"])
+                stats.pop("step_trace", None)  # per-step trace: results' acceptance_steps only, not request rows
                 from sparsespec.stats import spec_decode_metrics
 
                 spec = spec_decode_metrics(stats)

@@ -16,19 +16,40 @@ Tables:
     (``stats``), never derived ratios: those are computed when read (``cluster.report``).
     ``UNIQUE(run_id, task, sample_id, method)`` makes writes idempotent.
 
+``acceptance_steps``
+    One row per verify step of a stored result: ``step`` (0-based), ``k`` (draft tokens proposed
+    and counted in that step; 0 = it drafted nothing) and ``accepted``. Written from the
+    ``step_trace`` of a result's stats (popped out of ``results.stats``) in the same transaction
+    as the result row; AR rows have none. ``UNIQUE(result_id, step)``; deleting the result (or its
+    run) deletes them.
+
 ``serve_requests``
     One row per request the Serve A/B endpoint (``cluster.serve``) answered or refused: arm,
     method, session, token counts, latencies in seconds, acceptance counts, finish reason,
     status and error. ``request_id`` is unique, so a re-sent batch is not stored twice.
+
+``alembic_version``
+    The schema revision (Alembic, ``cluster/migrations``). ``open_store(create=True)`` upgrades
+    to the newest revision under a lock (a file lock beside a SQLite file, an advisory lock on
+    PostgreSQL), so concurrent writers opening a new database are safe; a database made before
+    migrations existed (tables, no ``alembic_version``) is stamped ``0001`` and upgraded, its rows
+    kept. Readers (``create=False``) never migrate: tables an older schema lacks read as empty.
+    By hand: ``python -m cluster.store upgrade --db URL`` and ``python -m cluster.store current
+    --db URL``.
 
 The same code runs against ``sqlite:///path.db`` and ``postgresql+psycopg://user@host/db``.
 Only this module and its callers import SQLAlchemy; ``sparsespec`` and ``evals`` never do.
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
 import datetime as dt
+import functools
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+import sys
+import zlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,13 +67,15 @@ from sqlalchemy import (
     create_engine,
     event,
     func,
+    insert,
     inspect,
     select,
+    text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
@@ -222,6 +245,25 @@ class ServeRequest(Base):
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
 
 
+class AcceptanceStep(Base):
+    """One verify step of a stored result (revision 0002): ``k`` draft tokens proposed and counted
+    in it (0: the step drafted nothing), ``accepted`` of them accepted. ``step`` is 0-based, in
+    the request's order; a result's steps come from its stats' ``step_trace``."""
+
+    __tablename__ = "acceptance_steps"
+    __table_args__ = (UniqueConstraint("result_id", "step", name="uq_acceptance_steps_result_step"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    result_id: Mapped[int] = mapped_column(Integer, ForeignKey("results.id", ondelete="CASCADE"), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    k: Mapped[int] = mapped_column(Integer)
+    accepted: Mapped[int] = mapped_column(Integer)
+
+
+#: Keys of each row ``Store.acceptance_steps`` returns.
+ACCEPTANCE_STEP_FIELDS = ("run_id", "benchmark", "task", "model", "method", "sample_id", "context_length",
+                          "batch_size", "step", "k", "accepted")
+
 #: Columns of ``serve_requests`` a caller supplies.
 SERVE_REQUEST_FIELDS = tuple(c.name for c in ServeRequest.__table__.columns if c.name != "id")
 
@@ -299,6 +341,25 @@ def _sqlite_path(url: URL) -> Path | None:
     return Path(db)
 
 
+def _clean_trace(trace: Any, row: Mapping[str, Any]) -> list[tuple[int, int]]:
+    """A result's ``step_trace`` as ``[(k, accepted), ...]`` of non-negative ints (ValueError
+    naming the row otherwise); None or empty: ``[]``."""
+    if not trace:
+        return []
+    out = []
+    try:
+        for k, a in trace:
+            k, a = int(k), int(a)
+            if k < 0 or a < 0:
+                raise ValueError("negative")
+            out.append((k, a))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"result {row.get('run_id')}/{row.get('task')}/{row.get('sample_id')}/{row.get('method')}: "
+                         f"stats.step_trace must be [[k, accepted], ...] of non-negative ints ({e}): "
+                         f"{trace!r:.200}") from e
+    return out
+
+
 class Store:
     """Handle on one database: runs and results, idempotent writes, plain-dict reads."""
 
@@ -306,6 +367,7 @@ class Store:
         self.engine = engine
         self._session = sessionmaker(engine, expire_on_commit=False)
         self._has_tables = has_tables
+        self._trace_table: bool | None = None  # acceptance_steps exists (checked on first write)
 
     @property
     def url(self) -> str:
@@ -413,30 +475,55 @@ class Store:
 
         Returns the number of rows actually inserted.
         """
-        clean = [self._clean_result(r) for r in rows]
+        clean = [self._clean_result(r) for r in rows]  # (row, step_trace) pairs
         if not clean:
             return 0
         with self._session.begin() as s:
             return self._insert_results(s, clean)
 
-    def _insert_results(self, s: Any, clean: Sequence[Mapping[str, Any]]) -> int:
+    def _insert_results(self, s: Any, clean: Sequence[tuple[Mapping[str, Any], list[tuple[int, int]]]]) -> int:
+        """Insert ``(row, step_trace)`` pairs from ``_clean_result``; a row whose unique key exists
+        is skipped with its trace. The traces of inserted rows go to ``acceptance_steps`` in the
+        same transaction. Returns the number of result rows inserted."""
         dialect = self.engine.dialect.name
         key = ["run_id", "task", "sample_id", "method"]
         inserted = 0
+        traced: list[tuple[int, list[tuple[int, int]]]] = []
         if dialect in ("sqlite", "postgresql"):
             ins = sqlite_insert if dialect == "sqlite" else pg_insert
             table = Result.__table__
-            for row in clean:
+            for row, trace in clean:
                 stmt = (ins(table).values(**row).on_conflict_do_nothing(index_elements=key)
                         .returning(table.c.id))  # rowcount is -1 on psycopg 3: count RETURNING rows
-                inserted += len(s.execute(stmt).all())
+                ids = s.execute(stmt).scalars().all()
+                inserted += len(ids)
+                if ids and trace:
+                    traced.append((int(ids[0]), trace))
         else:  # any other dialect: check-then-insert inside the transaction
-            for row in clean:
+            for row, trace in clean:
                 exists = s.scalar(select(Result.id).where(*(getattr(Result, k) == row[k] for k in key)).limit(1))
                 if exists is None:
-                    s.add(Result(**row))
+                    obj = Result(**row)
+                    s.add(obj)
+                    s.flush()
                     inserted += 1
+                    if trace:
+                        traced.append((int(obj.id), trace))
+        if traced and self._can_trace(s):
+            s.execute(insert(AcceptanceStep.__table__), [
+                {"result_id": rid, "step": i, "k": k, "accepted": a}
+                for rid, trace in traced for i, (k, a) in enumerate(trace)])
         return inserted
+
+    def _can_trace(self, s: Any) -> bool:
+        """Whether ``acceptance_steps`` exists (always after ``open_store(create=True)``; a store
+        opened read-only on an older schema stores no traces instead of failing)."""
+        if self._trace_table is None:
+            self._trace_table = inspect(s.connection()).has_table(AcceptanceStep.__tablename__)
+            if not self._trace_table:
+                log.warning("%s has no acceptance_steps table (schema before revision 0002): step traces "
+                            "are not stored; run python -m cluster.store upgrade --db URL", self.url)
+        return self._trace_table
 
     # --------------------------------------------------------------- shards
     def _shard(self, s: Any, run_id: str, key: str, task: str, sample_ids: Sequence[str]) -> ShardRow:
@@ -465,7 +552,7 @@ class Store:
         Returns the number of result rows inserted (existing (run, task, sample, method) rows are
         never written twice). Raises StoreError if the shard was never started.
         """
-        clean = [self._clean_result(r) for r in results]
+        clean = [self._clean_result(r) for r in results]  # (row, step_trace) pairs
         with self._session.begin() as s:
             row = s.scalars(select(ShardRow).filter_by(run_id=run_id, key=key)).first()
             if row is None:
@@ -515,7 +602,9 @@ class Store:
         return {r["key"] for r in self.shards(run_id) if r["status"] == "done"}
 
     @staticmethod
-    def _clean_result(row: Mapping[str, Any]) -> dict[str, Any]:
+    def _clean_result(row: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[int, int]]]:
+        """The row's ``results`` columns, and the ``step_trace`` popped out of its stats (one
+        ``(k, accepted)`` per verify step; empty when absent)."""
         missing = [k for k in ("run_id", "benchmark", "task", "model", "method", "sample_id") if row.get(k) is None]
         if missing:
             raise ValueError(f"result row lacks {missing}: {dict(row)!r:.300}")
@@ -524,6 +613,7 @@ class Store:
         out["prediction"] = out["prediction"] or ""
         out["token_ids"] = [int(t) for t in (out["token_ids"] or [])]
         out["stats"] = dict(out["stats"] or {})
+        trace = _clean_trace(out["stats"].pop("step_trace", None), out)
         out["references"] = list(out["references"] or [])
         out["num_input_tokens_raw"] = int(out["num_input_tokens_raw"] or 0)
         out["num_input_tokens"] = int(out["num_input_tokens"] or 0)
@@ -534,7 +624,7 @@ class Store:
         if out["first_divergence"] is not None:
             out["first_divergence"] = int(out["first_divergence"])
         out["created_at"] = utcnow()
-        return out
+        return out, trace
 
     # ----------------------------------------------------------------- bench
     def add_bench_rows(self, run_id: str, model: str, device: str, rows: Iterable[Mapping[str, Any]]) -> int:
@@ -635,6 +725,37 @@ class Store:
             r["batch_size"] = int(c.get("batch_size") or 1)
         return out
 
+    def acceptance_steps(self, run_ids: str | Iterable[str] | None = None) -> list[dict[str, Any]]:
+        """The per-step acceptance trace of stored results (all runs, or some): one dict per verify
+        step with ``ACCEPTANCE_STEP_FIELDS`` (the result's keys, its run's ``context_length`` and
+        ``batch_size`` as in ``results``, then ``step``, ``k``, ``accepted``), ordered by result
+        then step. Empty when the table does not exist (an older database opened read-only)."""
+        if not self._has_tables or not inspect(self.engine).has_table(AcceptanceStep.__tablename__):
+            return []
+        stmt = (select(Result.run_id, Result.benchmark, Result.task, Result.model, Result.method, Result.sample_id,
+                       AcceptanceStep.step, AcceptanceStep.k, AcceptanceStep.accepted)
+                .join(AcceptanceStep, AcceptanceStep.result_id == Result.id)
+                .order_by(Result.id, AcceptanceStep.step))
+        if run_ids is not None:
+            ids = [run_ids] if isinstance(run_ids, str) else list(run_ids)
+            stmt = stmt.where(Result.run_id.in_(ids))
+        with self._session() as s:
+            rows = s.execute(stmt).all()
+            cfg = dict(s.execute(select(Run.run_id, Run.config).where(
+                Run.run_id.in_({r.run_id for r in rows}))).all()) if rows else {}
+        out = []
+        for r in rows:
+            c = cfg.get(r.run_id) or {}
+            out.append({"run_id": r.run_id, "benchmark": r.benchmark, "task": r.task, "model": r.model,
+                        "method": r.method, "sample_id": r.sample_id, "context_length": c.get("context_length"),
+                        "batch_size": int(c.get("batch_size") or 1), "step": int(r.step), "k": int(r.k),
+                        "accepted": int(r.accepted)})
+        return out
+
+    def revision(self) -> str | None:
+        """The database's schema revision (``alembic_version``; None before migrations)."""
+        return current_revision(self.engine)
+
     def token_ids(self, run_id: str, method: str) -> dict[tuple[str, str], list[int]]:
         """{(task, sample_id): token_ids} of one method in one run (used to check losslessness)."""
         if not self._has_tables:
@@ -648,16 +769,162 @@ class Store:
             return {(t, sid): list(tok) for t, sid, tok in rows}
 
 
-def open_store(url: str | URL = DEFAULT_DB_URL, *, create: bool = True, echo: bool = False) -> Store:
-    """Open (and by default create) the result store at ``url``.
+# ------------------------------------------------------------------ schema migrations (Alembic)
+#: Where the revisions live, as a package path (works from any working directory and installed).
+MIGRATIONS = "cluster:migrations"
+#: The revision of the schema written before migrations existed (``Base.metadata.create_all``).
+BASE_REVISION = "0001"
+#: Key of the PostgreSQL advisory lock held (for the migration's transaction) while migrating.
+PG_MIGRATION_LOCK = zlib.crc32(b"sparsespec cluster.store migrate")
+#: Seconds to wait for another process's migration of the same SQLite file.
+MIGRATION_LOCK_TIMEOUT_S = 600.0
 
-    create=True: creates the parent folder of a SQLite file and any missing tables.
-    create=False (readers: report, dashboard): a missing SQLite file raises StoreNotFoundError and
-    missing tables read as empty; nothing is written.
 
-    Raises StoreURLError for an unparseable URL or a missing driver, StoreError when the
-    server cannot be reached.
+def alembic_config(connection: Connection | None = None) -> Any:
+    """An Alembic ``Config`` for the store's revisions, built in code (no ``alembic.ini``). With
+    ``connection``, ``env.py`` migrates through it, inside the caller's transaction."""
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", MIGRATIONS)
+    cfg.set_main_option("path_separator", "os")
+    if connection is not None:
+        cfg.attributes["connection"] = connection
+    return cfg
+
+
+@functools.lru_cache(maxsize=1)
+def head_revision() -> str:
+    """The newest revision this code knows (what ``open_store(create=True)`` upgrades to)."""
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    assert head is not None, "cluster/migrations has no revisions"
+    return head
+
+
+def _known_revision(revision: str) -> bool:
+    from alembic.script import ScriptDirectory
+    from alembic.util import CommandError
+
+    try:
+        return ScriptDirectory.from_config(alembic_config()).get_revision(revision) is not None
+    except CommandError:
+        return False
+
+
+def _current_revision(conn: Connection) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    return MigrationContext.configure(conn).get_current_revision()
+
+
+def current_revision(engine: Engine) -> str | None:
+    """The database's schema revision; None when it has no ``alembic_version`` (empty, or made
+    before migrations)."""
+    with _errors_as_store_errors(engine):
+        with engine.connect() as conn:
+            return _current_revision(conn)
+
+
+@contextlib.contextmanager
+def _errors_as_store_errors(engine: Engine) -> Iterator[None]:
+    shown = safe_url(engine.url)
+    try:
+        yield
+    except OperationalError as e:
+        raise StoreError(f"cannot open database {shown}: {e.orig}") from e
+    except SQLAlchemyError as e:
+        raise StoreError(f"cannot open database {shown}: {e}") from e
+
+
+@contextlib.contextmanager
+def _sqlite_migration_lock(engine: Engine) -> Iterator[None]:
+    """Serialise migrations of one SQLite file across processes (a lock file beside it)."""
+    path = _sqlite_path(engine.url)
+    if path is None:  # in-memory: one process by construction
+        yield
+        return
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(path.with_name(path.name + ".migrate.lock")), timeout=MIGRATION_LOCK_TIMEOUT_S)
+    try:
+        lock.acquire()
+    except Timeout as e:
+        raise StoreError(f"database {safe_url(engine.url)}: another process has been migrating it for "
+                         f"{MIGRATION_LOCK_TIMEOUT_S:.0f} s (lock file {lock.lock_file})") from e
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _adopt_pre_migration_schema(conn: Connection) -> bool:
+    """A database made before migrations (some of revision 0001's tables, no ``alembic_version``):
+    create the 0001 tables it lacks (it may predate some of them) and stamp it 0001, keeping its
+    rows. Returns whether it was one."""
+    from alembic import command
+    from alembic.operations import Operations
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    cfg = alembic_config(conn)
+    initial = ScriptDirectory.from_config(cfg).get_revision(BASE_REVISION).module
+    existing = set(inspect(conn).get_table_names())
+    if not existing & set(initial.TABLES):
+        return False
+    missing = [name for name in initial.TABLES if name not in existing]
+    if missing:
+        with Operations.context(MigrationContext.configure(conn)):
+            for name in missing:
+                initial.TABLES[name]()
+    command.stamp(cfg, BASE_REVISION)
+    log.info("%s: schema from before migrations (created %s); stamped revision %s", safe_url(conn.engine.url),
+             ", ".join(missing) or "no table", BASE_REVISION)
+    return True
+
+
+def migrate(engine: Engine, revision: str = "head") -> tuple[str | None, str | None]:
+    """Upgrade the database to ``revision`` (default: the newest). Returns ``(before, after)``.
+
+    Safe when several processes open the same database at once: the check and the upgrade run
+    in one transaction under a lock (a file lock beside a SQLite file; ``pg_advisory_xact_lock``
+    on PostgreSQL), so one process migrates and the others then find it done. A database made
+    before migrations is stamped 0001 first (``before`` is then None). Already at the newest
+    revision: returns at once without locking. Raises StoreError (e.g. a revision this code does
+    not know: a database migrated by a newer version).
     """
+    from alembic import command
+    from alembic.util import CommandError
+
+    shown = safe_url(engine.url)
+    head = head_revision()
+    if revision in ("head", head):
+        now = current_revision(engine)
+        if now == head:
+            return now, now
+    try:
+        with _errors_as_store_errors(engine), _sqlite_migration_lock(engine), engine.connect() as conn:
+            with conn.begin():
+                if conn.dialect.name == "postgresql":
+                    conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": PG_MIGRATION_LOCK})
+                before = _current_revision(conn)
+                if before is None:
+                    _adopt_pre_migration_schema(conn)
+                command.upgrade(alembic_config(conn), revision)
+                after = _current_revision(conn)
+    except CommandError as e:
+        raise StoreError(f"cannot migrate database {shown} to {revision!r} (this code knows revisions up to "
+                         f"{head!r}; a database upgraded by a newer version?): {e}") from e
+    if before != after:
+        log.info("%s: schema %s -> %s", shown, before or "none", after)
+    return before, after
+
+
+def _connect(url: str | URL, *, create: bool, echo: bool = False) -> Engine:
+    """The engine for ``url`` (nothing is connected yet): StoreURLError for a bad URL or missing
+    driver; a SQLite file's folder is created when ``create``, else a missing file is
+    StoreNotFoundError."""
     parsed = _parse_url(url)
     shown = safe_url(parsed)
     path = _sqlite_path(parsed)
@@ -691,17 +958,88 @@ def open_store(url: str | URL = DEFAULT_DB_URL, *, create: bool = True, echo: bo
             cur.execute("PRAGMA foreign_keys=ON")
             cur.close()
 
+    return engine
+
+
+def open_store(url: str | URL = DEFAULT_DB_URL, *, create: bool = True, echo: bool = False) -> Store:
+    """Open (and by default create or upgrade) the result store at ``url``.
+
+    create=True (writers): creates the parent folder of a SQLite file and upgrades the schema to
+    the newest revision (``migrate``: locked, so concurrent writers are safe; a database from
+    before migrations keeps its rows).
+    create=False (readers: report, dashboard): never migrates; a missing SQLite file raises
+    StoreNotFoundError and missing tables (an older schema) read as empty; nothing is written.
+
+    Raises StoreURLError for an unparseable URL or a missing driver, StoreError when the
+    server cannot be reached or the schema cannot be upgraded.
+    """
+    engine = _connect(url, create=create, echo=echo)
     try:
         if create:
-            Base.metadata.create_all(engine)
+            migrate(engine)
             has_tables = True
         else:
-            insp = inspect(engine)
-            has_tables = insp.has_table("runs") and insp.has_table("results")
-    except OperationalError as e:
+            with _errors_as_store_errors(engine):
+                insp = inspect(engine)
+                has_tables = insp.has_table("runs") and insp.has_table("results")
+    except BaseException:
         engine.dispose()
-        raise StoreError(f"cannot open database {shown}: {e.orig}") from e
-    except SQLAlchemyError as e:
-        engine.dispose()
-        raise StoreError(f"cannot open database {shown}: {e}") from e
+        raise
     return Store(engine, has_tables=has_tables)
+
+
+# ------------------------------------------------------------------ command line
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m cluster.store upgrade|current --db URL``. Exit 0; 1 on a database error;
+    2 on a bad URL or bad arguments."""
+    ap = argparse.ArgumentParser(prog="python -m cluster.store",
+                                 description="Schema revision of the result store (Alembic, cluster/migrations).")
+    sub = ap.add_subparsers(dest="command", required=True)
+    for name, text_ in (("upgrade", "upgrade the database to the newest revision (creating it if new); "
+                                    "prints FROM -> TO"),
+                        ("current", "print the database's revision (read-only)")):
+        p = sub.add_parser(name, help=text_, description=text_)
+        p.add_argument("--db", default=DEFAULT_DB_URL,
+                       help=f"database URL (default {DEFAULT_DB_URL}; e.g. postgresql+psycopg://user@host/db)")
+    args = ap.parse_args(argv)
+    engine = None
+    try:
+        engine = _connect(args.db, create=args.command == "upgrade")
+        head = head_revision()
+        shown = safe_url(engine.url)
+        if args.command == "upgrade":
+            before, after = migrate(engine)
+            note = " (already at head)" if before == after else ""
+            print(f"{shown}: {before or 'none'} -> {after}{note}")
+        else:
+            with _errors_as_store_errors(engine):
+                with engine.connect() as conn:
+                    rev = _current_revision(conn)
+                    tables = set(inspect(conn).get_table_names())
+            if rev == head:
+                print(f"{rev} (head)")
+            elif rev is not None and not _known_revision(rev):
+                print(f"{rev} (unknown to this code, whose head is {head}: upgraded by a newer version?)")
+            elif rev is not None:
+                print(f"{rev} (head is {head}: python -m cluster.store upgrade --db URL)")
+            elif tables:
+                print(f"none (tables from before migrations: upgrade stamps it {BASE_REVISION} and upgrades to "
+                      f"{head})")
+            else:
+                print("none (empty database)")
+    except StoreURLError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except StoreError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if engine is not None:
+            engine.dispose()
+    return 0
+
+
+if __name__ == "__main__":
+    from cluster.store import main as _main  # the importable module, not a second copy as __main__
+
+    sys.exit(_main())

@@ -334,6 +334,7 @@ class EngineCore:
             s.num_emitted += kept
             s.verify_s += st.verify_s
             s.index_s += st.index_s
+            n_counted = a_counted = 0
             if nd:
                 # drafts after a stop inside the committed block are neither drafted nor accepted
                 n_counted = min(nd, kept) if stopped else nd
@@ -351,6 +352,8 @@ class EngineCore:
                 for i in range(min(n_counted, a_counted + 1)):
                     s.draft_entropies.append(ents[b][i])
                     s.draft_labels.append(1 if i < a_counted else 0)
+            if s.method != AR:  # the per-step trace (AR rows keep it empty: nothing to store)
+                s.step_trace.append((n_counted, a_counted))
             events.append((req, kept))
         return events
 

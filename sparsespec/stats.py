@@ -62,6 +62,9 @@ class RunStats:
     num_accepted: int = 0
     num_draft_forwards: int = 0
     accept_hist: Counter = field(default_factory=Counter)  # (k, accepted) -> steps
+    # one (k, accepted) per verify step, in order (k = 0: the step drafted nothing); empty for AR.
+    # The store keeps it as acceptance_steps rows, not in the stats JSON; pool/derive ignore it.
+    step_trace: list[tuple[int, int]] = field(default_factory=list)
     prefill_s: float = 0.0
     ttft_s: float = 0.0
     controller_s: float = 0.0
@@ -100,6 +103,7 @@ class RunStats:
             "num_accepted": self.num_accepted,
             "num_draft_forwards": self.num_draft_forwards,
             "accept_hist": {f"{k}:{a}": n for (k, a), n in sorted(self.accept_hist.items())},
+            "step_trace": [[int(k), int(a)] for k, a in self.step_trace],
             "prefill_s": self.prefill_s,
             "ttft_s": self.ttft_s,
             "decode_s": decode_s,

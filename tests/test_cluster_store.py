@@ -33,11 +33,16 @@ def store(request, tmp_path):
         if not url:
             pytest.skip("set SPARSESPEC_TEST_PG_URL=postgresql+psycopg://... to test PostgreSQL")
     s = open_store(url)
-    if request.param == "postgresql":  # start clean
+    if request.param == "postgresql":  # start clean: a new database, migrated from nothing
+        from sqlalchemy import text
+
         from cluster.store import Base
 
-        Base.metadata.drop_all(s.engine)
-        Base.metadata.create_all(s.engine)
+        with s.engine.begin() as c:
+            Base.metadata.drop_all(c)
+            c.execute(text("DROP TABLE IF EXISTS alembic_version"))
+        s.close()
+        s = open_store(url)
     yield s
     s.close()
 
@@ -47,7 +52,10 @@ def test_open_creates_parent_dirs_and_tables(tmp_path):
     with open_store(f"sqlite:///{db}") as s:
         assert db.exists()
         assert s.has_tables
-        assert s.runs() == []
+        assert s.runs() == [] and s.acceptance_steps() == []
+        from cluster.store import head_revision
+
+        assert s.revision() == head_revision()
 
 
 def test_round_trip_idempotent_and_done_keys(store):
@@ -121,6 +129,8 @@ def test_readers_do_not_create(tmp_path):
     with open_store(f"sqlite:///{db}", create=False) as s:
         assert not s.has_tables
         assert s.results() == [] and s.runs() == [] and s.done_keys("r") == set()
+        assert s.acceptance_steps() == [] and s.revision() is None
+    assert db.stat().st_size == 0, "a reader writes nothing"
 
 
 def test_password_is_masked_in_errors():
