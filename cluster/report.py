@@ -80,34 +80,17 @@ def _pair_key(r: Mapping[str, Any]) -> tuple[str, str, str, str, str]:
     return (r["run_id"], r["benchmark"], r["task"], r["model"], str(r["sample_id"]))
 
 
-def _batch_key(r: Mapping[str, Any]) -> tuple[str, str]:
-    """The batch a row was decoded in (rows stored before batches: the sample itself)."""
-    st = r.get("stats") or {}
-    return (r["run_id"], str(st.get("batch_key") or f"{r['task']}/{r['sample_id']}"))
-
-
 def _sort_key(k: tuple) -> tuple:
     b, t, m, L, B, meth = k
     return (b, t, m, -1 if L is None else L, B, meth != AR, meth)
 
 
 def batch_speedups(rs: Sequence[Mapping[str, Any]], ar_rows: Sequence[Mapping[str, Any]]) -> list[float]:
-    """Paired per-batch ratios TPOT_ar / TPOT_method (``rs``: one method's rows)."""
-    def by_batch(rows: Iterable[Mapping[str, Any]]) -> dict[tuple[str, str], list[Mapping[str, Any]]]:
-        out: dict[tuple[str, str], list[Mapping[str, Any]]] = defaultdict(list)
-        for r in rows:
-            out[_batch_key(r)].append(r.get("stats") or {})
-        return out
+    """Paired per-batch ratios TPOT_ar / TPOT_method (``rs``: one method's rows), as
+    ``cluster.queries.paired_batches`` pairs them (the dashboard's and the leaderboard's speedup)."""
+    from cluster.queries import paired_batches
 
-    mine, ref = by_batch(rs), by_batch(ar_rows)
-    ratios = []
-    for key, st in mine.items():
-        if key not in ref:
-            continue
-        t_ar, t_m = batch_tpot(ref[key]), batch_tpot(st)
-        if t_ar is not None and t_m is not None:
-            ratios.append(t_ar / t_m)
-    return ratios
+    return [t_ar / t_m for t_ar, t_m, _ in paired_batches(rs, ar_rows)]
 
 
 def _grouped(rows: Iterable[Mapping[str, Any]]) -> tuple[dict, dict]:

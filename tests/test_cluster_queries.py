@@ -143,6 +143,9 @@ def test_gates_pass_fail_and_thresholds(store_rows):
     ok = g[("ruler", 2048, 2, "sparsespec-l", "auto")]
     # speedup 1.6, P95 ITL 0.3125 / 0.24 = 1.30x ar, memory 1.05x, throughput 1.6x: all four pass
     assert ok["passed"] and ok["itl_p95_ratio"] == pytest.approx(0.3125 / 0.24) and ok["reason"] == ""
+    tight = {(r["benchmark"], r["context_length"], r["batch_size"], r["method"], r["k"]): r
+             for r in q.gates_table(rows, q.GateThresholds(max_itl_ratio=1.2))}
+    assert tight[("ruler", 2048, 2, "sparsespec-l", "auto")]["latency"] is False  # 1.30x > 1.2
     slow = g[("ruler", 1024, 1, "sparsespec-l", "auto")]
     assert slow["correctness"] and slow["quality"] and slow["latency"] is False and not slow["passed"]
     lossy = g[("ruler", 2048, 2, "ngram", 3)]
@@ -237,3 +240,55 @@ def test_paired_speedup_gets_an_interval_from_five_pairs():
     assert out["speedup_total"] == pytest.approx(5 * 1.0 / sum(1 / s for s in ratios))
     assert q.paired_speedup(sp[:4], ar)["ci_low"] is None
     assert q.paired_speedup(sp, [])["speedup"] is None  # nothing paired
+
+
+# --------------------------------------------------------------------------- synthetic cases (mutation-found)
+def _row(method, i, tpot, *, score=None, mem=None, run="r", lossless=None, tokens=11):
+    return {"run_id": run, "benchmark": "b", "task": "t", "model": "m", "sample_id": str(i), "method": method,
+            "context_length": 1024, "batch_size": 1, "score": score, "lossless": lossless,
+            "stats": {"batch_key": f"b{i}", "batch_wall_s": 1.0 + (tokens - 1) * tpot, "batch_prefill_s": 1.0,
+                      "num_output_tokens": tokens, "decode_s": (tokens - 1) * tpot, "peak_mem_bytes": mem,
+                      "k": None if method == "ar" else "auto"}}
+
+
+def test_speedup_is_the_median_not_the_mean():
+    ratios = [1.0, 1.0, 1.2, 1.3, 2.0]  # median 1.2, mean 1.3
+    out = q.paired_speedup([_row("x", i, 0.1 / s) for i, s in enumerate(ratios)],
+                           [_row("ar", i, 0.1) for i in range(5)])
+    assert out["speedup"] == pytest.approx(1.2)
+
+
+def test_score_delta_is_paired_per_sample_and_memory_is_the_peak():
+    rows = [_row("ar", 0, 0.1, score=0.9, mem=1000), _row("ar", 1, 0.1, score=0.7, mem=1000),
+            _row("x", 0, 0.1, score=0.9, mem=1000), _row("x", 1, 0.1, score=0.6, mem=1200)]
+    c = _cell(q.cell_table(rows), method="x")
+    assert c["score_delta"] == pytest.approx(-0.05) and c["score_ar"] == pytest.approx(0.8)
+    assert c["peak_mem_bytes"] == 1200 and c["ar_peak_mem_bytes"] == 1000
+
+
+def test_s_vs_k_marks_only_the_first_inversion():
+    cells = [{"k": k, "alpha": a, "gamma": 0.2, "variant": f"x k={k}", "speedup": 1.0}
+             for k, a in ((1, 0.9), (2, 0.5), (3, 0.36), (4, 0.27))]  # marginals 0.9, 0.1, 0.08, 0.0
+    assert [p["inversion"] for p in q.s_vs_k(cells)] == [False, True, False, False]
+    assert q.s_vs_k([{**cells[0], "k": "auto"}]) == []  # adaptive cells are not points of S(k)
+
+
+def test_best_per_cell_skips_lossy_methods_and_needs_more_than_one():
+    base = {"model": "m", "context_length": 1, "batch_size": 1}
+    cells = [{**base, "method": "fast", "variant": "fast", "speedup": 2.0, "lossless_rate": 0.9},
+             {**base, "method": "ok", "variant": "ok", "speedup": 1.3, "lossless_rate": 1.0}]
+    (b,) = q.best_per_cell(cells, ("model", "context_length", "batch_size"))
+    assert b["best"] == "ok" and b["speedup"] == 1.3
+    slow = [{**base, "method": "slow", "variant": "slow", "speedup": 0.9, "lossless_rate": None}]  # no ar cell
+    (b,) = q.best_per_cell(slow, ("model", "context_length", "batch_size"))
+    assert b["best"] == "ar" and b["speedup"] == 1.0 and b["runner_up"] == "slow"
+
+
+def test_latency_gate_checks_the_inter_token_gap_and_no_data_never_passes():
+    cell = {"lossless_rate": 1.0, "n_conclusive": 2, "score_delta": 0.0, "speedup": 1.5, "itl_p95_s": 0.3,
+            "ar_itl_p95_s": 0.1, "peak_mem_bytes": 1, "ar_peak_mem_bytes": 1, "throughput": 2, "ar_throughput": 1}
+    g = q.gate_row(cell)
+    assert g["latency"] is False and "P95 ITL 3x" in g["reason"] and not g["passed"]
+    assert q.gate_row(cell, q.GateThresholds(max_itl_ratio=3.0))["passed"] is True
+    g = q.gate_row({**cell, "lossless_rate": None, "itl_p95_s": 0.1})  # sampling only: correctness unknown
+    assert g["correctness"] is None and g["quality"] and g["latency"] and g["capacity"] and g["passed"] is False
