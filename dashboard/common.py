@@ -56,6 +56,11 @@ def _multi(label: str, values: list, key: str) -> list | None:
 def sidebar_filters(data: queries.Data) -> queries.Filters:
     """Run, benchmark, task, model, method, batch size and context length, from what is stored."""
     opts = queries.filter_options(data)
+    if not data.results:  # runs without results yet (e.g. in progress): filter on their cells
+        cells = [{"benchmark": r["benchmark"], "model": r["model"], "batch_size": (r.get("config") or {}).get(
+            "batch_size"), "context_length": (r.get("config") or {}).get("context_length")} for r in data.runs]
+        for key in ("benchmark", "model", "batch_size", "context_length"):
+            opts[key] = sorted({c[key] for c in cells}, key=lambda v: (v is not None, v if v is not None else 0))
     with st.sidebar:
         st.header("Filters")
         labels = {r["run_id"]: f"{r['run_id']} · {r['status']}" for r in data.runs}

@@ -242,6 +242,21 @@ class Filters:
         return True
 
 
+    def keep_run(self, run: Mapping[str, Any]) -> bool:
+        """Whether a ``runs_frame`` row passes: its run id, benchmark, model and cell (context,
+        batch) are allowed, and it ran at least one allowed method (tasks are not a run's key)."""
+        for attr, key in self._KEYS:
+            allowed = getattr(self, attr)
+            if allowed is None or key == "task":
+                continue
+            if key == "method":
+                if not set(str(run.get("methods") or "").split(", ")) & set(allowed):
+                    return False
+            elif run.get(key) not in allowed:
+                return False
+        return True
+
+
 def filter_options(data: Data) -> dict[str, list]:
     """The distinct stored values of each filter key (sorted; None, the benchmark default, first)."""
     out = {}

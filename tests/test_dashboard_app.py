@@ -224,3 +224,18 @@ def test_runs_page_shows_the_roofline_of_a_bench_run(monkeypatch, tmp_path):
     assert any("No results for this run yet" in i.value for i in at.info)
     at = _page(monkeypatch, url, "compare")  # no results: a sentence, not a chart
     assert any("No results stored yet" in i.value for i in at.info) and not at.get("plotly_chart")
+
+
+def test_runs_and_ab_pages_filter(monkeypatch, db):
+    data = queries.load(db)
+    runs = queries.runs_frame(data).to_dict("records")
+    f = queries.Filters(batch_sizes=(2,), methods=("ngram",))
+    assert sorted(r["run_id"] for r in runs if f.keep_run(r)) == ["ruler-L1024-B2", "ruler-L2048-B2"]
+    assert [r["run_id"] for r in runs if queries.Filters(models=("other",)).keep_run(r)] == []
+    at = _page(monkeypatch, db, "runs")
+    at.sidebar.multiselect(key="f_batch").set_value([2]).run()
+    assert not at.exception and set(at.dataframe[0].value["run_id"]) == {"ruler-L1024-B2", "ruler-L2048-B2"}
+    at = _page(monkeypatch, db, "ab")
+    at.sidebar.multiselect(key="ab_arms").set_value(["ar"]).run()
+    assert not at.exception and list(at.dataframe[0].value["arm"]) == ["ar"]
+    assert any("Only one arm" in i.value for i in at.info)

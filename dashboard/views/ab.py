@@ -19,7 +19,18 @@ if not exps:
 with st.sidebar:
     st.header("A/B")
     exp = st.selectbox("Experiment", exps, key="ab_experiment")
-reqs = [q for q in data.serve_requests if q["experiment"] == exp]
+    pool = [q for q in data.serve_requests if q["experiment"] == exp]
+    arm_names = sorted({q.get("arm") or "(router)" for q in pool})
+    arms_kept = st.multiselect("Arms", arm_names, default=arm_names, key="ab_arms")
+    models = sorted({q["model"] for q in pool})
+    models_kept = st.multiselect("Model", models, default=models, key="ab_models")
+    endpoints = sorted({q["endpoint"] for q in pool})
+    endpoints_kept = st.multiselect("Endpoint", endpoints, default=endpoints, key="ab_endpoints")
+reqs = [q for q in pool if (q.get("arm") or "(router)") in arms_kept and q["model"] in models_kept
+        and q["endpoint"] in endpoints_kept]
+if not reqs:
+    st.info("No request matches the filters.")
+    st.stop()
 arms = pd.DataFrame(cq.ab_arms(reqs))
 st.caption("Per arm of the experiment: every request the endpoint answered or refused (status != 200 counts as an "
            "error; 499 = the client went away; refused at the router = before an arm was chosen). TPOT = (E2EL - "

@@ -11,7 +11,12 @@ data = common.data_or_stop()
 if not data.runs:
     common.no_results(data)
     st.stop()
+f = common.sidebar_filters(data)
 runs = dq.runs_frame(data)
+runs = runs[[f.keep_run(r) for r in runs.to_dict("records")]]
+if runs.empty:
+    st.info("No run matches the filters.")
+    st.stop()
 failed = runs[runs["shards_failed"] > 0]
 if not failed.empty:
     st.warning(f"{len(failed)} run(s) have failed shards: " + ", ".join(failed["run_id"])
@@ -19,7 +24,7 @@ if not failed.empty:
 st.dataframe(runs, hide_index=True)
 common.download(runs, "runs")
 
-labels = {r["run_id"]: f"{r['run_id']} · {r['status']}" for r in data.runs}
+labels = {r["run_id"]: f"{r['run_id']} · {r['status']}" for r in data.runs if r["run_id"] in set(runs["run_id"])}
 run_id = st.selectbox("Run", list(labels), format_func=labels.get, key="runs_pick")
 st.subheader("Shards")
 shards = dq.shards_frame(data, [run_id])
