@@ -26,16 +26,23 @@ if spec.empty:
 
 spec = spec.assign(context=spec["context_length"].map(lambda v: "default" if v is None or v != v else str(int(v))),
                    batch=spec["batch_size"].astype(int).astype(str))
-ctx_order = sorted(spec["context"].unique(), key=lambda s: (s != "default", int(s) if s.isdigit() else 0))
+
+
+def _ctx_order(values) -> list[str]:
+    return sorted(set(values), key=lambda s: (s != "default", int(s) if s.isdigit() else 0))
+
+
+ctx_order = _ctx_order(spec["context"])
 batch_order = sorted(spec["batch"].unique(), key=int)
 for model in sorted(spec["model"].unique()):
     st.subheader(f"Paired speedup vs ar · {model}")
     m = spec[spec["model"] == model]
+    m_ctx, m_batch = _ctx_order(m["context"]), sorted(m["batch"].unique(), key=int)
     variants = sorted(m["variant"].unique())
     cols = st.columns(min(3, len(variants)))
     for i, v in enumerate(variants):
         grid = (m[m["variant"] == v].pivot_table(index="batch", columns="context", values="speedup", aggfunc="first")
-                .reindex(index=batch_order, columns=ctx_order))
+                .reindex(index=m_batch, columns=m_ctx))
         fig = px.imshow(grid, text_auto=".2f", aspect="auto", color_continuous_scale="RdBu", zmin=0, zmax=2,
                         origin="lower", labels=dict(x="context length (tokens)", y="batch size", color="speedup"),
                         title=v)
@@ -51,10 +58,12 @@ b = best.assign(context=best["context_length"].map(lambda v: "default" if v is N
                 batch=best["batch_size"].astype(str))
 for model in sorted(b["model"].unique()):
     bm = b[b["model"] == model]
-    label = bm.pivot_table(index="batch", columns="context", values="best", aggfunc="first")
-    value = bm.pivot_table(index="batch", columns="context", values="speedup", aggfunc="first")
-    text = label.astype(str) + "<br>" + value.map(lambda v: f"{v:.2f}x")
+    order = dict(index=sorted(bm["batch"].unique(), key=int), columns=_ctx_order(bm["context"]))
+    label = bm.pivot_table(index="batch", columns="context", values="best", aggfunc="first").reindex(**order)
+    value = bm.pivot_table(index="batch", columns="context", values="speedup", aggfunc="first").reindex(**order)
+    text = label.where(label.notna(), "") + value.map(lambda v: "" if v != v else f"<br>{v:.2f}x")
     fig = px.imshow(value, aspect="auto", color_continuous_scale="Greens", origin="lower", zmin=1,
+                    zmax=max(1.5, float(value.max().max())),
                     labels=dict(x="context length (tokens)", y="batch size", color="speedup"), title=model)
     fig.update_traces(text=text.values, texttemplate="%{text}")
     fig.update_layout(margin=dict(t=40, b=10), height=300)
@@ -67,14 +76,15 @@ common.download(best, "best_per_cell", "Download best-per-cell CSV")
 left, right = st.columns(2)
 with left:
     fig = px.line(spec.sort_values("context_length"), x="context", y="speedup", color="variant",
-                  facet_col="batch", markers=True, title="Speedup vs context length (facet: batch size)",
+                  line_dash="model", facet_col="batch", markers=True, title="Speedup vs context length (facet: batch size)",
                   category_orders={"context": ctx_order, "batch": batch_order},
                   hover_data=["model", "n_pairs", "alpha", "mean_k"])
     fig.add_hline(y=1.0, line_dash="dot", line_color="grey")
     fig.update_xaxes(type="category")
     st.plotly_chart(fig, key="vs_context")
 with right:
-    fig = px.line(spec.sort_values("batch_size"), x="batch", y="speedup", color="variant", facet_col="context",
+    fig = px.line(spec.sort_values("batch_size"), x="batch", y="speedup", color="variant", line_dash="model",
+                  facet_col="context",
                   markers=True, title="Speedup vs batch size (facet: context length)",
                   category_orders={"context": ctx_order, "batch": batch_order},
                   hover_data=["model", "n_pairs", "alpha", "mean_k"])
