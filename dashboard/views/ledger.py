@@ -30,8 +30,9 @@ if led.empty:
 else:
     st.dataframe(led, hide_index=True)
     common.download(led, "ledger")
-    long = led.assign(setting=led["benchmark"] + "/" + led["task"] + " L=" + led["context_length"].astype(str)
-                      + " B=" + led["batch_size"].astype(str))
+    led = led.assign(setting=led["model"] + " · " + led["benchmark"] + "/" + led["task"] + " L="
+                     + led["context_length"].astype(str) + " B=" + led["batch_size"].astype(str))
+    long = led
     long = long.melt(id_vars=["setting", "variant"], value_vars=["predicted_speedup", "predicted_speedup_round",
                                                                  "speedup"], var_name="kind", value_name="S")
     long = long.dropna(subset=["S"])
@@ -45,8 +46,7 @@ else:
     costs = led.dropna(subset=["c_verify"]).copy()
     if not costs.empty:
         costs["draft"] = costs["draft_forwards_per_round"].fillna(0) * costs["c_draft"].fillna(0)
-        costs["label"] = costs["variant"] + " · " + costs["task"] + " L=" + costs["context_length"].astype(str) \
-            + " B=" + costs["batch_size"].astype(str)
+        costs["label"] = costs["variant"] + " · " + costs["setting"]  # one bar per cell (plotly stacks equal labels)
         fig = go.Figure()
         for col, name in (("draft", "draft forwards"), ("c_verify", "verify"), ("c_other", "other")):
             fig.add_bar(y=costs["label"], x=costs[col], name=name, orientation="h")
@@ -61,7 +61,7 @@ if svk.empty:
     st.info("No setting has two or more fixed-k runs of one method. Run a sweep with e.g. "
             "`methods: {sparsespec-l: {k: 2}}`, then k: 4 and k: 8, on the same cell.")
 else:
-    svk = svk.assign(setting=svk["method"] + " · " + svk["benchmark"] + "/" + svk["task"] + " L="
+    svk = svk.assign(setting=svk["method"] + " · " + svk["model"] + " · " + svk["benchmark"] + "/" + svk["task"] + " L="
                      + svk["context_length"].astype(str) + " B=" + svk["batch_size"].astype(str))
     fig = go.Figure()
     for setting, g in svk.groupby("setting"):
