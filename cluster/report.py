@@ -36,7 +36,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from cluster.store import DEFAULT_DB_URL, StoreError, StoreNotFoundError, StoreURLError, open_store, safe_url
+from cluster.store import DEFAULT_DB_URL, StoreError, cli_error, open_store, safe_url
 from sparsespec.stats import _num, batch_tpot, derive, drafting_steps, ledger_speedup, pool  # noqa: F401
 
 AR = "ar"
@@ -311,15 +311,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _leaderboard_main(args)
     try:
         rows = report_rows(args.db, args.runs)
-    except StoreURLError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except StoreNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
     except StoreError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return cli_error(e)
     if not rows:
         what = f"run(s) {', '.join(args.runs)}" if args.runs else "any run"
         print(f"error: no results for {what} in {safe_url(args.db)}; run a benchmark first "
@@ -337,12 +330,8 @@ def _leaderboard_main(args: argparse.Namespace) -> int:
 
     try:
         rows, env = leaderboard_rows(args.db, args.runs)
-    except StoreURLError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except StoreError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return cli_error(e)
     if not rows:
         print(f"error: no results in {safe_url(args.db)}; run a benchmark first (e.g. make demo)", file=sys.stderr)
         return 1

@@ -118,6 +118,13 @@ class StoreNotFoundError(StoreError):
     """Opened for reading, but the SQLite file does not exist."""
 
 
+def cli_error(e: StoreError) -> int:
+    """A command line's answer to a store error: the message on stderr, and the exit status
+    (2: the URL itself is bad; 1: the database is missing or cannot be used)."""
+    print(f"error: {e}", file=sys.stderr)
+    return 2 if isinstance(e, StoreURLError) else 1
+
+
 def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 
@@ -1027,12 +1034,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"{head})")
             else:
                 print("none (empty database)")
-    except StoreURLError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except StoreError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return cli_error(e)
     finally:
         if engine is not None:
             engine.dispose()

@@ -43,6 +43,19 @@ def data_or_stop() -> queries.Data:
     raise AssertionError("unreachable")
 
 
+def spec_rows_or_stop(title: str) -> tuple[queries.Data, queries.Filters, list]:
+    """A results page's start: its title, the store, the sidebar filters and the filtered rows;
+    without a speculative row the page says why and stops."""
+    st.title(title)
+    data = data_or_stop()
+    f = sidebar_filters(data)
+    rows = queries.filtered(data, f)
+    if not any(r["method"] != "ar" for r in rows):
+        no_results(data)
+        st.stop()
+    return data, f, rows
+
+
 def _multi(label: str, values: list, key: str) -> list | None:
     if not values:
         return None

@@ -7,13 +7,7 @@ import streamlit as st
 from dashboard import common
 from dashboard import queries as dq
 
-st.title("Compare: where speculation pays")
-data = common.data_or_stop()
-f = common.sidebar_filters(data)
-rows = dq.filtered(data, f)
-if not any(r["method"] != "ar" for r in rows):
-    common.no_results(data)
-    st.stop()
+_, _, rows = common.spec_rows_or_stop("Compare: where speculation pays")
 
 st.caption("Paired speedup = median over batches of TPOT_ar / TPOT_method, both decoded from the same "
            "samples in the same worker (prefill excluded). The selected benchmarks and tasks are pooled "

@@ -7,13 +7,7 @@ from cluster.queries import GATES, GateThresholds
 from dashboard import common
 from dashboard import queries as dq
 
-st.title("Quality gates")
-data = common.data_or_stop()
-f = common.sidebar_filters(data)
-rows = dq.filtered(data, f)
-if not any(r["method"] != "ar" for r in rows):
-    common.no_results(data)
-    st.stop()
+_, _, rows = common.spec_rows_or_stop("Quality gates")
 
 d = GateThresholds()
 with st.expander("Thresholds (editable)", expanded=True):

@@ -8,13 +8,7 @@ import streamlit as st
 from dashboard import common
 from dashboard import queries as dq
 
-st.title("Ledger: why each speedup is what it is")
-data = common.data_or_stop()
-f = common.sidebar_filters(data)
-rows = dq.filtered(data, f)
-if not any(r["method"] != "ar" for r in rows):
-    common.no_results(data)
-    st.stop()
+data, f, rows = common.spec_rows_or_stop("Ledger: why each speedup is what it is")
 
 st.latex(r"S(k) = \frac{\alpha k + 1}{k \gamma + 1} \qquad "
          r"S_{\text{round}} = \frac{\tau\, T_{AR}}{T_{\text{round}}},\quad "
