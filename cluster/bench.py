@@ -65,6 +65,7 @@ from sparsespec.roofline import (  # noqa: F401 - re-exported for ``from cluster
     machine_desc,
     max_speedup,
     measure_machine,
+    draft_weight_bytes,
     roofline,
     roofline_speedup,
     step_flops,
@@ -113,6 +114,9 @@ class BenchConfig:
     #: end-to-end cells only where batch x context <= this (each batch prefills every row; on a
     #: CPU a 8 x 8K prefill alone takes minutes); None = everywhere
     e2e_max_tokens: int | None = None
+    #: the self-speculative methods' draft weights in the end-to-end runs (``SpecConfig``);
+    #: the step timings always measure the draft step with both the target's and an int8 copy
+    draft_weights: str = "target"
 
     def __post_init__(self) -> None:
         if self.random_weights and not self.shape:
@@ -134,6 +138,10 @@ class BenchConfig:
             raise ValueError(f"e2e_samples must be >= 1, got {self.e2e_samples}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        from sparsespec.quant import DRAFT_WEIGHTS
+
+        if self.draft_weights not in DRAFT_WEIGHTS:
+            raise ValueError(f"draft_weights must be one of {DRAFT_WEIGHTS}, got {self.draft_weights!r}")
 
     @property
     def runs_e2e(self) -> bool:
@@ -254,6 +262,14 @@ def bench_steps(model, prompts: list[list[int]], cfg: BenchConfig, machine: dict
     def draft_phase():
         drafter.propose(cache, tok1, [K] * B, [FixedK(K)] * B, sampling)
 
+    # the same drafter state with an int8 copy of the weights for the draft forward
+    drafter8 = SparseSelfDrafter(model, dataclasses.replace(spec, draft_weights="int8"), capacity, B, K)
+    for b in range(B):
+        drafter8.prefill_row(b, cache, rows, prompts[b])
+
+    def draft_phase_int8():
+        drafter8.propose(cache, tok1, [K] * B, [FixedK(K)] * B, sampling)
+
     t = {
         "ar_step_s": time_call(ar_step, dev, reps, warm),
         "verify_s": time_call(verify_plain, dev, reps, warm),
@@ -264,6 +280,8 @@ def bench_steps(model, prompts: list[list[int]], cfg: BenchConfig, machine: dict
     }
     phase = time_call(draft_phase, dev, reps, warm)
     t["draft_step_s"] = max(0.0, phase - t["gather_s"]) / K
+    phase8 = time_call(draft_phase_int8, dev, reps, warm)
+    t["draft_step_int8_s"] = max(0.0, phase8 - t["gather_s"]) / K
     n_index = max(drafter.index_sizes())
     out: dict[str, Any] = {"kind": "steps", "context_len": P if context_length is None else context_length,
                            "prompt_len": P, "batch_size": B, "k": K, "budget_frac": cfg.budget_frac,
@@ -272,8 +290,11 @@ def bench_steps(model, prompts: list[list[int]], cfg: BenchConfig, machine: dict
         "ar_step": roofline(model, machine, B, 1, P),
         "verify": roofline(model, machine, B, K + 1, P),
         "draft_step": roofline(model, machine, B, 1, n_index + K / 2),
+        "draft_step_int8": roofline(model, machine, B, 1, n_index + K / 2,
+                                    weight_nbytes=draft_weight_bytes(model, drafter8.weights)),
     }
-    for name, key in (("ar_step", "ar_step_s"), ("verify", "verify_importance_s"), ("draft_step", "draft_step_s")):
+    for name, key in (("ar_step", "ar_step_s"), ("verify", "verify_importance_s"), ("draft_step", "draft_step_s"),
+                      ("draft_step_int8", "draft_step_int8_s")):
         r = roofs[name]
         out[f"{name}_roofline_s"] = r["roofline_s"]
         out[f"{name}_mem_roofline_s"] = r["mem_s"]
@@ -290,12 +311,16 @@ def bench_steps(model, prompts: list[list[int]], cfg: BenchConfig, machine: dict
     out["gamma"] = t["draft_step_s"] / t["verify_importance_s"]
     out["gamma_roofline"] = roofs["draft_step"]["roofline_s"] / roofs["verify"]["roofline_s"]
     out["gamma_over_roofline"] = out["gamma"] / out["gamma_roofline"]
+    out["gamma_int8"] = t["draft_step_int8_s"] / t["verify_importance_s"]
+    out["gamma_int8_roofline"] = roofs["draft_step_int8"]["roofline_s"] / roofs["verify"]["roofline_s"]
+    out["draft_int8_over_target"] = t["draft_step_int8_s"] / t["draft_step_s"] if t["draft_step_s"] else None
+    out["draft_weight_int8_bytes"] = drafter8.weight_bytes
     # Best case (alpha = 1): K+1 tokens per cycle of K drafts + 1 verify, against K+1 AR steps,
     # with every step at its floor (roofline) or at its measured time (steps).
     out["roofline_max_speedup"] = max_speedup(K, roofs["ar_step"]["roofline_s"], roofs["draft_step"]["roofline_s"],
                                               roofs["verify"]["roofline_s"])
     out["step_max_speedup"] = max_speedup(K, t["ar_step_s"], t["draft_step_s"], t["verify_importance_s"])
-    del cache, drafter, vrows, rows
+    del cache, drafter, drafter8, vrows, rows
     return out
 
 
@@ -428,7 +453,15 @@ def e2e_specs(cfg: BenchConfig, db: str, *, num_workers: int | None = None, thre
     ``e2e_reps`` repetitions. Raises SpecError."""
     from cluster.spec import parse_spec
 
-    methods = {AR: {}, **{m: {"k": cfg.method_k, "budget_frac": cfg.budget_frac} for m in cfg.methods if m != AR}}
+    from sparsespec.registry import DRAFTERS
+
+    def opts(m: str) -> dict[str, Any]:
+        o = {"k": cfg.method_k, "budget_frac": cfg.budget_frac}
+        if cfg.draft_weights != "target" and getattr(DRAFTERS.get(m), "supports_draft_weights", False):
+            o["draft_weights"] = cfg.draft_weights
+        return o
+
+    methods = {AR: {}, **{m: opts(m) for m in cfg.methods if m != AR}}
     specs = []
     for B in cfg.batch_sizes:
         lengths = [L for L in cfg.context_lengths if cfg.e2e_max_tokens is None or B * L <= cfg.e2e_max_tokens]
@@ -647,9 +680,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"measured read bandwidth {m['read_bytes_per_s'] / 1e9:.1f} GB/s, GEMM {m['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s",
         "",
         "| ctx (prompt) | B | N | prefill s | AR ms (x roof) | verify K+1 ms | +importance | index update ms (of verify) "
-        "| rebuild ms | gather ms | draft ms (x roof) | gamma / roofline | max S roofline / steps "
-        "| transformers ms/token (x ours) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| rebuild ms | gather ms | draft ms (x roof) | int8 draft ms (x roof) | gamma / roofline "
+        "| int8 gamma / roofline | max S roofline / steps | transformers ms/token (x ours) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         if r["kind"] != "steps":
@@ -661,7 +694,10 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {100 * r['importance_overhead']:+.1f} % | {r['index_update_s'] * 1e3:.2f} "
             f"({100 * r['index_update_frac_of_verify']:.1f} %) | {r['index_rebuild_s'] * 1e3:.2f} "
             f"| {r['gather_s'] * 1e3:.2f} | {r['draft_step_s'] * 1e3:.1f} ({r['draft_step_x_roofline']:.2f}x) "
+            f"| {_f(r.get('draft_step_int8_s') and r['draft_step_int8_s'] * 1e3, '.1f')} "
+            f"({_f(r.get('draft_step_int8_x_roofline'), '.2f')}x) "
             f"| {r['gamma']:.3f} / {r['gamma_roofline']:.3f} "
+            f"| {_f(r.get('gamma_int8'))} / {_f(r.get('gamma_int8_roofline'))} "
             f"| {_f(r.get('roofline_max_speedup'), '.2f')} / {_f(r.get('step_max_speedup'), '.2f')} "
             f"| {_f(r.get('hf_step_s') and r['hf_step_s'] * 1e3, '.1f')} ({_f(r.get('hf_over_ar_step'), '.2f')}x) |"
         )
@@ -751,6 +787,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, argparse
     p.add_argument("--k", type=int, default=8, help="draft length of the step timings")
     p.add_argument("--method-k", type=_k, default=None, help="k of the end-to-end runs (default: --k; or 'auto')")
     p.add_argument("--budget-frac", type=float, default=0.1)
+    p.add_argument("--draft-weights", default="target", choices=("target", "int8"),
+                   help="draft weights of the self-speculative methods in the end-to-end runs (the step timings "
+                        "measure both)")
     p.add_argument("--gen-tokens", type=int, default=64, help="fixed generation length (ignore_eos)")
     p.add_argument("--reps", type=int, default=5, help="timed calls per step (median)")
     p.add_argument("--e2e-reps", type=int, default=2, help="repetitions of every end-to-end cell (sweep repetitions)")
@@ -789,7 +828,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, argparse
                           methods=methods, k=a.k, method_k=a.k if a.method_k is None else a.method_k,
                           budget_frac=a.budget_frac, gen_tokens=a.gen_tokens, reps=a.reps, e2e_reps=a.e2e_reps,
                           e2e_samples=a.e2e_samples, warmup=a.warmup, steps_only=a.steps_only, hf=not a.no_hf,
-                          hf_tokens=a.hf_tokens, seed=a.seed, text=a.text, e2e_max_tokens=a.e2e_max_tokens)
+                          hf_tokens=a.hf_tokens, seed=a.seed, text=a.text, e2e_max_tokens=a.e2e_max_tokens,
+                          draft_weights=a.draft_weights)
     except ValueError as e:
         p.error(str(e))
     return cfg, a

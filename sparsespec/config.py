@@ -113,6 +113,10 @@ class SpecConfig:
         pool_kernel: SnapKV's 1-D pooling kernel over key positions (odd; 1 = no pooling).
         draft_model: preset name or local folder of the standalone draft model (``draft-model``).
         ngram_min / ngram_max: n-gram sizes tried by prompt lookup, longest first (``ngram``).
+        draft_weights: the linear weights the self-speculative drafters' draft forward reads
+            (``sparsespec-l``, ``magicdec-*``): ``"target"`` (the model's own) or ``"int8"`` (a
+            weight-only int8 copy made once at load, ``sparsespec.quant``). Verification always
+            reads the target's weights, so outputs are unchanged; only q and the draft's cost move.
     """
 
     k: int | str = "auto"
@@ -127,8 +131,13 @@ class SpecConfig:
     draft_model: str | None = None
     ngram_min: int = 1
     ngram_max: int = 4
+    draft_weights: str = "target"
 
     def __post_init__(self) -> None:
+        from sparsespec.quant import DRAFT_WEIGHTS
+
+        if self.draft_weights not in DRAFT_WEIGHTS:
+            raise ValueError(f"draft_weights must be one of {DRAFT_WEIGHTS}, got {self.draft_weights!r}")
         if self.k != "auto" and (not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1):
             raise ValueError(f"k must be an integer >= 1 or 'auto', got {self.k!r}")
         if not isinstance(self.max_k, int) or self.max_k < 1:

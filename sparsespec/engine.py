@@ -49,10 +49,28 @@ def resolve_method_options(method: str, options: dict[str, Any] | None = None) -
     Raises:
         ValueError: unknown method or invalid option.
     """
-    DRAFTERS.get(method)  # raises with the list and a suggestion
+    drafter_cls = DRAFTERS.get(method)  # raises with the list and a suggestion
     if method == AR:
         return {}
-    return dataclasses.asdict(SpecConfig.from_options(options))
+    spec = SpecConfig.from_options(options)
+    _check_draft_weights(method, drafter_cls, spec)
+    out = dataclasses.asdict(spec)
+    # options added later are left out at their default, so the run ids (hashes of the resolved
+    # options) of configurations written before them stay the same and those runs still resume
+    for name, default in LATER_OPTION_DEFAULTS.items():
+        if out.get(name) == default:
+            out.pop(name)
+    return out
+
+
+#: Options added to ``SpecConfig`` after run ids were first stored, at their defaults.
+LATER_OPTION_DEFAULTS = {"draft_weights": "target"}
+
+
+def _check_draft_weights(method: str, drafter_cls: type, spec: SpecConfig) -> None:
+    if spec.draft_weights != "target" and not getattr(drafter_cls, "supports_draft_weights", False):
+        raise ValueError(f"draft_weights={spec.draft_weights!r} applies to the self-speculative methods "
+                         f"(sparsespec-l, magicdec-streaming, magicdec-snapkv), not to {method!r}")
 
 
 @dataclass
@@ -167,6 +185,7 @@ class EngineCore:
         self.engine, self.model, self.tokenizer = engine, engine.model, engine.tokenizer
         self.method = method
         spec = SpecConfig.from_options(method_options)  # validated for every method ...
+        _check_draft_weights(method, drafter_cls, spec)
         self.spec = None if method == AR else spec  # ... and unused by the null drafter
         self.k_max = 0 if self.spec is None else self.spec.k_limit
         self.max_num_seqs, self.max_model_len, self.prefill_chunk = max_num_seqs, window, prefill_chunk
@@ -429,6 +448,7 @@ class EngineCore:
         s = req.stats
         s.total_s = s.emit_times[-1] if s.emit_times else 0.0
         s.kv_bytes = self.slot_bytes
+        s.draft_weight_bytes = int(getattr(self.drafter, "weight_bytes", 0))
         s.controller_s = req.policy.overhead_s
         final = GenerationOutput(list(req.out), req.text, s.to_dict(len(req.out), self.model.device),
                                  req.finish_reason)

@@ -43,6 +43,7 @@ from safetensors import safe_open
 from sparsespec import kernels
 from sparsespec.config import ModelConfig
 from sparsespec.kv.cache import KVCache
+from sparsespec.quant import DRAFT_WEIGHTS, DraftWeights, linear, quantize_int8
 
 
 def prefill_chunks(length: int, chunk_size: int, min_last: int = 0) -> list[tuple[int, int]]:
@@ -208,11 +209,12 @@ class Transformer(torch.nn.Module):
         return x * cos + rotated * sin
 
     def _qkv(self, layer, h: torch.Tensor, cos, sin):
-        """Project and rotate: q ``[B, H, T, D]``, k, v ``[B, H_kv, T, D]``."""
+        """Project and rotate: q ``[B, H, T, D]``, k, v ``[B, H_kv, T, D]``. ``layer``: the
+        module or a ``sparsespec.quant.LayerWeights`` (anything with the linear weights)."""
         cfg = self.cfg
         B, T, _ = h.shape
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = F.linear(h, layer.wqkv, layer.bqkv)  # [B, T, (H + 2 H_kv) D]
+        qkv = linear(h, layer.wqkv, layer.bqkv)  # [B, T, (H + 2 H_kv) D]
         q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
         q = q.view(B, T, H, D).transpose(1, 2)
         k = k.view(B, T, Hkv, D).transpose(1, 2)
@@ -220,8 +222,8 @@ class Transformer(torch.nn.Module):
         return self._apply_rope(q, cos, sin), self._apply_rope(k, cos, sin), v
 
     def _mlp(self, layer, h: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.w_down)
+        gate, up = linear(h, layer.w_gate_up).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, layer.w_down)
 
     def _grouped_attention(self, q, k, v, mask: torch.Tensor | None, want_rows: int):
         """Attention with query heads grouped by KV head.
@@ -234,21 +236,42 @@ class Transformer(torch.nn.Module):
         return kernels.grouped_attention(q, k, v, mask, want_rows, self.scale)
 
     # ------------------------------------------------------------------ forwards
-    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, attend, logits_for: str):
-        """Shared layer loop; ``attend(i, layer, q, k, v)`` returns ``[B, H, T, D]``."""
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, attend, logits_for: str,
+             weights: DraftWeights | None = None):
+        """Shared layer loop; ``attend(i, q, k, v)`` returns ``[B, H, T, D]``. ``weights``: the
+        linear weights to read instead of the model's own (a quantised draft copy); the
+        embedding and the norms are always the model's."""
         B, T = input_ids.shape
         h = F.embedding(input_ids, self.embed)  # [B, T, E]
         cos, sin = self._rope(positions)  # [B, 1, T, D]
         for i, layer in enumerate(self.layers):
+            lw = layer if weights is None else weights.layers[i]
             x = self._rms(h, layer.ln_attn)
-            q, k, v = self._qkv(layer, x, cos, sin)
+            q, k, v = self._qkv(lw, x, cos, sin)
             a = attend(i, q, k, v)  # [B, H, T, D]
-            h = h + F.linear(a.transpose(1, 2).reshape(B, T, -1), layer.wo)
-            h = h + self._mlp(layer, self._rms(h, layer.ln_mlp))
+            h = h + linear(a.transpose(1, 2).reshape(B, T, -1), lw.wo)
+            h = h + self._mlp(lw, self._rms(h, layer.ln_mlp))
         if logits_for == "last":
             h = h[:, -1:]
         h = self._rms(h, self.norm)
-        return F.linear(h, self.lm_head).float()  # [B, T or 1, V]
+        return linear(h, self.lm_head if weights is None else weights.lm_head).float()  # [B, T or 1, V]
+
+    def draft_weights(self, kind: str) -> DraftWeights | None:
+        """The weights a draft forward reads for ``draft_weights=kind`` (``sparsespec.quant``):
+        None for ``"target"`` (the model's own), an int8 copy for ``"int8"``, made on first use
+        and shared by every drafter of this model.
+
+        Raises:
+            ValueError: an unknown kind.
+        """
+        if kind == "target":
+            return None
+        if kind != "int8":
+            raise ValueError(f"draft_weights must be one of {DRAFT_WEIGHTS}, got {kind!r}")
+        cache = self.__dict__.setdefault("_draft_weights", {})
+        if kind not in cache:
+            cache[kind] = quantize_int8(self)
+        return cache[kind]
 
     @torch.inference_mode()
     def forward_dense(self, input_ids: torch.Tensor, cache: KVCache, want_rows: int = 0, logits_for: str = "all"):
@@ -339,11 +362,14 @@ class Transformer(torch.nn.Module):
         return logits[:, -1], rows
 
     @torch.inference_mode()
-    def forward_draft(self, input_ids: torch.Tensor, positions: torch.Tensor, dkv: DraftKV) -> torch.Tensor:
+    def forward_draft(self, input_ids: torch.Tensor, positions: torch.Tensor, dkv: DraftKV,
+                      weights: DraftWeights | None = None) -> torch.Tensor:
         """One draft token per row, ``input_ids`` ``[B, 1]`` at ``positions`` ``[B]``, over the compact KV.
 
         Appends its KV to ``dkv`` and returns logits ``[B, V]`` float32. Padded index slots of rows
-        with a smaller index (``dkv.n_valid``) are masked out.
+        with a smaller index (``dkv.n_valid``) are masked out. ``weights``: read these linear
+        weights instead of the model's (``draft_weights``); the draft's own KV then comes from
+        them too (it lives only in ``dkv`` and is discarded after the step).
         """
         slot = dkv.length
         B = input_ids.shape[0]
@@ -357,7 +383,7 @@ class Transformer(torch.nn.Module):
                 return kernels.sparse_attention(q, src.k[i], src.v[i], dkv.index[i], dkv.n_valid,
                                                 dkv.k[i, :, :, : e + 1], dkv.v[i, :, :, : e + 1], self.scale, use=use)
 
-            logits = self._run(input_ids, positions.view(B, 1), attend_indexed, "all")
+            logits = self._run(input_ids, positions.view(B, 1), attend_indexed, "all", weights)
             dkv.length = slot + 1
             return logits[:, -1]
         mask = None
@@ -371,6 +397,6 @@ class Transformer(torch.nn.Module):
             out, _ = self._grouped_attention(q, dkv.k[i, :, :, : slot + 1], dkv.v[i, :, :, : slot + 1], mask, 0)
             return out
 
-        logits = self._run(input_ids, positions.view(B, 1), attend, "all")
+        logits = self._run(input_ids, positions.view(B, 1), attend, "all", weights)
         dkv.length = slot + 1
         return logits[:, -1]

@@ -128,15 +128,28 @@ def step_flops(model: Any, batch: int, tokens: int, keys: float) -> float:
     return 2.0 * batch * tokens * linear + batch * tokens * attn
 
 
+def draft_weight_bytes(model: Any, weights: Any) -> int:
+    """Bytes a draft forward over ``weights`` (``sparsespec.quant.DraftWeights``; None = the
+    model's own) reads of weights: the int8 linear weights and their scales, plus what stays
+    full precision (the norms; the input embedding is gathered, not read)."""
+    if weights is None:
+        return weight_bytes(model)
+    small = sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 1)
+    return weights.nbytes + small
+
+
 def roofline(model: Any, machine: Mapping[str, float], batch: int, tokens: int, kv_positions: float,
-             attn_keys: float | None = None) -> dict[str, float]:
+             attn_keys: float | None = None, weight_nbytes: float | None = None) -> dict[str, float]:
     """Floors of one step: ``{"bytes", "mem_s", "compute_s", "roofline_s"}`` (bytes, seconds).
 
     ``tokens`` new tokens per row over a cache of ``kv_positions`` tokens per row (the KV the
-    step reads); ``attn_keys`` (default ``kv_positions``) the keys each new token attends to.
+    step reads); ``attn_keys`` (default ``kv_positions``) the keys each new token attends to;
+    ``weight_nbytes`` the weight bytes the step reads (default ``weight_bytes(model)``; a
+    quantised draft: ``draft_weight_bytes``).
     """
     elt = model.embed.element_size()
-    nbytes = weight_bytes(model) + kv_bytes(model.cfg, elt, batch, kv_positions)
+    wb = weight_bytes(model) if weight_nbytes is None else weight_nbytes
+    nbytes = wb + kv_bytes(model.cfg, elt, batch, kv_positions)
     mem_s = nbytes / machine["read_bytes_per_s"]
     keys = kv_positions if attn_keys is None else attn_keys
     comp_s = step_flops(model, batch, tokens, keys) / machine["gemm_flops_per_s"]

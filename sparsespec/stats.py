@@ -78,6 +78,7 @@ class RunStats:
     budget_tokens_sum: int = 0
     context_tokens_sum: int = 0
     kv_bytes: int = 0
+    draft_weight_bytes: int = 0  # the draft's own weight copy (``draft_weights="int8"``), shared by all rows
     emit_times: list[float] = field(default_factory=list)
 
     def to_dict(self, num_output_tokens: int, device: torch.device) -> dict:
@@ -123,6 +124,7 @@ class RunStats:
             "budget_tokens_sum": self.budget_tokens_sum,
             "context_tokens_sum": self.context_tokens_sum,
             "kv_bytes": self.kv_bytes,
+            "draft_weight_bytes": self.draft_weight_bytes,
             "peak_mem_bytes": peak,
         }
 

@@ -123,6 +123,10 @@ def test_random_weights_measure_every_step_and_store_them_without_an_e2e_run(tmp
         assert r["ar_step_x_roofline"] > 0 and r["gamma_roofline"] > 0
         # the draft reads the index, the verify the whole context: the roofline says drafting is cheaper
         assert r["draft_step_bytes"] < r["verify_bytes"]
+        # the int8 draft: timed on the same index, its roofline reads the int8 copy instead of the weights
+        assert r["draft_step_int8_s"] > 0 and r["gamma_int8"] == pytest.approx(
+            r["draft_step_int8_s"] / r["verify_importance_s"])
+        assert 0 < r["draft_weight_int8_bytes"] and r["draft_step_int8_bytes"] < r["draft_step_bytes"]
         assert r["roofline_max_speedup"] == pytest.approx(max_speedup(
             3, r["ar_step_roofline_s"], r["draft_step_roofline_s"], r["verify_roofline_s"]))
     assert steps[0]["prefill_s"] > 0 and steps[1]["prefill_s"] is None

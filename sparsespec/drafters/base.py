@@ -164,8 +164,9 @@ def draft_loop(step, pending: torch.Tensor, limits: Sequence[int], policies: Seq
 
 
 def self_draft_loop(model, dkv, pending: torch.Tensor, start_positions: torch.Tensor, limits: Sequence[int],
-                    policies: Sequence, sampling: BatchSampling) -> Draft:
+                    policies: Sequence, sampling: BatchSampling, weights=None) -> Draft:
     """``draft_loop`` with the target model over a compact KV (``model.forward_draft``);
-    ``start_positions`` ``[B]``: absolute position of each row's pending token."""
-    return draft_loop(lambda tok, j: model.forward_draft(tok, start_positions + j, dkv), pending, limits,
+    ``start_positions`` ``[B]``: absolute position of each row's pending token; ``weights``: the
+    draft's linear weights (``Transformer.draft_weights``; None = the model's own)."""
+    return draft_loop(lambda tok, j: model.forward_draft(tok, start_positions + j, dkv, weights), pending, limits,
                       policies, sampling)

@@ -38,10 +38,12 @@ class _IndexedSelfDrafter(ABC):
 
     want_rows = 0
     want_rows_prefill = 0
+    supports_draft_weights = True  # the draft forward may read an int8 copy (``spec.draft_weights``)
 
     def __init__(self, model: Transformer, spec: SpecConfig, capacity: int, batch_size: int, max_k: int):
         cfg = model.cfg
         self.model, self.spec = model, spec
+        self.weights = model.draft_weights(spec.draft_weights)  # None: the target's own
         self.n_max = self._max_index(capacity)
         # Triton path: the draft kernel gathers from the dense cache; keep only the padded index
         self.gather_in_kernel = kernels.use_triton(model.device)
@@ -96,7 +98,12 @@ class _IndexedSelfDrafter(ABC):
         n_valid_dtype = torch.int32 if self.gather_in_kernel else torch.int64
         dkv.n_valid = None if min(sizes) == n else torch.tensor(sizes, dtype=n_valid_dtype, device=pending.device)
         starts = torch.tensor(cache.lengths, device=pending.device)  # [B] position of each pending token
-        return self_draft_loop(self.model, dkv, pending, starts, limits, policies, sampling)
+        return self_draft_loop(self.model, dkv, pending, starts, limits, policies, sampling, self.weights)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the draft's own weight copy (0 when it reads the target's)."""
+        return 0 if self.weights is None else self.weights.nbytes
 
     def index_sizes(self) -> list[int]:
         return [0 if idx is None else int(idx.shape[-1]) for idx in self.index]
