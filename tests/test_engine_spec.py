@@ -72,6 +72,21 @@ def test_greedy_is_token_identical_to_ar(engine, long_prompts, ar_rows, method, 
         assert s["num_prompt_tokens"] == len(prompt)
 
 
+@pytest.mark.parametrize("method", sorted(SPARSE_SELF))
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_with_an_int8_draft_is_token_identical_to_full_precision_ar(engine, long_prompts, ar_rows, method,
+                                                                          batch):
+    """A quantised draft changes q only: the outputs stay the full-precision AR's."""
+    prompts = long_prompts[:batch]
+    outs = engine.generate(prompts, method=method, method_options={"k": 4, "draft_weights": "int8"},
+                           max_new_tokens=N_NEW, ignore_eos=True)
+    for ar, out in zip(ar_rows, outs):
+        assert out.stats["num_drafted"] > 0, "drafted nothing: the check would be inconclusive"
+        assert out.token_ids == ar.token_ids
+        assert out.stats["draft_weight_bytes"] > 0
+        assert 0 < out.stats["num_accepted"] <= out.stats["num_drafted"]
+
+
 def test_ar_stats_follow_the_contract(ar_rows):
     s = ar_rows[0].stats
     assert s["num_steps"] == s["num_emitted"] == N_NEW - 1
