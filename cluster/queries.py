@@ -35,7 +35,8 @@ MIN_CI_PAIRS = 5
 N_BOOT = 2000
 
 #: Keys of a cell (the grouping of ``cell_table``; dashboard filters use the same strings).
-CELL_KEYS = ("benchmark", "task", "model", "context_length", "batch_size", "method", "k")
+#: ``draft_weights``: what the draft forward read (``"target"``, ``"int8"``; None for ar).
+CELL_KEYS = ("benchmark", "task", "model", "context_length", "batch_size", "method", "k", "draft_weights")
 
 
 # --------------------------------------------------------------------------- bootstrap
@@ -89,9 +90,19 @@ def run_k(row: Mapping[str, Any]) -> int | str | None:
     return int(k)
 
 
-def variant(method: str, k: int | str | None) -> str:
-    """A cell's method label: ``sparsespec-l`` (adaptive or unknown k) or ``sparsespec-l k=4``."""
-    return method if (k is None or k == "auto" or method == AR) else f"{method} k={k}"
+def run_draft_weights(row: Mapping[str, Any]) -> str | None:
+    """What a row's draft forward read: ``"int8"`` (its stats count a draft weight copy),
+    ``"target"``, or None for ``ar``."""
+    if row["method"] == AR:
+        return None
+    return "int8" if _num(row.get("stats") or {}, "draft_weight_bytes") > 0 else "target"
+
+
+def variant(method: str, k: int | str | None, draft_weights: str | None = None) -> str:
+    """A cell's method label: ``sparsespec-l`` (adaptive or unknown k), ``sparsespec-l k=4``,
+    ``sparsespec-l k=4 int8-draft``."""
+    label = method if (k is None or k == "auto" or method == AR) else f"{method} k={k}"
+    return label if draft_weights in (None, "target") or method == AR else f"{label} {draft_weights}-draft"
 
 
 def _cell_key(r: Mapping[str, Any], by: Sequence[str]) -> tuple:
@@ -99,6 +110,8 @@ def _cell_key(r: Mapping[str, Any], by: Sequence[str]) -> tuple:
     for key in by:
         if key == "k":
             out.append(run_k(r))
+        elif key == "draft_weights":
+            out.append(run_draft_weights(r))
         elif key == "batch_size":
             out.append(int(r.get("batch_size") or 1))
         else:
@@ -247,12 +260,14 @@ def cell_table(rows: Iterable[Mapping[str, Any]], by: Sequence[str] = CELL_KEYS,
         groups[_cell_key(r, by)].append(r)
     mi = by.index("method")
     ki = by.index("k") if "k" in by else None
+    di = by.index("draft_weights") if "draft_weights" in by else None
 
     def ar_key(key: tuple) -> tuple:
         k = list(key)
         k[mi] = AR
-        if ki is not None:
-            k[ki] = None
+        for i in (ki, di):
+            if i is not None:
+                k[i] = None
         return tuple(k)
 
     out = []
@@ -272,7 +287,7 @@ def cell_table(rows: Iterable[Mapping[str, Any]], by: Sequence[str] = CELL_KEYS,
         d = derive(p, ar=p_ar if ar_rows else None)
         ar_round = derive(p_ar)["round_s"] if ar_rows else None
         row: dict[str, Any] = dict(zip(by, key))
-        row["variant"] = variant(method, key[ki] if ki is not None else None)
+        row["variant"] = variant(method, key[ki] if ki is not None else None, key[di] if di is not None else None)
         row["n"] = len(rs)
         row["score"] = statistics.fmean(scores) if scores else None
         row["score_ar"] = statistics.fmean(ar_scores) if ar_scores else None
@@ -487,7 +502,7 @@ def _f(v: float | None) -> str:
     return "-" if v is None else f"{v:.3g}"
 
 
-SETTING_KEYS = ("benchmark", "model", "context_length", "batch_size", "method", "k")
+SETTING_KEYS = ("benchmark", "model", "context_length", "batch_size", "method", "k", "draft_weights")
 
 
 def gates_table(rows: Iterable[Mapping[str, Any]], t: GateThresholds = GateThresholds(), *,

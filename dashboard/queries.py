@@ -307,16 +307,17 @@ def s_vs_k_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     """``cluster.queries.s_vs_k`` per setting (benchmark, task, model, context, batch, method)
     that has at least two fixed-k cells."""
     cells = cq.cell_table(rows)
+    setting = [k for k in cq.CELL_KEYS if k != "k"]  # one curve per setting, draft weights included
     groups: dict[tuple, list] = {}
     for c in cells:
         if c["method"] != cq.AR:
-            groups.setdefault(tuple(c[k] for k in cq.CELL_KEYS[:6]), []).append(c)
+            groups.setdefault(tuple(c[k] for k in setting), []).append(c)
     out = []
     for key, cs in groups.items():
         pts = cq.s_vs_k(cs)
         if len(pts) >= 2:
-            out.extend({**dict(zip(cq.CELL_KEYS[:6], key)), **p} for p in pts)
-    return pd.DataFrame(out, columns=[*cq.CELL_KEYS[:6], "k", "variant", "speedup", "predicted_speedup", "alpha",
+            out.extend({**dict(zip(setting, key)), **p} for p in pts)
+    return pd.DataFrame(out, columns=[*setting, "k", "variant", "speedup", "predicted_speedup", "alpha",
                                       "gamma", "expected_accepted", "marginal_acceptance", "inversion"])
 
 
@@ -325,7 +326,7 @@ def acceptance_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     by: dict[str, list] = {}
     for r in rows:
         if r["method"] != cq.AR:
-            by.setdefault(cq.variant(r["method"], cq.run_k(r)), []).append(r)
+            by.setdefault(cq.variant(r["method"], cq.run_k(r), cq.run_draft_weights(r)), []).append(r)
     out = [{"variant": v, **p} for v, rs in sorted(by.items()) for p in cq.acceptance_by_position(rs)]
     return pd.DataFrame(out, columns=["variant", "position", "drafted", "reached", "accepted", "rate", "conditional"])
 

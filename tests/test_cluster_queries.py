@@ -292,3 +292,16 @@ def test_latency_gate_checks_the_inter_token_gap_and_no_data_never_passes():
     assert q.gate_row(cell, q.GateThresholds(max_itl_ratio=3.0))["passed"] is True
     g = q.gate_row({**cell, "lossless_rate": None, "itl_p95_s": 0.1})  # sampling only: correctness unknown
     assert g["correctness"] is None and g["quality"] and g["latency"] and g["capacity"] and g["passed"] is False
+
+
+def test_an_int8_draft_is_its_own_cell_paired_with_the_same_ar():
+    def r(method, i, tpot, drafted_bytes=0):
+        row = _row(method, i, tpot)
+        row["stats"]["draft_weight_bytes"] = drafted_bytes
+        return row
+
+    rows = [r("ar", 0, 0.1), r("ar", 1, 0.1), r("x", 0, 0.08), r("x", 1, 0.05, drafted_bytes=10)]
+    cells = q.cell_table(rows)
+    assert {c["variant"]: c["speedup"] for c in cells} == pytest.approx(
+        {"ar": 1.0, "x": 1.25, "x int8-draft": 2.0})
+    assert _cell(cells, method="x", draft_weights="int8")["n_pairs"] == 1

@@ -55,8 +55,9 @@ if svk.empty:
     st.info("No setting has two or more fixed-k runs of one method. Run a sweep with e.g. "
             "`methods: {sparsespec-l: {k: 2}}`, then k: 4 and k: 8, on the same cell.")
 else:
-    svk = svk.assign(setting=svk["method"] + " · " + svk["model"] + " · " + svk["benchmark"] + "/" + svk["task"] + " L="
-                     + svk["context_length"].astype(str) + " B=" + svk["batch_size"].astype(str))
+    draft = svk["draft_weights"].map(lambda d: " int8-draft" if d == "int8" else "")
+    svk = svk.assign(setting=svk["method"] + draft + " · " + svk["model"] + " · " + svk["benchmark"] + "/"
+                     + svk["task"] + " L=" + svk["context_length"].astype(str) + " B=" + svk["batch_size"].astype(str))
     fig = go.Figure()
     for setting, g in svk.groupby("setting"):
         fig.add_scatter(x=g["k"], y=g["speedup"], mode="lines+markers", name=f"measured · {setting}")
