@@ -7,13 +7,19 @@ What it buys is bytes: at batch 1 on a small model the weights are most of what 
 reads, and int8 halves (bf16) or quarters (fp32) them; the sparse index cuts the KV reads as before.
 
 Scheme: symmetric per-output-channel int8, ``W ~ s[:, None] * Q`` with ``Q = round(W / s)`` in
-[-127, 127] and ``s = max|W[n, :]| / 127`` (a zero row gets ``s = 1``). The matmul is
-``torch._weight_int8pack_mm`` on CPU (int8 weights read, fp32 accumulation); elsewhere the weight
-is dequantised per call (correct, not faster).
+[-127, 127] and ``s = max|W[n, :]| / 127`` (a zero row gets ``s = 1``). The matmul, on CPU where
+PyTorch has the x86/fbgemm quantized engine: fbgemm's dynamic int8 linear (the activations are
+quantised per call to uint8 with ``reduce_range``, int32 accumulation, fp32 out), measured here
+7-10x faster than the fp32 GEMV at SmolLM2's LM head (``benchmarks/RESULTS.md``); without that
+engine ``torch._weight_int8pack_mm`` (int8 weights, fp32 activations: slower than fp32 on this
+CPU); elsewhere the weight is dequantised per call (correct, not faster). Only the draft reads
+these, so their rounding changes q, never the output.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,17 +34,25 @@ class Int8Weight:
 
     qweight: torch.Tensor
     scales: torch.Tensor
+    packed: Any = field(default=None, compare=False, repr=False)  # fbgemm's prepacked weight (CPU)
 
     @classmethod
     def quantize(cls, w: torch.Tensor) -> Int8Weight:
-        """Symmetric per-output-channel int8 of ``w`` ``[N, K]`` (computed in fp32)."""
+        """Symmetric per-output-channel int8 of ``w`` ``[N, K]`` (computed in fp32); on a CPU with
+        the fbgemm engine also prepacked for its int8 linear."""
         if w.dim() != 2:
             raise ValueError(f"int8 quantisation needs a 2-D weight [N, K], got shape {tuple(w.shape)}")
         wf = w.detach().float()
         amax = wf.abs().amax(dim=1)  # [N]
         scales = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-        q = torch.clamp(torch.round(wf / scales[:, None]), -127, 127).to(torch.int8)
-        return cls(q.contiguous(), scales.to(w.dtype).contiguous())
+        q = torch.clamp(torch.round(wf / scales[:, None]), -127, 127).to(torch.int8).contiguous()
+        packed = None
+        if w.device.type == "cpu" and fbgemm_available():
+            with warnings.catch_warnings():  # quantized tensor creation is deprecated; fbgemm's kernel is what pays
+                warnings.simplefilter("ignore")
+                qw = torch._make_per_channel_quantized_tensor(q, scales.double(), torch.zeros_like(amax, dtype=torch.long), 0)
+                packed = torch.ops.quantized.linear_prepack(qw, None)
+        return cls(q, scales.to(w.dtype).contiguous(), packed)
 
     def dequantize(self) -> torch.Tensor:
         """``[N, K]`` in the scales' dtype (the reference the matmul must match)."""
@@ -51,12 +65,20 @@ class Int8Weight:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T (+ bias)`` for ``x`` ``[..., K]`` -> ``[..., N]``."""
         lead, K = x.shape[:-1], x.shape[-1]
-        if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        if self.packed is not None and x.device.type == "cpu":
+            y = torch.ops.quantized.linear_dynamic(x.reshape(-1, K).float().contiguous(), self.packed, True)
+            y = y.view(*lead, -1).to(x.dtype)  # reduce_range=True: fbgemm's setting on x86 (no u8 x s8 saturation)
+        elif x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
             y = torch._weight_int8pack_mm(x.reshape(-1, K).contiguous(), self.qweight, self.scales.to(x.dtype))
             y = y.view(*lead, -1)
         else:
             y = F.linear(x, self.dequantize().to(x.dtype))
         return y if bias is None else y + bias
+
+
+def fbgemm_available() -> bool:
+    """Whether this PyTorch has the x86 / fbgemm quantized engine (int8 dynamic linear on CPU)."""
+    return bool({"fbgemm", "x86"} & set(torch.backends.quantized.supported_engines))
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
