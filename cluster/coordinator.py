@@ -132,8 +132,10 @@ def plan_workers(num_workers: int | None, threads: int | None, device: str = "au
 class WorkerPool:
     """``plan.num_workers`` actors holding one model; a dead actor is replaced in its slot."""
 
-    def __init__(self, plan: WorkerPlan, model: str, dtype: str, engine_factory: EngineFactory | None) -> None:
+    def __init__(self, plan: WorkerPlan, model: str, dtype: str, engine_factory: EngineFactory | None,
+                 quantize: str = "none") -> None:
         self.plan, self.model, self.dtype, self.engine_factory = plan, model, dtype, engine_factory
+        self.quantize = quantize
         self.actors: list[Any] = [self._spawn() for _ in range(plan.num_workers)]
 
     def _spawn(self) -> Any:
@@ -141,7 +143,7 @@ class WorkerPool:
 
         return EngineWorkerActor.options(num_cpus=self.plan.num_cpus, num_gpus=self.plan.num_gpus,
                                          max_restarts=0).remote(
-            self.model, self.dtype, self.plan.device, self.plan.threads, self.engine_factory)
+            self.model, self.dtype, self.plan.device, self.plan.threads, self.engine_factory, self.quantize)
 
     def ping_all(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
         """Wait until every actor has loaded its model; host information of each."""
@@ -273,11 +275,12 @@ class Outcome:
 def run_shards(store: Store, shards: Sequence[Shard], *, plan: WorkerPlan, dtype: str,
                scorers: Mapping[str, Scorer], max_retries: int = 2,
                engine_factory: EngineFactory | None = None, bar: Any = None,
-               on_workers: Callable[[str, list[dict[str, Any]]], None] | None = None) -> Outcome:
-    """Run ``shards`` (grouped by model) on ``plan``'s actors; store each as it completes.
+               on_workers: Callable[[str, list[dict[str, Any]], str], None] | None = None) -> Outcome:
+    """Run ``shards`` (grouped by model and target quantisation) on ``plan``'s actors; store each
+    as it completes.
 
-    ``scorers``: benchmark name -> ``score_sample``. ``on_workers(model, pings)`` is called once
-    the model's workers have loaded (provenance). ``bar``: a tqdm-like progress bar over shards
+    ``scorers``: benchmark name -> ``score_sample``. ``on_workers(model, pings, quantize)`` is
+    called once the model's workers have loaded (provenance). ``bar``: a tqdm-like progress bar over shards
     (``update``, ``set_postfix_str``, ``write``). KeyboardInterrupt propagates after the shards
     in flight are released (status back to ``pending``) and the actors are stopped.
     """
@@ -285,20 +288,21 @@ def run_shards(store: Store, shards: Sequence[Shard], *, plan: WorkerPlan, dtype
 
     outcome = Outcome()
     death = _death_errors()
-    models: list[str] = []
+    groups: list[tuple[str, str]] = []  # (model, quantize): one worker pool each
     for s in shards:
-        if s.model not in models:
-            models.append(s.model)
+        if (s.model, s.quantize) not in groups:
+            groups.append((s.model, s.quantize))
     samples_done = 0
-    for model in models:
-        queue: deque[tuple[Shard, int]] = deque((s, 0) for s in shards if s.model == model)
-        pool = WorkerPool(plan, model, dtype, engine_factory)
+    for model, quantize in groups:
+        queue: deque[tuple[Shard, int]] = deque((s, 0) for s in shards
+                                                if (s.model, s.quantize) == (model, quantize))
+        pool = WorkerPool(plan, model, dtype, engine_factory, quantize)
         in_flight: dict[Any, tuple[int, Shard, int]] = {}
         try:
             hosts = pool.ping_all()
             outcome.hosts.extend(hosts)
             if on_workers is not None:
-                on_workers(model, hosts)
+                on_workers(model, hosts, quantize)
             pids = {slot: h.get("pid") for slot, h in enumerate(hosts)}
 
             def submit(slot: int) -> None:

@@ -3,9 +3,9 @@
 Pure: no Ray, no SQL. Building samples needs each model's tokenizer and window (read from the
 local model folder or preset; nothing is downloaded).
 
-- A **cell** is one (model, benchmark, context length, batch size, repetition): one run in the
-  store, whose id is a hash of everything that decides its numbers (methods with their resolved
-  options, dtype, sampling, tasks, benchmark options, and a digest of the samples themselves).
+- A **cell** is one (model, quantize, benchmark, context length, batch size, repetition): one run
+  in the store, whose id is a hash of everything that decides its numbers (methods with their
+  resolved options, dtype, the target's quantisation (left out when "none", so earlier ids stay), sampling, tasks, benchmark options, and a digest of the samples themselves).
   Where results go and how work is spread (db, Ray address, workers, threads) are left out, so
   rerunning a spec with more workers resumes the same runs.
 - A **shard** is one batch: up to ``batch_size`` consecutive samples of one task of one cell,
@@ -40,6 +40,7 @@ class Shard:
     samples: tuple[Sample, ...]
     methods: tuple[str, ...]
     method_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    quantize: str = "none"  # the target's weights (cluster.spec.QUANTIZE): the worker quantises at load
     sampling: Mapping[str, Any] = field(default_factory=dict)  # temperature, top_p, top_k, seed
     batch_index: int = 0  # index of this batch within (run, task): sets the method rotation
     sample_offset: int = 0  # index of samples[0] within its task: sets the sampling seeds
@@ -62,6 +63,7 @@ class Cell:
     repetition: int
     config: dict[str, Any]  # what was hashed into run_id (stored as the run's config)
     samples: tuple[Sample, ...]
+    quantize: str = "none"  # the target's weights; "int8": every method, ar included, runs quantised
 
 
 def samples_digest(samples: Sequence[Sample]) -> str:
@@ -138,16 +140,21 @@ def plan_cells(spec: SweepSpec, method_options: Mapping[str, Mapping[str, Any]],
                     raise ValueError(f"{where}: {s.task}/{s.sample_id} has {s.num_input_tokens} prompt tokens + "
                                      f"{s.max_new_tokens} to generate, over the model's window of {window}")
                 digest = samples_digest(samples)
-                for B in spec.batch_sizes:
-                    for rep in range(spec.repetitions):
-                        config = json.loads(json.dumps({
-                            "benchmark": b.name, "model": model, "dtype": spec.dtype, "methods": methods,
-                            "method_options": {m: dict(method_options.get(m, {})) for m in methods},
-                            "sampling": sampling, "context_length": L, "batch_size": B, "repetition": rep,
-                            "tasks": list(b.tasks) if b.tasks else None, "num_samples": b.num_samples,
-                            "options": dict(b.options), "num_built": len(samples), "samples_sha256": digest,
-                        }, sort_keys=True, default=str))
-                        cells.append(Cell(compute_run_id(b.name, config), model, b.name, L, B, rep, config, samples))
+                for q in spec.quantize:
+                    for B in spec.batch_sizes:
+                        for rep in range(spec.repetitions):
+                            config = {
+                                "benchmark": b.name, "model": model, "dtype": spec.dtype, "methods": methods,
+                                "method_options": {m: dict(method_options.get(m, {})) for m in methods},
+                                "sampling": sampling, "context_length": L, "batch_size": B, "repetition": rep,
+                                "tasks": list(b.tasks) if b.tasks else None, "num_samples": b.num_samples,
+                                "options": dict(b.options), "num_built": len(samples), "samples_sha256": digest,
+                            }
+                            if q != "none":
+                                config["quantize"] = q
+                            config = json.loads(json.dumps(config, sort_keys=True, default=str))
+                            cells.append(Cell(compute_run_id(b.name, config), model, b.name, L, B, rep, config,
+                                              samples, quantize=q))
     ids = [c.run_id for c in cells]
     if len(set(ids)) != len(ids):  # e.g. two context lengths that build identical samples
         seen: set[str] = set()
@@ -172,6 +179,7 @@ def plan_shards(cell: Cell) -> list[Shard]:
                 key=f"{cell.run_id}/{task}/{bi}", run_id=cell.run_id, model=cell.model, benchmark=cell.benchmark,
                 task=task, samples=tuple(items[start:start + B]), methods=methods,
                 method_options={m: dict(opts.get(m, {})) for m in methods}, sampling=dict(sampling),
+                quantize=cell.quantize,
                 batch_index=bi, sample_offset=start,
             ))
     return shards

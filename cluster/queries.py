@@ -36,7 +36,10 @@ N_BOOT = 2000
 
 #: Keys of a cell (the grouping of ``cell_table``; dashboard filters use the same strings).
 #: ``draft_weights``: what the draft forward read (``"target"``, ``"int8"``; None for ar).
-CELL_KEYS = ("benchmark", "task", "model", "context_length", "batch_size", "method", "k", "draft_weights")
+#: ``quantize``: the target's own weights (``"none"``, ``"int8"``): a quantised target is another
+#: model, whose ar is the reference of its methods (ar's rows of a cell share its quantize).
+CELL_KEYS = ("benchmark", "task", "model", "quantize", "context_length", "batch_size", "method", "k",
+             "draft_weights")
 
 
 # --------------------------------------------------------------------------- bootstrap
@@ -98,11 +101,13 @@ def run_draft_weights(row: Mapping[str, Any]) -> str | None:
     return "int8" if _num(row.get("stats") or {}, "draft_weight_bytes") > 0 else "target"
 
 
-def variant(method: str, k: int | str | None, draft_weights: str | None = None) -> str:
+def variant(method: str, k: int | str | None, draft_weights: str | None = None, quantize: str | None = None) -> str:
     """A cell's method label: ``sparsespec-l`` (adaptive or unknown k), ``sparsespec-l k=4``,
-    ``sparsespec-l k=4 int8-draft``."""
+    ``sparsespec-l k=4 int8-draft``; on a quantised target ``... [int8 target]`` (``ar`` too)."""
     label = method if (k is None or k == "auto" or method == AR) else f"{method} k={k}"
-    return label if draft_weights in (None, "target") or method == AR else f"{label} {draft_weights}-draft"
+    if draft_weights not in (None, "target") and method != AR:
+        label = f"{label} {draft_weights}-draft"
+    return label if quantize in (None, "none") else f"{label} [{quantize} target]"
 
 
 def _cell_key(r: Mapping[str, Any], by: Sequence[str]) -> tuple:
@@ -114,6 +119,8 @@ def _cell_key(r: Mapping[str, Any], by: Sequence[str]) -> tuple:
             out.append(run_draft_weights(r))
         elif key == "batch_size":
             out.append(int(r.get("batch_size") or 1))
+        elif key == "quantize":
+            out.append(str(r.get("quantize") or "none"))
         else:
             out.append(r.get(key))
     return tuple(out)
@@ -133,15 +140,26 @@ def _pair_key(r: Mapping[str, Any]) -> tuple:
 
 
 # --------------------------------------------------------------------------- speedup
-def paired_batches(rows: Sequence[Mapping[str, Any]], ar_rows: Sequence[Mapping[str, Any]]
-                   ) -> list[tuple[float, float, float]]:
+def shared_batch_key(r: Mapping[str, Any]) -> tuple:
+    """A batch's identity across runs: the same samples of the same task at the same context,
+    batch size and repetition (its shard key without the run id). Two runs of one sweep that
+    differ only in the target's quantisation decode the same batches under these keys."""
+    run_id, key = _batch_key(r)
+    tail = key.split("/", 1)[1] if key.startswith(run_id + "/") else key
+    return (r["benchmark"], r["model"], r.get("context_length"), int(r.get("batch_size") or 1),
+            int(r.get("repetition") or 0), tail)
+
+
+def paired_batches(rows: Sequence[Mapping[str, Any]], ar_rows: Sequence[Mapping[str, Any]],
+                   key: Callable[[Mapping[str, Any]], tuple] = _batch_key) -> list[tuple[float, float, float]]:
     """``(tpot_ar, tpot_method, decoded_tokens)`` per batch decoded by both (``rows``: one
-    method's rows; ``ar_rows``: ar's rows of the same cells). Batches without decode time or
-    decoded tokens are skipped."""
-    def by_batch(rs: Iterable[Mapping[str, Any]]) -> dict[tuple[str, str], list[Mapping[str, Any]]]:
-        out: dict[tuple[str, str], list[Mapping[str, Any]]] = defaultdict(list)
+    method's rows; ``ar_rows``: the reference's rows of the same cells). ``key``: a batch's
+    identity (default: within one run; ``shared_batch_key``: across runs). Batches without
+    decode time or decoded tokens are skipped."""
+    def by_batch(rs: Iterable[Mapping[str, Any]]) -> dict[tuple, list[Mapping[str, Any]]]:
+        out: dict[tuple, list[Mapping[str, Any]]] = defaultdict(list)
         for r in rs:
-            out[_batch_key(r)].append(r.get("stats") or {})
+            out[key(r)].append(r.get("stats") or {})
         return out
 
     mine, ref = by_batch(rows), by_batch(ar_rows)
@@ -157,12 +175,13 @@ def paired_batches(rows: Sequence[Mapping[str, Any]], ar_rows: Sequence[Mapping[
 
 
 def paired_speedup(rows: Sequence[Mapping[str, Any]], ar_rows: Sequence[Mapping[str, Any]], *,
-                   n_boot: int = N_BOOT, seed: int = 0, confidence: float = 0.95) -> dict[str, Any]:
+                   n_boot: int = N_BOOT, seed: int = 0, confidence: float = 0.95,
+                   key: Callable[[Mapping[str, Any]], tuple] = _batch_key) -> dict[str, Any]:
     """Paired speedup of one method's rows against ar's: ``speedup`` (median of per-batch
     ``TPOT_ar / TPOT_method``), ``speedup_total`` (sum of ar decode seconds / sum of method
     decode seconds, each batch's seconds = its TPOT x its decoded tokens), ``ci_low`` /
     ``ci_high`` (bootstrap of the median; None below ``MIN_CI_PAIRS`` pairs), ``n_pairs``."""
-    pairs = paired_batches(rows, ar_rows)
+    pairs = paired_batches(rows, ar_rows, key)
     out: dict[str, Any] = {"speedup": None, "speedup_total": None, "ci_low": None, "ci_high": None,
                            "n_pairs": len(pairs)}
     if not pairs:
@@ -261,6 +280,7 @@ def cell_table(rows: Iterable[Mapping[str, Any]], by: Sequence[str] = CELL_KEYS,
     mi = by.index("method")
     ki = by.index("k") if "k" in by else None
     di = by.index("draft_weights") if "draft_weights" in by else None
+    qi = by.index("quantize") if "quantize" in by else None
 
     def ar_key(key: tuple) -> tuple:
         k = list(key)
@@ -287,7 +307,8 @@ def cell_table(rows: Iterable[Mapping[str, Any]], by: Sequence[str] = CELL_KEYS,
         d = derive(p, ar=p_ar if ar_rows else None)
         ar_round = derive(p_ar)["round_s"] if ar_rows else None
         row: dict[str, Any] = dict(zip(by, key))
-        row["variant"] = variant(method, key[ki] if ki is not None else None, key[di] if di is not None else None)
+        row["variant"] = variant(method, key[ki] if ki is not None else None, key[di] if di is not None else None,
+                                 key[qi] if qi is not None else None)
         row["n"] = len(rs)
         row["score"] = statistics.fmean(scores) if scores else None
         row["score_ar"] = statistics.fmean(ar_scores) if ar_scores else None
@@ -341,6 +362,106 @@ def best_per_cell(cells: Sequence[Mapping[str, Any]], by: Sequence[str]) -> list
 
 
 # --------------------------------------------------------------------------- ledger
+# --------------------------------------------------------------------------- quantisation x speculation
+FOUR_WAY_ARMS = ("baseline", "quantisation only", "speculation only", "both")
+FOUR_WAY_KEYS = ("benchmark", "model", "context_length", "batch_size", "speculation", "arm", "variant", "quantize",
+                 "n", "speedup", "ci_low", "ci_high", "n_pairs", "speedup_vs_own_ar", "score", "score_delta",
+                 "lossless_rate", "n_conclusive", "lossless_against", "agreement_with_baseline")
+
+
+def _sample_key(r: Mapping[str, Any]) -> tuple:
+    return (r["task"], str(r["sample_id"]), int(r.get("repetition") or 0))
+
+
+def four_way(rows: Iterable[Mapping[str, Any]], *, n_boot: int = N_BOOT, seed: int = 0) -> list[dict[str, Any]]:
+    """Quantisation x speculation per setting (benchmark, model, context, batch; tasks pooled):
+    for each speculative variant, four rows (``FOUR_WAY_ARMS``):
+
+    - ``baseline``: full-precision ``ar``, the reference of every speed and quality number here;
+    - ``quantisation only``: ``ar`` on the int8 target, a new model: ``lossless_against`` is
+      None and ``agreement_with_baseline`` the fraction of its samples whose tokens equal the
+      baseline's (greedy);
+    - ``speculation only``: the method on the full-precision target, lossless against the
+      baseline (``lossless_rate``);
+    - ``both``: the method on the int8 target, lossless against the int8 ``ar``
+      (``lossless_against`` says which); ``speedup_vs_own_ar`` is its speedup over that ar.
+
+    ``speedup``: median of per-batch ``TPOT_baseline / TPOT_arm``; within one run for
+    ``speculation only``, across the two runs (same batches, ``shared_batch_key``) for the
+    quantised arms, so those pairs were decoded one run after the other, not interleaved.
+    ``score_delta``: mean per-sample score minus the baseline's. A setting without the
+    full-precision ar, or without any int8 run, is left out. Keys ``FOUR_WAY_KEYS``.
+    """
+    rows = [dict(r) for r in rows]
+    for r in rows:
+        r.setdefault("quantize", "none")
+    settings: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        settings[(r["benchmark"], r["model"], r.get("context_length"), int(r.get("batch_size") or 1))].append(r)
+    out: list[dict[str, Any]] = []
+    for skey in sorted(settings, key=lambda t: tuple(_sort_value(v) for v in t)):
+        rs = settings[skey]
+        base = [r for r in rs if r["method"] == AR and r["quantize"] == "none"]
+        q_ar = [r for r in rs if r["method"] == AR and r["quantize"] != "none"]
+        if not base or not q_ar:
+            continue
+        base_by = {_sample_key(r): r for r in base}
+
+        def quality(arm: list[dict[str, Any]]) -> dict[str, Any]:
+            scores = [float(r["score"]) for r in arm if r.get("score") is not None]
+            deltas = [float(r["score"]) - float(base_by[_sample_key(r)]["score"]) for r in arm
+                      if r.get("score") is not None and _sample_key(r) in base_by
+                      and base_by[_sample_key(r)].get("score") is not None]
+            same = [list(r.get("token_ids") or []) == list(base_by[_sample_key(r)].get("token_ids") or [])
+                    for r in arm if _sample_key(r) in base_by and (r.get("temperature") or 0) == 0]
+            return {"n": len(arm), "score": statistics.fmean(scores) if scores else None,
+                    "score_delta": statistics.fmean(deltas) if deltas else None,
+                    "agreement_with_baseline": (sum(same) / len(same)) if same else None}
+
+        def lossless(arm: list[dict[str, Any]]) -> dict[str, Any]:
+            v = [bool(r["lossless"]) for r in arm if r.get("lossless") is not None]
+            return {"lossless_rate": (sum(v) / len(v)) if v else None, "n_conclusive": len(v)}
+
+        def speed(arm: list[dict[str, Any]], ref: list[dict[str, Any]], cross: bool) -> dict[str, Any]:
+            p = paired_speedup(arm, ref, n_boot=n_boot, seed=seed, key=shared_batch_key if cross else _batch_key)
+            return {k: p[k] for k in ("speedup", "ci_low", "ci_high", "n_pairs")}
+
+        q_kind = q_ar[0]["quantize"]
+        q_label = variant(AR, None, None, q_kind)
+        baseline = {"arm": "baseline", "variant": AR, "quantize": "none", "speedup": 1.0, "ci_low": None,
+                    "ci_high": None, "n_pairs": None, "speedup_vs_own_ar": 1.0, "lossless_rate": None,
+                    "n_conclusive": 0, "lossless_against": None, **quality(base)}
+        baseline["score_delta"] = 0.0 if baseline["score"] is not None else None
+        quant_only = {"arm": "quantisation only", "variant": q_label, "quantize": q_kind,
+                      **speed(q_ar, base, True), "speedup_vs_own_ar": 1.0, "lossless_rate": None,
+                      "n_conclusive": 0, "lossless_against": None, **quality(q_ar)}
+        spec_groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+        for r in rs:
+            if r["method"] != AR:
+                spec_groups[(r["method"], run_k(r), run_draft_weights(r))].append(r)
+        for (method, k, dw) in sorted(spec_groups, key=lambda t: tuple(_sort_value(v) for v in t)):
+            g = spec_groups[(method, k, dw)]
+            fp = [r for r in g if r["quantize"] == "none"]
+            q8 = [r for r in g if r["quantize"] != "none"]
+            label = variant(method, k, dw)
+            arms = [baseline, quant_only]
+            if fp:
+                arms.append({"arm": "speculation only", "variant": label, "quantize": "none",
+                             **speed(fp, base, False), "speedup_vs_own_ar": None, **lossless(fp),
+                             "lossless_against": variant(AR, None), **quality(fp)})
+                arms[-1]["speedup_vs_own_ar"] = arms[-1]["speedup"]
+            if q8:
+                arms.append({"arm": "both", "variant": variant(method, k, dw, q_kind), "quantize": q_kind,
+                             **speed(q8, base, True),
+                             "speedup_vs_own_ar": speed(q8, q_ar, False)["speedup"], **lossless(q8),
+                             "lossless_against": q_label, **quality(q8)})
+            for a in arms:
+                out.append({**dict(zip(("benchmark", "model", "context_length", "batch_size"), skey)),
+                            "speculation": label, **{k: a.get(k) for k in FOUR_WAY_KEYS[6:]},
+                            "arm": a["arm"]})
+    return [{k: r.get(k) for k in FOUR_WAY_KEYS} for r in out]
+
+
 def _hist(st: Mapping[str, Any]) -> dict[tuple[int, int], float]:
     out: dict[tuple[int, int], float] = defaultdict(float)
     for key, count in (st.get("accept_hist") or {}).items():
@@ -502,7 +623,7 @@ def _f(v: float | None) -> str:
     return "-" if v is None else f"{v:.3g}"
 
 
-SETTING_KEYS = ("benchmark", "model", "context_length", "batch_size", "method", "k", "draft_weights")
+SETTING_KEYS = ("benchmark", "model", "quantize", "context_length", "batch_size", "method", "k", "draft_weights")
 
 
 def gates_table(rows: Iterable[Mapping[str, Any]], t: GateThresholds = GateThresholds(), *,
@@ -643,9 +764,11 @@ def leaderboard(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     cells = cell_table(rows, by=SETTING_KEYS)
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for c in cells:
-        groups[tuple(c[k] for k in SETTING_KEYS[:4])].append(c)
+        groups[tuple(c[k] for k in SETTING_KEYS[:5])].append(c)
     out = []
-    for key in sorted(groups, key=lambda t: tuple(_sort_value(v) for v in t)):
+    # the full-precision target first within a (benchmark, model): quantize "none" sorts as ""
+    for key in sorted(groups, key=lambda t: tuple(_sort_value("" if (i == 2 and v == "none") else v)
+                                                  for i, v in enumerate(t))):
         cs = groups[key]
         ordered = ([c for c in cs if c["method"] == AR]
                    + sorted((c for c in cs if c["method"] != AR),

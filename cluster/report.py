@@ -1,6 +1,6 @@
 """Report: derive speedup, acceptance and quality from the raw counts in the store.
 
-One row per (benchmark, task, model, context_length, batch_size, method): a sweep's cells stay apart. Definitions (docs/CONTRACTS.md, DESIGN.md section 4-5);
+One row per (benchmark, task, model, quantize, context_length, batch_size, method): a sweep's cells stay apart. Definitions (docs/CONTRACTS.md, DESIGN.md section 4-5);
 every ratio is pooled over samples (sum of numerators / sum of denominators), never a mean of
 per-sample ratios, except the speedup, which is a median of paired per-sample ratios:
 
@@ -42,12 +42,12 @@ from sparsespec.stats import _num, batch_tpot, derive, drafting_steps, ledger_sp
 AR = "ar"
 
 REPORT_KEYS = (
-    "benchmark", "task", "model", "context_length", "batch_size", "method", "n", "score", "speedup",
+    "benchmark", "task", "model", "quantize", "context_length", "batch_size", "method", "n", "score", "speedup",
     "alpha", "tau", "mean_k", "gamma", "lossless_rate",
 )
 
 EXTRA_KEYS = (
-    "benchmark", "task", "model", "context_length", "batch_size", "method", "n", "num_paired", "tokens_per_s", "tpot_s",
+    "benchmark", "task", "model", "quantize", "context_length", "batch_size", "method", "n", "num_paired", "tokens_per_s", "tpot_s",
     "speedup_total", "predicted_speedup", "ttft_s", "budget_frac",
 )
 
@@ -68,12 +68,14 @@ def predicted_speedup(alpha: float | None, k: float | None, gamma: float | None)
     return ledger_speedup(alpha, k, gamma)
 
 
-GROUP_KEYS = ("benchmark", "task", "model", "context_length", "batch_size", "method")
+#: ``quantize``: the target's weights (``"none"``, ``"int8"``); a quantised target's methods are
+#: paired with its own ar (the last key is the method, the rest is the cell).
+GROUP_KEYS = ("benchmark", "task", "model", "quantize", "context_length", "batch_size", "method")
 
 
 def _group_key(r: Mapping[str, Any]) -> tuple:
-    return (r["benchmark"], r["task"], r["model"], r.get("context_length"), int(r.get("batch_size") or 1),
-            r["method"])
+    return (r["benchmark"], r["task"], r["model"], str(r.get("quantize") or "none"), r.get("context_length"),
+            int(r.get("batch_size") or 1), r["method"])
 
 
 def _pair_key(r: Mapping[str, Any]) -> tuple[str, str, str, str, str]:
@@ -81,8 +83,8 @@ def _pair_key(r: Mapping[str, Any]) -> tuple[str, str, str, str, str]:
 
 
 def _sort_key(k: tuple) -> tuple:
-    b, t, m, L, B, meth = k
-    return (b, t, m, -1 if L is None else L, B, meth != AR, meth)
+    b, t, m, q, L, B, meth = k
+    return (b, t, m, q != "none", q, -1 if L is None else L, B, meth != AR, meth)
 
 
 def batch_speedups(rs: Sequence[Mapping[str, Any]], ar_rows: Sequence[Mapping[str, Any]]) -> list[float]:
@@ -212,12 +214,12 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """Plain-text table of report rows; score printed x100 (0-100), ratios to 3 decimals."""
     from tabulate import tabulate
 
-    headers = ["benchmark", "task", "model", "ctx", "batch", "method", "n", "score (x100)", "speedup (median)",
+    headers = ["benchmark", "task", "model", "target", "ctx", "batch", "method", "n", "score (x100)", "speedup (median)",
                "alpha", "tau", "mean_k", "gamma", "lossless_rate"]
     body = []
     for r in rows:
         score = None if r["score"] is None else 100.0 * r["score"]
-        body.append([r["benchmark"], r["task"], r["model"], _fmt(r["context_length"]), r["batch_size"],
+        body.append([r["benchmark"], r["task"], r["model"], r.get("quantize") or "none", _fmt(r["context_length"]), r["batch_size"],
                      r["method"], r["n"], _fmt(score, 1),
                      _fmt(r["speedup"]), _fmt(r["alpha"]), _fmt(r["tau"]), _fmt(r["mean_k"], 2),
                      _fmt(r["gamma"]), _fmt(r["lossless_rate"])])
@@ -291,6 +293,39 @@ def format_leaderboard_csv(rows: Sequence[Mapping[str, Any]], env: Any) -> str:
     return buf.getvalue()
 
 
+FOUR_WAY_HEADERS = {
+    "benchmark": "benchmark", "model": "model", "context_length": "ctx", "batch_size": "batch",
+    "speculation": "speculation", "arm": "arm", "variant": "method", "n": "n", "speedup": "speedup vs baseline",
+    "ci_low": "ci_low", "ci_high": "ci_high", "speedup_vs_own_ar": "vs own ar", "score": "score",
+    "score_delta": "score_delta", "lossless_rate": "lossless_rate", "lossless_against": "lossless against",
+    "agreement_with_baseline": "same tokens as baseline",
+}
+
+
+def four_way_rows(db_url: str, run_ids: str | Iterable[str] | None = None) -> list[dict[str, Any]]:
+    """``cluster.queries.four_way`` over the store (runs with and without a quantised target)."""
+    from cluster import queries
+
+    with open_store(db_url, create=False) as store:
+        runs = [r for r in store.runs() if run_ids is None or r["run_id"] in set(
+            [run_ids] if isinstance(run_ids, str) else run_ids)]
+        return queries.four_way(queries.with_run_fields(store.results(run_ids=run_ids), runs))
+
+
+def format_four_way(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Markdown: one row per (setting, speculative variant, arm); scores x100."""
+    from tabulate import tabulate
+
+    body = [[_lb_cell(k, r.get(k)) if k != "lossless_against" else (r.get(k) or "- (new model)" if
+             r["arm"] == "quantisation only" else r.get(k) or "-") for k in FOUR_WAY_HEADERS] for r in rows]
+    note = ("speedup vs baseline: median over paired batches of TPOT(full-precision ar) / TPOT(arm); the quantised "
+            "arms are paired across the two runs (same batches, decoded one run after the other), speculation only "
+            "within its run. vs own ar: the arm's speedup over the ar of its own target. score x100; "
+            "score_delta: mean per-sample score - the baseline's.")
+    return tabulate(body, headers=list(FOUR_WAY_HEADERS.values()), tablefmt="github",
+                    disable_numparse=True) + "\n\n" + note + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m cluster.report",
                                 description="Per (benchmark, task, model, context length, batch size, method) report "
@@ -304,11 +339,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "software versions in the header)")
     p.add_argument("--out", metavar="PREFIX", default=None,
                    help="with --leaderboard: also write PREFIX.md and PREFIX.csv")
+    p.add_argument("--four-way", action="store_true",
+                   help="the quantisation x speculation table: full-precision ar (baseline), ar on the int8 target, "
+                        "each method on each target (needs runs with quantize: [none, int8])")
     args = p.parse_args(argv)
     if args.out and not args.leaderboard:
         p.error("--out needs --leaderboard")
+    if args.leaderboard and args.four_way:
+        p.error("--leaderboard and --four-way are separate tables: pick one")
     if args.leaderboard:
         return _leaderboard_main(args)
+    if args.four_way:
+        return _four_way_main(args)
     try:
         rows = report_rows(args.db, args.runs)
     except StoreError as e:
@@ -322,6 +364,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(rows, indent=2))
     else:
         print(format_table(rows))
+    return 0
+
+
+def _four_way_main(args: argparse.Namespace) -> int:
+    try:
+        rows = four_way_rows(args.db, args.runs)
+    except StoreError as e:
+        return cli_error(e)
+    if not rows:
+        print(f"error: no setting in {safe_url(args.db)} has both a full-precision and an int8-target run; run a "
+              f"sweep with quantize: [none, int8] (or --quantize none,int8) first", file=sys.stderr)
+        return 1
+    print(json.dumps(rows, indent=2) if args.json else format_four_way(rows), end="" if not args.json else "\n")
     return 0
 
 

@@ -7,6 +7,7 @@ Schema (every key except ``name``, ``models`` and ``benchmarks`` is optional; se
     name: demo                        # label of the sweep (stored with every run)
     models: [smollm2-135m]            # presets, hub ids or local Hugging Face folders
     dtype: float32                    # float32 | bfloat16 | float16
+    quantize: [none]                  # target weights per run: none | int8 (a sweep axis; each its own ar)
     device: auto                      # auto (GPU workers when the cluster has GPUs) | cpu | cuda
     methods:                          # method -> options; "ar" is always run (the reference)
       sparsespec-l: {k: auto}
@@ -47,6 +48,7 @@ from cluster.store import DEFAULT_DB_URL
 
 AR = "ar"
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZE = ("none", "int8")  # sparsespec.quant.QUANTIZE (not imported: the spec must not need torch)
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -115,6 +117,7 @@ class SweepSpec(_Frozen):
     name: str = Field(min_length=1)
     models: tuple[str, ...] = Field(min_length=1)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    quantize: tuple[Literal["none", "int8"], ...] = ("none",)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     methods: dict[str, dict[str, Any]] = Field(default_factory=lambda: {"sparsespec-l": {}})
     batch_sizes: tuple[int, ...] = (1,)
@@ -140,6 +143,22 @@ class SweepSpec(_Frozen):
             v = [m.strip() for m in v.split(",") if m.strip()]
         if isinstance(v, (list, tuple)) and len(set(v)) != len(v):
             raise ValueError(f"duplicate models in {list(v)}")
+        return v
+
+    @field_validator("quantize", mode="before")
+    @classmethod
+    def _quantize(cls, v: Any) -> Any:
+        """``int8`` is short for ``[int8]``; ``none`` / null is the full-precision target."""
+        if v is None:
+            return ["none"]
+        if isinstance(v, str):
+            v = [m.strip() for m in v.split(",") if m.strip()]
+        if isinstance(v, (list, tuple)):
+            if not v:
+                raise ValueError("quantize must list at least one of none, int8")
+            v = ["none" if x is None else x for x in v]
+            if len(set(v)) != len(v):
+                raise ValueError(f"duplicate quantize values in {list(v)}")
         return v
 
     @field_validator("methods", mode="before")

@@ -710,8 +710,9 @@ class Store:
         method: str | None = None,
         task: str | None = None,
     ) -> list[dict[str, Any]]:
-        """Result rows as plain dicts (all columns, plus the run's ``context_length`` and
-        ``batch_size`` from its config), optionally filtered, in insertion order."""
+        """Result rows as plain dicts (all columns, plus the run's ``context_length``,
+        ``batch_size`` and ``quantize`` (the target's weights: ``"none"`` or ``"int8"``) from its
+        config), optionally filtered, in insertion order."""
         if not self._has_tables:
             return []
         stmt = select(Result).order_by(Result.id)
@@ -730,6 +731,8 @@ class Store:
             c = cfg.get(r["run_id"]) or {}
             r["context_length"] = c.get("context_length")
             r["batch_size"] = int(c.get("batch_size") or 1)
+            r["quantize"] = str(c.get("quantize") or "none")
+            r["repetition"] = int(c.get("repetition") or 0)
         return out
 
     def acceptance_steps(self, run_ids: str | Iterable[str] | None = None) -> list[dict[str, Any]]:

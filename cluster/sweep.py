@@ -123,10 +123,10 @@ def run_sweep(spec: SweepSpec, *, ray_address: str | None = None, engine_factory
                                    "num_cpus": wplan.num_cpus, "threads": wplan.threads, "device": wplan.device}
             pings: dict[str, list[dict[str, Any]]] = {}
 
-            def on_workers(model: str, hosts: list[dict[str, Any]]) -> None:
-                pings[model] = hosts
+            def on_workers(model: str, hosts: list[dict[str, Any]], quantize: str = "none") -> None:
+                pings[f"{model}/{quantize}"] = hosts
                 for c in cells:
-                    if c.model == model:
+                    if c.model == model and c.quantize == quantize:
                         store.update_run(c.run_id, host={"provenance": prov, "workers": hosts,
                                                          "devices": provenance.summarize_workers(hosts)})
 
@@ -212,6 +212,9 @@ def add_override_flags(p: argparse.ArgumentParser, *, benchmark_flags: bool = Tr
     p.add_argument("--sampling-seed", dest="sampling_seed", type=int, default=None,
                    help="sampling seed (row i of a task gets its own stream from (seed, i))")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    p.add_argument("--quantize", type=_names, default=None,
+                   help="comma list of target weight formats, a sweep axis: none (full precision), int8 "
+                        "(every method, ar included, on an int8 target; its ar is that run's reference)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
                    help="auto: GPU workers (num_gpus=1 each) when the cluster has GPUs; cuda fails at once without")
     p.add_argument("--num-workers", type=int, default=None, help="engine actors (default: one per GPU, else 1)")
@@ -230,7 +233,7 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "models": g("models"), "methods": methods, "batch_sizes": g("batch_sizes"),
         "context_lengths": g("context_lengths"), "repetitions": g("repetitions"), "dtype": g("dtype"),
-        "device": g("device"), "db": g("db"),
+        "quantize": g("quantize"), "device": g("device"), "db": g("db"),
         "benchmarks.tasks": g("tasks"), "benchmarks.num_samples": g("num_samples"),
         "sampling.max_new_tokens": g("max_new_tokens"), "sampling.temperature": g("temperature"),
         "sampling.top_p": g("top_p"), "sampling.top_k": g("top_k"), "sampling.seed": g("sampling_seed"),

@@ -96,8 +96,9 @@ class EngineWorker:
     """Holds one engine; runs shards. Wrap with Ray as :data:`EngineWorkerActor`."""
 
     def __init__(self, model: str, dtype: str = "float32", device: str = "cpu", threads: int | None = None,
-                 engine_factory: EngineFactory | None = None) -> None:
+                 engine_factory: EngineFactory | None = None, quantize: str = "none") -> None:
         self.model, self.dtype, self.device, self.threads = model, dtype, device, threads
+        self.quantize = quantize
         if threads:
             import torch  # set threads before loading (OpenMP pools are sized on first use)
 
@@ -105,6 +106,8 @@ class EngineWorker:
         factory = engine_factory or default_engine_factory
         t0 = time.perf_counter()
         self.engine = factory(model, dtype, device)
+        if quantize != "none":  # a quantised target: every method of this worker runs on it
+            self.engine.quantize(quantize)
         self.load_s = time.perf_counter() - t0
         self._warmed: set[tuple[str, int]] = set()
 
@@ -114,7 +117,7 @@ class EngineWorker:
 
         info: dict[str, Any] = {
             "hostname": socket.gethostname(), "pid": os.getpid(), "platform": platform.platform(),
-            "python": platform.python_version(), "model": self.model, "dtype": self.dtype,
+            "python": platform.python_version(), "model": self.model, "dtype": self.dtype, "quantize": self.quantize,
             "device": self.device, "load_s": round(self.load_s, 3), "cpu_count": os.cpu_count(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "torch_interop_threads": torch.get_num_interop_threads(),
@@ -190,5 +193,5 @@ class EngineWorker:
         return os.getpid()
 
 
-#: ``EngineWorkerActor.options(num_gpus=1).remote(model, dtype, device, threads, factory)``
+#: ``EngineWorkerActor.options(num_gpus=1).remote(model, dtype, device, threads, factory, quantize)``
 EngineWorkerActor = ray.remote(EngineWorker)

@@ -275,15 +275,30 @@ def cells_frame(rows: Sequence[Mapping[str, Any]], by: Sequence[str] = cq.CELL_K
     return _k_text(pd.DataFrame(cq.cell_table(rows, by=by)))
 
 
+#: A map cell: a (model, target weights, context, batch) and a method variant (k, draft weights).
+MAP_KEYS = ("model", "quantize", "context_length", "batch_size", "method", "k", "draft_weights")
+
+
 def speedup_map(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
-    """Speedup per (model, variant, context, batch), the selected benchmarks and tasks pooled."""
-    return cells_frame(rows, by=("model", "context_length", "batch_size", "method", "k"))
+    """Speedup per (model, target, variant, context, batch), the selected benchmarks and tasks
+    pooled; each method against the ar of its own target."""
+    return cells_frame(rows, by=MAP_KEYS)
 
 
 def best_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
-    cells = cq.cell_table(rows, by=("model", "context_length", "batch_size", "method", "k"))
-    return pd.DataFrame(cq.best_per_cell(cells, ("model", "context_length", "batch_size")),
-                        columns=["model", "context_length", "batch_size", "best", "speedup", "runner_up"])
+    """The fastest lossless variant per (model, target, context, batch) against that target's ar."""
+    cells = cq.cell_table(rows, by=MAP_KEYS)
+    return pd.DataFrame(cq.best_per_cell(cells, ("model", "quantize", "context_length", "batch_size")),
+                        columns=["model", "quantize", "context_length", "batch_size", "best", "speedup", "runner_up"])
+
+
+FOUR_WAY_COLUMNS = list(cq.FOUR_WAY_KEYS)
+FOUR_WAY_ARMS = cq.FOUR_WAY_ARMS
+
+
+def four_way_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+    """``cluster.queries.four_way``: baseline, quantisation only, speculation only, both."""
+    return pd.DataFrame(cq.four_way(rows), columns=FOUR_WAY_COLUMNS)
 
 
 LEDGER_PAGE_COLUMNS = ["benchmark", "task", "model", "context_length", "batch_size", "variant", "n", "alpha",
@@ -326,7 +341,8 @@ def acceptance_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     by: dict[str, list] = {}
     for r in rows:
         if r["method"] != cq.AR:
-            by.setdefault(cq.variant(r["method"], cq.run_k(r), cq.run_draft_weights(r)), []).append(r)
+            by.setdefault(cq.variant(r["method"], cq.run_k(r), cq.run_draft_weights(r), r.get("quantize")),
+                          []).append(r)
     out = [{"variant": v, **p} for v, rs in sorted(by.items()) for p in cq.acceptance_by_position(rs)]
     return pd.DataFrame(out, columns=["variant", "position", "drafted", "reached", "accepted", "rate", "conditional"])
 

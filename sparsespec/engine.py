@@ -516,11 +516,13 @@ class Engine:
         self.clock = Clock(model.device)
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str | Path, dtype: str = "float32", device: str = "cpu") -> Engine:
-        """Load a preset (e.g. ``"smollm2-135m"``) or a local Hugging Face folder.
+    def from_pretrained(cls, name_or_path: str | Path, dtype: str = "float32", device: str = "cpu",
+                        quantize: str = "none") -> Engine:
+        """Load a preset (e.g. ``"smollm2-135m"``) or a local Hugging Face folder; ``quantize="int8"``
+        quantises the target's linear weights once loaded (``Engine.quantize``).
 
         Raises:
-            ValueError: unknown dtype.
+            ValueError: unknown dtype or quantize.
             sparsespec.provision.ModelNotAvailableError: the model cannot be provisioned offline.
         """
         if dtype not in _DTYPES:
@@ -528,8 +530,18 @@ class Engine:
         from transformers import AutoTokenizer
 
         folder = resolve_model(name_or_path)
-        model = Transformer.from_folder(folder, dtype=_DTYPES[dtype], device=device)
+        model = Transformer.from_folder(folder, dtype=_DTYPES[dtype], device=device).quantize_(quantize)
         return cls(model, AutoTokenizer.from_pretrained(folder), name=str(name_or_path))
+
+    def quantize(self, kind: str) -> Engine:
+        """Quantise the target's linear weights in place (``kind``: ``"int8"``; ``"none"`` is a
+        no-op): a new model, whose ``ar`` is the reference of its speculation. Returns self.
+
+        Raises:
+            ValueError: unknown kind, or quantised already with another kind.
+        """
+        self.model.quantize_(kind)
+        return self
 
     @property
     def max_context(self) -> int:

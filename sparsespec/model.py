@@ -43,7 +43,7 @@ from safetensors import safe_open
 from sparsespec import kernels
 from sparsespec.config import ModelConfig
 from sparsespec.kv.cache import KVCache
-from sparsespec.quant import DRAFT_WEIGHTS, DraftWeights, linear, quantize_int8
+from sparsespec.quant import DRAFT_WEIGHTS, DraftWeights, linear, quantize_int8, quantize_target_
 
 
 def prefill_chunks(length: int, chunk_size: int, min_last: int = 0) -> list[tuple[int, int]]:
@@ -138,6 +138,7 @@ class Transformer(torch.nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(self.device), persistent=False)
         self.scale = 1.0 / math.sqrt(D)
         self.source_folder: Path | None = None  # the HF folder the weights came from
+        self.quantize = "none"  # a sparsespec.quant.QUANTIZE value: what the target's own linear weights are
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -256,6 +257,12 @@ class Transformer(torch.nn.Module):
         h = self._rms(h, self.norm)
         return linear(h, self.lm_head if weights is None else weights.lm_head).float()  # [B, T or 1, V]
 
+    def quantize_(self, kind: str) -> Transformer:
+        """Quantise this model's linear weights in place (``sparsespec.quant.quantize_target_``):
+        a new target, not a draft. Returns self."""
+        quantize_target_(self, kind)
+        return self
+
     def draft_weights(self, kind: str) -> DraftWeights | None:
         """The weights a draft forward reads for ``draft_weights=kind`` (``sparsespec.quant``):
         None for ``"target"`` (the model's own), an int8 copy for ``"int8"``, made on first use
@@ -264,10 +271,10 @@ class Transformer(torch.nn.Module):
         Raises:
             ValueError: an unknown kind.
         """
-        if kind == "target":
-            return None
-        if kind != "int8":
+        if kind not in DRAFT_WEIGHTS:
             raise ValueError(f"draft_weights must be one of {DRAFT_WEIGHTS}, got {kind!r}")
+        if kind == "target" or kind == self.quantize:  # an int8 target's draft reads its own int8 weights
+            return None
         cache = self.__dict__.setdefault("_draft_weights", {})
         if kind not in cache:
             cache[kind] = quantize_int8(self)

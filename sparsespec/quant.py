@@ -9,11 +9,16 @@ reads, and int8 halves (bf16) or quarters (fp32) them; the sparse index cuts the
 Scheme: symmetric per-output-channel int8, ``W ~ s[:, None] * Q`` with ``Q = round(W / s)`` in
 [-127, 127] and ``s = max|W[n, :]| / 127`` (a zero row gets ``s = 1``). The matmul, on CPU where
 PyTorch has the x86/fbgemm quantized engine: fbgemm's dynamic int8 linear (the activations are
-quantised per call to uint8 with ``reduce_range``, int32 accumulation, fp32 out), measured here
+quantised per token to 7-bit uint8, ``_fbgemm_per_token``: each row alone or in any batch gives
+bitwise the same output; int32 accumulation, fp32 out), measured here
 7-10x faster than the fp32 GEMV at SmolLM2's LM head (``benchmarks/RESULTS.md``); without that
 engine ``torch._weight_int8pack_mm`` (int8 weights, fp32 activations: slower than fp32 on this
-CPU); elsewhere the weight is dequantised per call (correct, not faster). Only the draft reads
-these, so their rounding changes q, never the output.
+CPU); elsewhere the weight is dequantised per call (correct, not faster).
+
+Two uses: a quantised *draft* (``DraftWeights``, read only by the draft forward: its rounding
+changes q, never the output) and a quantised *target* (``quantize_target_``: the model's own
+weights replaced, a new model whose ar is the reference; batch invariance is what lets its
+speculation reproduce that ar token for token).
 """
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ import torch.nn.functional as F
 
 #: ``draft_weights`` values (``SpecConfig``): the target's own weights, or an int8 copy.
 DRAFT_WEIGHTS = ("target", "int8")
+#: ``quantize`` values of a *target* (a model setting: every method, ``ar`` included, runs on it).
+QUANTIZE = ("none", "int8")
 
 
 @dataclass(frozen=True)
@@ -66,14 +73,31 @@ class Int8Weight:
         """``x @ W.T (+ bias)`` for ``x`` ``[..., K]`` -> ``[..., N]``."""
         lead, K = x.shape[:-1], x.shape[-1]
         if self.packed is not None and x.device.type == "cpu":
-            y = torch.ops.quantized.linear_dynamic(x.reshape(-1, K).float().contiguous(), self.packed, True)
-            y = y.view(*lead, -1).to(x.dtype)  # reduce_range=True: fbgemm's setting on x86 (no u8 x s8 saturation)
+            y = _fbgemm_per_token(x.reshape(-1, K).float(), self.packed).view(*lead, -1).to(x.dtype)
         elif x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
             y = torch._weight_int8pack_mm(x.reshape(-1, K).contiguous(), self.qweight, self.scales.to(x.dtype))
             y = y.view(*lead, -1)
         else:
             y = F.linear(x, self.dequantize().to(x.dtype))
         return y if bias is None else y + bias
+
+
+def _fbgemm_per_token(x: torch.Tensor, packed: Any) -> torch.Tensor:
+    """fbgemm's dynamic int8 linear with a per-token activation scale, ``x`` ``[M, K]`` fp32.
+
+    ``quantized::linear_dynamic`` picks one uint8 grid for the whole input from its min and max,
+    so a row's rounding would depend on the other rows of the call (the batch, the k + 1 tokens
+    of a verify): a quantised target's verify would then not reproduce its own AR. Here each
+    row is divided by its max |x| (every row then lies in [-1, 1]) and one calibration row
+    holding 1 and -1 is appended, so the grid is always that of [-1, 1]: each row is quantised
+    the same way whatever shares the call, the int32 accumulation is exact, and the output row
+    (multiplied back by its max) is bitwise the same alone or in any batch.
+    ``reduce_range=True``: fbgemm's setting on x86 (7-bit activations, no u8 x s8 saturation)."""
+    m = x.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)  # [M, 1]
+    calib = x.new_zeros(1, x.shape[-1])
+    calib[0, 0], calib[0, min(1, x.shape[-1] - 1)] = 1.0, -1.0
+    y = torch.ops.quantized.linear_dynamic(torch.cat([x / m, calib]).contiguous(), packed, True)
+    return y[:-1] * m
 
 
 def fbgemm_available() -> bool:
@@ -115,6 +139,58 @@ class DraftWeights:
     def nbytes(self) -> int:
         ws = [self.lm_head] + [w for lw in self.layers for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)]
         return sum(w.nbytes for w in ws if isinstance(w, Int8Weight))
+
+
+def linear_weights(model) -> list[torch.Tensor | Int8Weight]:
+    """Every linear weight a full forward reads: each layer's four projections and the LM head
+    (for a tied head, the embedding matrix or its int8 copy)."""
+    return [model.lm_head] + [w for layer in model.layers
+                              for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+
+
+def nbytes(w: torch.Tensor | Int8Weight) -> int:
+    """Bytes stored for a dense or int8 weight (scales included)."""
+    return w.nbytes if isinstance(w, Int8Weight) else w.numel() * w.element_size()
+
+
+def numel(w: torch.Tensor | Int8Weight) -> int:
+    """Multiply-accumulates per token of a dense or int8 weight ``[N, K]``: N x K."""
+    return (w.qweight if isinstance(w, Int8Weight) else w).numel()
+
+
+def quantize_target_(model, kind: str) -> None:
+    """Quantise ``model``'s own linear weights in place (a quantised *target*): every forward,
+    draft and verify alike, then reads the int8 weights, so the model's greedy output is the
+    quantised model's, and ``ar`` on it is the reference its speculation is lossless against.
+    The embedding (a gather) and the norms stay in the model's dtype; a tied LM head gets its
+    own int8 copy of the embedding matrix. ``kind="none"`` leaves the model as it is.
+
+    Raises:
+        ValueError: an unknown kind, or a model quantised already with another kind.
+    """
+    if kind not in QUANTIZE:
+        raise ValueError(f"quantize must be one of {QUANTIZE}, got {kind!r}")
+    current = getattr(model, "quantize", "none")
+    if kind == current:
+        return
+    if current != "none":
+        raise ValueError(f"model is quantised already ({current}); cannot re-quantise it to {kind}")
+    if kind == "none":
+        return
+
+    def swap(module, name: str) -> None:
+        w = Int8Weight.quantize(getattr(module, name))
+        if name in module._parameters:  # a Parameter slot cannot hold an Int8Weight
+            del module._parameters[name]
+        object.__setattr__(module, name, w)
+
+    for layer in model.layers:
+        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+            swap(layer, name)
+    model.__dict__["lm_head"] = Int8Weight.quantize(model.lm_head)
+    model._parameters.pop("lm_head", None)
+    model.__dict__.pop("_draft_weights", None)
+    model.quantize = kind
 
 
 def quantize_int8(model) -> DraftWeights:

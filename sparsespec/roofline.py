@@ -103,12 +103,13 @@ def machine_desc(device: str) -> str:
 
 # --------------------------------------------------------------------------- bytes and FLOPs
 def weight_bytes(model: Any) -> int:
-    """Bytes every forward must read: all parameters once; an untied input embedding is only
-    gathered (a few rows), so it is excluded; a tied one is read in full by the LM head."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    if not model.cfg.tie_word_embeddings:
-        total -= model.embed.numel() * model.embed.element_size()
-    return total
+    """Bytes every forward must read: each linear weight once (int8 weights of a quantised
+    target with their scales), the biases and norms; the input embedding is only gathered (a
+    few rows), so it is excluded unless it is also the (full-precision) tied LM head."""
+    from sparsespec.quant import linear_weights, nbytes
+
+    small = sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 1)  # norms, biases
+    return sum(nbytes(w) for w in linear_weights(model)) + small
 
 
 def kv_bytes(cfg: Any, element_size: int, batch: int, positions: float) -> float:
@@ -118,12 +119,10 @@ def kv_bytes(cfg: Any, element_size: int, batch: int, positions: float) -> float
 
 def step_flops(model: Any, batch: int, tokens: int, keys: float) -> float:
     """Matmul FLOPs of one forward: ``tokens`` new tokens per row attending to ``keys`` keys."""
+    from sparsespec.quant import linear_weights, numel
+
     cfg = model.cfg
-    # every 2-D weight once (a tied LM head is the embedding, listed once), minus the input
-    # embedding (a lookup), plus the LM head's matmul
-    linear = sum(p.numel() for p in model.parameters() if p.dim() == 2) - model.embed.numel()
-    if cfg.tie_word_embeddings:
-        linear += model.lm_head.numel()
+    linear = sum(numel(w) for w in linear_weights(model))  # the projections and the LM head
     attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * keys
     return 2.0 * batch * tokens * linear + batch * tokens * attn
 

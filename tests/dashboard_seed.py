@@ -182,3 +182,39 @@ def seed(url: str) -> dict[str, Any]:
                          output_tokens=3, created_at=t0 + dt.timedelta(seconds=200)))
         store.add_serve_requests(reqs)
     return ids
+
+
+#: The quantisation x speculation seed (``seed_quantized``): per (target, method) the batch TPOT
+#: in seconds, the same for both batches; ar's fp TPOT is 0.1, so quantisation alone is 1.6x,
+#: speculation alone 1.25x, and speculation on the int8 target 1.2x over its own ar = 1.92x.
+Q_TPOT = {("none", "ar"): 0.1, ("none", "sparsespec-l"): 0.08,
+          ("int8", "ar"): 0.0625, ("int8", "sparsespec-l"): 0.0625 / 1.2}
+#: (target, sample) -> (score, token ids): the int8 target loses sample s1 (score 0, other tokens).
+Q_OUT = {("none", "s0"): (1.0, [1, 2, 3]), ("none", "s1"): (1.0, [4, 5, 6]),
+         ("int8", "s0"): (1.0, [1, 2, 3]), ("int8", "s1"): (0.0, [4, 5, 7])}
+
+
+def seed_quantized(url: str) -> dict[str, str]:
+    """Two runs of one cell (ruler/niah_q, context 2048, batch 1, samples s0 and s1 in two
+    batches), methods ar and sparsespec-l (k 2), on the full-precision and the int8 target."""
+    ids = {}
+    with open_store(url) as store:
+        for q in ("none", "int8"):
+            run_id = f"ruler-q-{q}"
+            ids[q] = run_id
+            shards = {}
+            for bi, s in enumerate(("s0", "s1")):
+                bkey = f"{run_id}/niah_q/{bi}"
+                rows = []
+                for method in ("ar", "sparsespec-l"):
+                    dec = Q_TPOT[(q, method)] * 10
+                    st = _stats(method, dec, batch_key=bkey, batch_wall_s=0.5 + dec, k=None if method == "ar" else 2)
+                    score, tokens = Q_OUT[(q, s)]
+                    row = _row(run_id, "ruler", "niah_q", method, s, score, st, None if method == "ar" else True)
+                    rows.append({**row, "token_ids": tokens})
+                shards[bkey] = rows
+            config = _config("ruler", 2048, 1, {"ar": {}, "sparsespec-l": {"k": 2}})
+            if q != "none":
+                config["quantize"] = q
+            _store_run(store, run_id, "ruler", ["ar", "sparsespec-l"], config, shards)
+    return ids

@@ -305,3 +305,63 @@ def test_an_int8_draft_is_its_own_cell_paired_with_the_same_ar():
     assert {c["variant"]: c["speedup"] for c in cells} == pytest.approx(
         {"ar": 1.0, "x": 1.25, "x int8-draft": 2.0})
     assert _cell(cells, method="x", draft_weights="int8")["n_pairs"] == 1
+
+
+@pytest.fixture(scope="module")
+def quant_rows(tmp_path_factory):
+    url = f"sqlite:///{tmp_path_factory.mktemp('q8')}/quant.db"
+    seed.seed_quantized(url)
+    with open_store(url, create=False) as s:
+        return url, q.with_run_fields(s.results(), s.runs())
+
+
+def test_a_quantised_target_is_its_own_cell_paired_with_its_own_ar(quant_rows):
+    _, rows = quant_rows
+    assert {r["quantize"] for r in rows} == {"none", "int8"}
+    cells = q.cell_table(rows)
+    by = {c["variant"]: c for c in cells}
+    assert set(by) == {"ar", "sparsespec-l k=2", "ar [int8 target]", "sparsespec-l k=2 [int8 target]"}
+    # each method against the ar of its own target, never pooled with the other target's
+    assert by["sparsespec-l k=2"]["speedup"] == pytest.approx(1.25)
+    assert by["sparsespec-l k=2 [int8 target]"]["speedup"] == pytest.approx(1.2)
+    assert by["sparsespec-l k=2 [int8 target]"]["score_delta"] == 0.0  # against the int8 ar's scores
+    assert by["ar [int8 target]"]["n"] == 2 and by["sparsespec-l k=2 [int8 target]"]["n_pairs"] == 2
+    lb = q.leaderboard(rows)
+    assert [r["variant"] for r in lb] == ["ar", "sparsespec-l k=2", "ar [int8 target]", "sparsespec-l k=2 [int8 target]"]
+
+
+def test_four_way_table_against_the_full_precision_ar(quant_rows):
+    _, rows = quant_rows
+    four = q.four_way(rows, n_boot=200)
+    assert [r["arm"] for r in four] == list(q.FOUR_WAY_ARMS)
+    assert all(tuple(r) == q.FOUR_WAY_KEYS for r in four)
+    base, quant, spec, both = four
+    assert base["variant"] == "ar" and base["speedup"] == 1.0 and base["score"] == 1.0 and base["score_delta"] == 0.0
+    # quantisation alone: 1.6x, one of two samples lost (score 0.5, delta -0.5), tokens differ on s1
+    assert quant["speedup"] == pytest.approx(1.6) and quant["n_pairs"] == 2
+    assert quant["score"] == 0.5 and quant["score_delta"] == pytest.approx(-0.5)
+    assert quant["agreement_with_baseline"] == 0.5 and quant["lossless_against"] is None
+    # speculation alone: 1.25x, lossless against the full-precision ar, quality unchanged
+    assert spec["speedup"] == pytest.approx(1.25) and spec["lossless_against"] == "ar"
+    assert spec["lossless_rate"] == 1.0 and spec["score_delta"] == 0.0 and spec["agreement_with_baseline"] == 1.0
+    # both: 1.6 x 1.2 = 1.92x the baseline, 1.2x its own ar, lossless against the int8 ar only
+    assert both["speedup"] == pytest.approx(1.92) and both["speedup_vs_own_ar"] == pytest.approx(1.2)
+    assert both["lossless_against"] == "ar [int8 target]" and both["lossless_rate"] == 1.0
+    assert both["score_delta"] == pytest.approx(-0.5) and both["agreement_with_baseline"] == 0.5
+    assert all(r["speculation"] == "sparsespec-l k=2" for r in four)
+    # a store with only full-precision runs has no four-way table
+    assert q.four_way([r for r in rows if r["quantize"] == "none"]) == []
+
+
+def test_four_way_pairs_batches_across_runs_not_by_position(quant_rows):
+    """The cross-run pairing matches batch keys without the run id: swapping which batch of the
+    int8 run is slow must move the median only through the matched pairs."""
+    _, rows = quant_rows
+    rows = [dict(r, stats=dict(r["stats"])) for r in rows]
+    for r in rows:  # the int8 ar's batch 1 is twice as slow: pairs are 1.6 and 0.8 -> median 1.2
+        if r["quantize"] == "int8" and r["method"] == "ar" and r["stats"]["batch_key"].endswith("/1"):
+            r["stats"]["decode_s"] *= 2
+            r["stats"]["batch_wall_s"] = 0.5 + r["stats"]["decode_s"]
+    quant = q.four_way(rows, n_boot=100)[1]
+    assert quant["speedup"] == pytest.approx(1.2)
+    assert q.shared_batch_key(rows[0])[-1] == "niah_q/0"

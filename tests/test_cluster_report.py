@@ -60,7 +60,7 @@ def test_report_known_answers():
     assert [(r["method"], r["n"]) for r in rows] == [("ar", 4), ("spec", 5)]
     ar, sp = rows
     assert all(tuple(r) == REPORT_KEYS for r in rows)
-    assert ar == {"benchmark": "bench", "task": "t", "model": "m", "context_length": None, "batch_size": 1,
+    assert ar == {"benchmark": "bench", "task": "t", "model": "m", "quantize": "none", "context_length": None, "batch_size": 1,
                   "method": "ar", "n": 4, "score": 0.5,
                   "speedup": 1.0, "alpha": None, "tau": 1.0, "mean_k": None, "gamma": None,
                   "lossless_rate": None}
@@ -193,3 +193,32 @@ def test_leaderboard_errors(tmp_path, capsys):
     assert "no results" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--db", url, "--out", str(tmp_path / "x")])  # --out without --leaderboard
+
+
+def test_four_way_table_cli(tmp_path, capsys):
+    import json as _json
+
+    from tests.dashboard_seed import seed, seed_quantized
+
+    url = f"sqlite:///{tmp_path}/q.db"
+    seed_quantized(url)
+    assert main(["--db", url, "--four-way"]) == 0
+    md = capsys.readouterr().out
+    lines = [line for line in md.splitlines() if line.startswith("| ruler ")]
+    assert [line.split("|")[6].strip() for line in lines] == ["baseline", "quantisation only", "speculation only", "both"]
+    assert "1.920" in lines[3] and "ar [int8 target]" in lines[3] and "1.600" in lines[1]
+    assert "- (new model)" in lines[1] and "paired across the two runs" in md
+    assert main(["--db", url, "--four-way", "--json"]) == 0
+    rows = _json.loads(capsys.readouterr().out)
+    assert [r["speedup"] for r in rows] == pytest.approx([1.0, 1.6, 1.25, 1.92])
+    # the per-cell report keeps the two targets apart, each method against its own ar
+    rep = report_rows(url)
+    assert [(r["quantize"], r["method"], round(r["speedup"], 3)) for r in rep] == [
+        ("none", "ar", 1.0), ("none", "sparsespec-l", 1.25), ("int8", "ar", 1.0), ("int8", "sparsespec-l", 1.2)]
+    # no int8 run: a sentence, exit 1; --leaderboard with --four-way: a usage error
+    plain = f"sqlite:///{tmp_path}/plain.db"
+    seed(plain)
+    assert main(["--db", plain, "--four-way"]) == 1
+    assert "quantize: [none, int8]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--db", url, "--four-way", "--leaderboard"])

@@ -92,6 +92,22 @@ def _downloads(at):
     return at.get("download_button")
 
 
+def test_compare_page_four_way_section(monkeypatch, tmp_path):
+    url = f"sqlite:///{tmp_path}/q.db"
+    seed.seed_quantized(url)
+    at = _page(monkeypatch, url, "compare")
+    assert not at.info and not at.warning
+    # a heatmap per (target, variant): sparsespec-l k=2 and its [int8 target] twin, then best, four-way, ...
+    assert len(at.get("plotly_chart")) == 2 + 2 + 1 + 2 + 1
+    best = at.dataframe[0].value
+    assert list(best["quantize"]) == ["int8", "none"] and list(best["best"]) == [
+        "sparsespec-l k=2 [int8 target]", "sparsespec-l k=2"]
+    four = at.dataframe[1].value
+    assert list(four["arm"]) == ["baseline", "quantisation only", "speculation only", "both"]
+    assert four["speedup"].tolist() == pytest.approx([1.0, 1.6, 1.25, 1.92])
+    assert "dl_four_way" in [d.key for d in _downloads(at)]
+
+
 def test_compare_page(monkeypatch, db):
     at = _page(monkeypatch, db, "compare")
     assert at.title[0].value.startswith("Compare")
@@ -102,7 +118,9 @@ def test_compare_page(monkeypatch, db):
     assert list(best["best"]) == ["ngram k=3", "sparsespec-l", "sparsespec-l k=2", "sparsespec-l"]
     cells = at.dataframe[1].value
     assert {"speedup", "ci_low", "alpha", "lossless_rate"} <= set(cells.columns)
-    assert len(_downloads(at)) == 2 and not at.info and not at.warning
+    # no int8-target run in this store: the four-way section says how to get one
+    assert len(_downloads(at)) == 2 and not at.warning
+    assert len(at.info) == 1 and "quantize: [none, int8]" in at.info[0].value
     # a filter narrows every chart: batch size 2 only
     at.sidebar.multiselect(key="f_batch").set_value([2]).run()
     assert not at.exception

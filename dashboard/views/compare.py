@@ -50,6 +50,7 @@ st.subheader("Best method per cell")
 st.caption("The fastest lossless method by median paired speedup; `ar` where no method beats 1.0.")
 b = best.assign(context=best["context_length"].map(lambda v: "default" if v is None or v != v else str(int(v))),
                 batch=best["batch_size"].astype(str))
+b = b.assign(model=[m if q in (None, "none") else f"{m} [{q} target]" for m, q in zip(b["model"], b["quantize"])])
 for model in sorted(b["model"].unique()):
     bm = b[b["model"] == model]
     order = dict(index=sorted(bm["batch"].unique(), key=int), columns=_ctx_order(bm["context"]))
@@ -85,6 +86,27 @@ with right:
     fig.add_hline(y=1.0, line_dash="dot", line_color="grey")
     fig.update_xaxes(type="category")
     st.plotly_chart(fig, key="vs_batch")
+
+st.subheader("Quantisation x speculation")
+four = dq.four_way_frame(rows)
+if four.empty:
+    st.info("No setting in the selection has both a full-precision and an int8-target run. Run a sweep with "
+            "`quantize: [none, int8]` (or `--quantize none,int8`) for the four-way table: baseline (full-precision "
+            "ar), quantisation only, speculation only, both.")
+else:
+    st.caption("Speed and quality relative to the full-precision `ar` (the baseline) on the same samples. A quantised "
+               "target is a new model: its `ar` is not lossless against the baseline (`same tokens as baseline` says "
+               "how often it matches); speculation on it is lossless against its own `ar`. The quantised arms are "
+               "paired with the baseline across two runs (same batches, decoded one after the other).")
+    f4 = four.assign(setting=four["model"] + " · " + four["benchmark"] + " · L=" + four["context_length"].astype(str)
+                     + " · B=" + four["batch_size"].astype(str) + " · " + four["speculation"])
+    fig = px.bar(f4, x="setting", y="speedup", color="arm", barmode="group", hover_data=["variant", "n_pairs",
+                 "score_delta", "lossless_rate", "lossless_against", "agreement_with_baseline"],
+                 category_orders={"arm": list(dq.FOUR_WAY_ARMS)}, title="Speedup vs the full-precision ar")
+    fig.add_hline(y=1.0, line_dash="dot", line_color="grey")
+    st.plotly_chart(fig, key="four_way")
+    st.dataframe(four, hide_index=True)
+    common.download(four, "four_way", "Download the four-way CSV")
 
 st.subheader("Score vs ar")
 st.caption("Score delta = mean over paired samples of (method score - ar score), in score points x100. "
