@@ -117,6 +117,9 @@ class BenchConfig:
     #: the self-speculative methods' draft weights in the end-to-end runs (``SpecConfig``);
     #: the step timings always measure the draft step with both the target's and an int8 copy
     draft_weights: str = "target"
+    #: the target's own weights (``sparsespec.quant.QUANTIZE``): "int8" times every step, ar
+    #: included, on the int8 target (its roofline counts the int8 bytes) and runs the e2e sweep on it
+    quantize: str = "none"
 
     def __post_init__(self) -> None:
         if self.random_weights and not self.shape:
@@ -142,6 +145,10 @@ class BenchConfig:
 
         if self.draft_weights not in DRAFT_WEIGHTS:
             raise ValueError(f"draft_weights must be one of {DRAFT_WEIGHTS}, got {self.draft_weights!r}")
+        from sparsespec.quant import QUANTIZE
+
+        if self.quantize not in QUANTIZE:
+            raise ValueError(f"quantize must be one of {QUANTIZE}, got {self.quantize!r}")
 
     @property
     def runs_e2e(self) -> bool:
@@ -162,14 +169,14 @@ def load_model(cfg: BenchConfig):
         from sparsespec.shapes import random_transformer
 
         model = random_transformer(cfg.shape, dtype=_DTYPES[cfg.dtype], device=cfg.device, seed=cfg.seed)
-        return model, None, f"random:{cfg.shape}"
+        return model.quantize_(cfg.quantize), None, f"random:{cfg.shape}"
     from transformers import AutoTokenizer
 
     from sparsespec.model import Transformer
     from sparsespec.provision import resolve_model
 
     folder = resolve_model(cfg.model)
-    model = Transformer.from_folder(folder, dtype=_DTYPES[cfg.dtype], device=cfg.device)
+    model = Transformer.from_folder(folder, dtype=_DTYPES[cfg.dtype], device=cfg.device).quantize_(cfg.quantize)
     torch.manual_seed(cfg.seed)
     return model, AutoTokenizer.from_pretrained(folder), cfg.model
 
@@ -414,7 +421,8 @@ def measure_steps(cfg: BenchConfig, *, progress: Callable[[str], None] = log.inf
         prefill_s = time_prefill(model, base_prompts[0], cfg)
         progress(f"ctx {L}: prefill of {len(base_prompts[0])} tokens {prefill_s:.2f} s")
         hf_row = None
-        if cfg.hf and tokenizer is not None and 1 in cfg.batch_sizes:
+        # (transformers runs the full-precision model: no reference for an int8 target)
+        if cfg.hf and cfg.quantize == "none" and tokenizer is not None and 1 in cfg.batch_sizes:
             hf_row = bench_hf(model.source_folder, base_prompts[0], cfg)
             rows.append(hf_row)
             progress(f"ctx {L}: transformers generate {hf_row['hf_step_s'] * 1e3:.1f} ms/token")
@@ -469,6 +477,7 @@ def e2e_specs(cfg: BenchConfig, db: str, *, num_workers: int | None = None, thre
             continue
         specs.append(parse_spec({
             "name": f"bench-e2e-B{B}", "models": [cfg.model], "dtype": cfg.dtype, "device": cfg.device,
+            "quantize": [cfg.quantize],
             "methods": methods, "batch_sizes": [B], "context_lengths": lengths,
             "benchmarks": [{"name": SPEED, "num_samples": cfg.e2e_samples or B, "options": _speed_options(cfg)}],
             "sampling": {"temperature": 0.0, "seed": cfg.seed, "max_new_tokens": cfg.gen_tokens},
@@ -790,6 +799,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, argparse
     p.add_argument("--draft-weights", default="target", choices=("target", "int8"),
                    help="draft weights of the self-speculative methods in the end-to-end runs (the step timings "
                         "measure both)")
+    p.add_argument("--quantize", default="none", choices=("none", "int8"),
+                   help="the target's weights: int8 times every step (ar included) and runs the end-to-end sweep "
+                        "on the int8 target, whose ar is the reference")
     p.add_argument("--gen-tokens", type=int, default=64, help="fixed generation length (ignore_eos)")
     p.add_argument("--reps", type=int, default=5, help="timed calls per step (median)")
     p.add_argument("--e2e-reps", type=int, default=2, help="repetitions of every end-to-end cell (sweep repetitions)")
@@ -829,7 +841,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, argparse
                           budget_frac=a.budget_frac, gen_tokens=a.gen_tokens, reps=a.reps, e2e_reps=a.e2e_reps,
                           e2e_samples=a.e2e_samples, warmup=a.warmup, steps_only=a.steps_only, hf=not a.no_hf,
                           hf_tokens=a.hf_tokens, seed=a.seed, text=a.text, e2e_max_tokens=a.e2e_max_tokens,
-                          draft_weights=a.draft_weights)
+                          draft_weights=a.draft_weights, quantize=a.quantize)
     except ValueError as e:
         p.error(str(e))
     return cfg, a

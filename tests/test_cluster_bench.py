@@ -3,6 +3,7 @@ and the end-to-end part as a sweep of the ``speed`` benchmark (same run ids, pai
 check and report as any sweep; resumable)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -85,6 +86,7 @@ def test_the_roofline_module_needs_no_ray_or_sql():
     ({"gen_tokens": 1}, "gen_tokens"),
     ({"e2e_samples": 0}, "e2e_samples"),
     ({"device": "tpu"}, "device"),
+    ({"quantize": "int4"}, "quantize must be one of"),
 ])
 def test_config_rejects_bad_values(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
@@ -159,6 +161,28 @@ def test_the_e2e_part_is_a_speed_sweep_spec_per_batch_size(tmp_path):
     assert [len(sh.samples[0].prompt_ids) for sh in shards] == [250, 250, 506, 506]
     # the same bench gives the same run ids (what makes a rerun resume)
     assert [c.run_id for c in plan(bench.e2e_specs(cfg, db, threads=1)[0])[0]] == [c.run_id for c in cells]
+    # --quantize int8: the same sweep on the int8 target, its own runs
+    q8 = bench.e2e_specs(dataclasses.replace(cfg, quantize="int8"), db, threads=1)[0]
+    assert q8.quantize == ("int8",)
+    cells8 = plan(q8)[0]
+    assert all(c.quantize == "int8" for c in cells8) and not {c.run_id for c in cells8} & {c.run_id for c in cells}
+
+
+def test_steps_on_an_int8_target_read_the_int8_weights(tmp_path):
+    out = tmp_path / "b.json"
+    args = ["--shape", "tiny", "--random-weights", "--context-lengths", "256", "--batch-sizes", "1", "--k", "3",
+            "--reps", "1", "--warmup", "0", "--gen-tokens", "6", "--db", "", "--threads", "1"]
+    assert bench.main(args + ["--json-out", str(out)]) == 0
+    fp = json.loads(out.read_text())["rows"][0]
+    assert bench.main(args + ["--json-out", str(out), "--quantize", "int8"]) == 0
+    q8 = json.loads(out.read_text())
+    r = q8["rows"][0]
+    assert q8["meta"]["config"]["quantize"] == "int8"
+    # every step's roofline reads the int8 weights: fewer bytes than the full-precision target's
+    for step in ("ar_step", "verify", "draft_step"):
+        assert r[f"{step}_bytes"] < fp[f"{step}_bytes"], step
+    # an int8 target's "int8 draft" is its own forward: no extra copy
+    assert r["draft_weight_int8_bytes"] == 0 and r["draft_step_int8_bytes"] == r["draft_step_bytes"]
 
 
 def test_bench_rows_replace_on_rewrite_and_nan_becomes_null(tmp_path):

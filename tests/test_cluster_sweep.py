@@ -95,7 +95,7 @@ def _args(argv):
     return p.parse_args(argv)
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "cpu_two_models.yaml", "paper_llama8b.yaml"])
+@pytest.mark.parametrize("name", ["demo.yaml", "cpu_two_models.yaml", "paper_llama8b.yaml", "quant_four_way.yaml"])
 def test_shipped_configs_validate(name):
     spec = load_spec(ROOT / "configs" / name)
     assert spec.methods and list(spec.methods)[0] == "ar"
