@@ -17,8 +17,12 @@ CPU); elsewhere the weight is dequantised per call (correct, not faster).
 
 Two uses: a quantised *draft* (``DraftWeights``, read only by the draft forward: its rounding
 changes q, never the output) and a quantised *target* (``quantize_target_``: the model's own
-weights replaced, a new model whose ar is the reference; batch invariance is what lets its
-speculation reproduce that ar token for token).
+weights replaced, a new model whose ar is the reference). The matmul is batch-invariant bit
+for bit, so a row's linear layers do not depend on what shares the call; the attention of a
+verify (k + 1 queries) and of an AR step still differ in the last float bits, and the int8
+rounding of the next activations can turn that into a different token where the int8 model's
+top two logits nearly tie (``benchmarks/RESULTS.md``: margins of 0.07-0.09 on SmolLM2), so on
+an int8 target speculation reproduces its ar except at such near-ties, measured per sample.
 """
 from __future__ import annotations
 
