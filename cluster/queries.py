@@ -19,6 +19,8 @@ median over pairs (seeded) when there are at least ``MIN_CI_PAIRS`` pairs.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import statistics
 from collections import defaultdict
@@ -74,11 +76,23 @@ def percentile_ci(values: np.ndarray, confidence: float = 0.95) -> tuple[float, 
 
 
 # --------------------------------------------------------------------------- keys
+def twin_key(config: Mapping[str, Any] | None) -> str | None:
+    """The identity a run shares with its twin on the other target: a digest of its config
+    without ``quantize`` (two runs of one sweep that differ only in the target's weights)."""
+    if not config:
+        return None
+    blob = json.dumps({k: v for k, v in config.items() if k != "quantize"}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
 def with_run_fields(results: Iterable[Mapping[str, Any]], runs: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Result rows with their run's sampling ``temperature`` (from the run config; 0 = greedy)."""
+    """Result rows with their run's sampling ``temperature`` (from the run config; 0 = greedy)
+    and ``twin`` (``twin_key``: the same for the full-precision and the int8 run of one cell)."""
+    runs = list(runs)
     temp = {r["run_id"]: float(((r.get("config") or {}).get("sampling") or {}).get("temperature") or 0.0)
             for r in runs}
-    return [{**r, "temperature": temp.get(r["run_id"], 0.0)} for r in results]
+    twin = {r["run_id"]: twin_key(r.get("config")) for r in runs}
+    return [{**r, "temperature": temp.get(r["run_id"], 0.0), "twin": twin.get(r["run_id"])} for r in results]
 
 
 def run_k(row: Mapping[str, Any]) -> int | str | None:
@@ -389,18 +403,21 @@ def four_way(rows: Iterable[Mapping[str, Any]], *, n_boot: int = N_BOOT, seed: i
     ``speedup``: median of per-batch ``TPOT_baseline / TPOT_arm``; within one run for
     ``speculation only``, across the two runs (same batches, ``shared_batch_key``) for the
     quantised arms, so those pairs were decoded one run after the other, not interleaved.
-    ``score_delta``: mean per-sample score minus the baseline's. A setting without the
-    full-precision ar, or without any int8 run, is left out. Keys ``FOUR_WAY_KEYS``.
+    ``score_delta``: mean per-sample score minus the baseline's. Rows are grouped by their
+    run's ``twin`` (``with_run_fields``) within a setting, so an int8 run is compared with the
+    full-precision run of the same sweep cell only, never with another sweep's run at the same
+    setting; a group without both is left out. Keys ``FOUR_WAY_KEYS``.
     """
     rows = [dict(r) for r in rows]
     for r in rows:
         r.setdefault("quantize", "none")
     settings: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
-        settings[(r["benchmark"], r["model"], r.get("context_length"), int(r.get("batch_size") or 1))].append(r)
+        settings[(r["benchmark"], r["model"], r.get("context_length"), int(r.get("batch_size") or 1),
+                  r.get("twin"))].append(r)
     out: list[dict[str, Any]] = []
-    for skey in sorted(settings, key=lambda t: tuple(_sort_value(v) for v in t)):
-        rs = settings[skey]
+    for gkey in sorted(settings, key=lambda t: tuple(_sort_value(v) for v in t)):
+        rs, skey = settings[gkey], gkey[:4]
         base = [r for r in rs if r["method"] == AR and r["quantize"] == "none"]
         q_ar = [r for r in rs if r["method"] == AR and r["quantize"] != "none"]
         if not base or not q_ar:

@@ -365,3 +365,21 @@ def test_four_way_pairs_batches_across_runs_not_by_position(quant_rows):
     quant = q.four_way(rows, n_boot=100)[1]
     assert quant["speedup"] == pytest.approx(1.2)
     assert q.shared_batch_key(rows[0])[-1] == "niah_q/0"
+
+
+def test_four_way_compares_an_int8_run_with_its_own_twin_only(quant_rows):
+    """Another sweep's full-precision run at the same setting (other config, 3x slower, other
+    scores) must not enter the table: the int8 run's baseline is the run that differs from it
+    only in ``quantize``."""
+    _, rows = quant_rows
+    assert len({r["twin"] for r in rows}) == 1  # the two seeded runs are twins
+    other = []
+    for r in rows:
+        if r["quantize"] == "none":
+            st = dict(r["stats"], decode_s=3 * r["stats"]["decode_s"],
+                      batch_key=r["stats"]["batch_key"].replace(r["run_id"], "other"))
+            other.append(dict(r, run_id="other", twin="another-config", stats=st, score=0.0))
+    four = q.four_way(rows + other, n_boot=100)
+    assert [r["speedup"] for r in four] == pytest.approx([1.0, 1.6, 1.25, 1.92])
+    assert four[0]["score"] == 1.0 and four[1]["score_delta"] == pytest.approx(-0.5)
+    assert q.twin_key({"a": 1, "quantize": "int8"}) == q.twin_key({"a": 1}) != q.twin_key({"a": 2})
