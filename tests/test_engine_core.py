@@ -338,6 +338,18 @@ def _marginals(model, prompt, t, top_k, top_p, depth):
     return dists
 
 
+def assert_follows_marginals(outs, model, prompt, t, top_k, top_p, depth=3, tol=0.045):
+    """Oracle: at each of the first ``depth`` positions the sampled tokens' frequencies are within
+    ``tol`` total variation of the exact processed marginals of ``model`` (``_marginals``), and
+    no token outside top-k / top-p appears."""
+    rows = len(outs)
+    for pos, p in enumerate(_marginals(model, prompt, t, top_k, top_p, depth)):
+        counts = np.bincount([o.token_ids[pos] for o in outs], minlength=len(p))
+        tv = 0.5 * np.abs(counts / rows - p).sum()
+        assert tv < tol, f"position {pos}: total variation {tv:.3f}"
+        assert counts[p == 0].sum() == 0, f"position {pos}: a token outside top-k/top-p was emitted"
+
+
 def test_sampling_at_speculative_positions_follows_the_processed_target(small):
     t, top_k, top_p, rows = 0.7, 6, 0.85, 3000
     prompt = torch.randint(0, 12, (120,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -347,11 +359,7 @@ def test_sampling_at_speculative_positions_follows_the_processed_target(small):
     drafted = sum(o.stats["num_drafted"] for o in outs)
     accepted = sum(o.stats["num_accepted"] for o in outs)
     assert drafted > 0 and accepted < drafted, "rejections must happen for the recovery path to be tested"
-    for pos, p in enumerate(_marginals(small.model, prompt, t, top_k, top_p, 3)):
-        counts = np.bincount([o.token_ids[pos] for o in outs], minlength=12)
-        tv = 0.5 * np.abs(counts / rows - p).sum()
-        assert tv < 0.045, f"position {pos}: total variation {tv:.3f}"
-        assert counts[p == 0].sum() == 0, f"position {pos}: a token outside top-k/top-p was emitted"
+    assert_follows_marginals(outs, small.model, prompt, t, top_k, top_p)
 
 
 def test_full_index_accepts_every_sampled_draft(small):
