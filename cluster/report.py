@@ -316,8 +316,11 @@ def format_four_way(rows: Sequence[Mapping[str, Any]]) -> str:
     """Markdown: one row per (setting, speculative variant, arm); scores x100."""
     from tabulate import tabulate
 
-    body = [[_lb_cell(k, r.get(k)) if k != "lossless_against" else (r.get(k) or "- (new model)" if
-             r["arm"] == "quantisation only" else r.get(k) or "-") for k in FOUR_WAY_HEADERS] for r in rows]
+    def against(r: Mapping[str, Any]) -> str:  # which ar a losslessness claim is against
+        return r.get("lossless_against") or ("- (new model)" if r["arm"] == "quantisation only" else "-")
+
+    body = [[against(r) if k == "lossless_against" else _lb_cell(k, r.get(k)) for k in FOUR_WAY_HEADERS]
+            for r in rows]
     note = ("speedup vs baseline: median over paired batches of TPOT(full-precision ar) / TPOT(arm); the quantised "
             "arms are paired across the two runs (same batches, decoded one run after the other), speculation only "
             "within its run. vs own ar: the arm's speedup over the ar of its own target. score x100; "
