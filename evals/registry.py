@@ -92,14 +92,16 @@ class Benchmark(Protocol):
 
 
 def _load() -> dict[str, Benchmark]:
-    from evals.benchmarks import infinitebench, longbench, longbench_v2, ruler, speed
+    from evals.benchmarks import chat, infinitebench, longbench, longbench_v2, ruler, speed
 
-    entries = [longbench.benchmark, longbench_v2.benchmark, infinitebench.benchmark, ruler.benchmark, speed.benchmark]
+    entries = [longbench.benchmark, longbench_v2.benchmark, infinitebench.benchmark, ruler.benchmark, speed.benchmark,
+               chat.benchmark]
     return {b.name: b for b in entries}
 
 
 #: name -> benchmark: ``longbench``, ``longbench_v2``, ``infinitebench``, ``ruler`` (quality), ``speed``
-#: (fixed-length speed samples, no quality score: its ``score_sample`` returns None).
+#: (fixed-length speed samples) and ``chat`` (short chat and summarisation prompts): no quality
+#: score for the last two (their ``score_sample`` returns None).
 BENCHMARKS: dict[str, Benchmark] = _load()
 
 

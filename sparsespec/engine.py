@@ -149,6 +149,7 @@ class _Step:
     draft: Draft | None = None
     logits: torch.Tensor | None = None  # [B, K+1, V]
     importance: torch.Tensor | None = None  # [L, B, H_kv, K+1, S]
+    hidden: torch.Tensor | None = None  # [B, K+1, n E]: features of the drafter's want_hidden layers
     accepted: list[int] = field(default_factory=list)
     out_ids: list[list[int]] = field(default_factory=list)
     draft_s: float = 0.0
@@ -194,6 +195,7 @@ class EngineCore:
         capacity = window + self.k_max + 1
         self.cache = KVCache(m.cfg, max_num_seqs, capacity, m.dtype, m.device)  # [L, slots, H_kv, S_max, D]
         self.drafter = drafter_cls(m, self.spec, capacity, max_num_seqs, self.k_max)
+        self.want_hidden = tuple(getattr(self.drafter, "want_hidden", ()))  # layer ids whose outputs it reads
         self.costs = StepCosts()  # measured round costs, shared by the rows' controllers
         self.clock = engine.clock
         self.waiting: deque[_Request] = deque()
@@ -274,12 +276,14 @@ class EngineCore:
             self.cache.lengths[req.slot] = 0
             view = self.cache.row(req.slot)
             prompt = torch.tensor([req.prompt], dtype=torch.long, device=dev)  # [1, P]
-            logits, imp = m.prefill(prompt, view, chunk_size=self.prefill_chunk,
-                                    want_rows=self.drafter.want_rows_prefill)  # [1, V], [L, 1, H_kv, W, P]
+            logits, imp, feats = m.prefill_features(prompt, view, chunk_size=self.prefill_chunk,
+                                                    want_rows=self.drafter.want_rows_prefill,
+                                                    hidden_layers=self.want_hidden)  # [1, V], [L, 1, H_kv, W, P]
             self.cache.lengths[req.slot] = view.lengths[0]
             logits = _min_tokens_mask(logits[:, None], [req], [0])[:, 0]
             first = int(BatchSampling([req.params], [req.generator]).sample(logits)[0])  # SYNC: first token
-            self.drafter.prefill_row(req.slot, self.cache, imp, req.prompt)  # a draft model's prefill: TTFT
+            extra = {"hidden": feats} if self.want_hidden else {}  # [1, P, n E] features (eagle3)
+            self.drafter.prefill_row(req.slot, self.cache, imp, req.prompt, **extra)  # a draft model's prefill: TTFT
             now = self.clock()
             req.stats.prefill_s = now - t0
             req.stats.ttft_s = now - req.arrival_s
@@ -316,7 +320,8 @@ class EngineCore:
         draft = st.draft
         inp = torch.cat([pending, draft.token_ids], dim=1)  # [B, K + 1]
         want = self.drafter.want_rows and inp.shape[1]
-        logits, st.importance = self.model.forward_dense(inp, st.cache, want_rows=want)  # [B, K+1, V]
+        logits, st.importance, st.hidden = self.model.forward_dense_features(
+            inp, st.cache, self.want_hidden, want_rows=want)  # [B, K+1, V], rows, [B, K+1, n E] or None
         logits = _min_tokens_mask(logits, st.rows, [len(r.out) for r in st.rows])
         n_draft = torch.tensor(draft.num_draft, device=inp.device)  # [B]
         if st.sampling.all_greedy:
@@ -334,7 +339,8 @@ class EngineCore:
         st.cache.rollback([base[b] + 1 + a for b, a in enumerate(st.accepted)])  # pending + accepted stay
         self.cache.lengths[: len(st.rows)] = st.cache.lengths
         t0 = self.clock()
-        self.drafter.commit(st.cache, st.importance, [a + 1 for a in st.accepted])  # window push + rebuild
+        extra = {"hidden": st.hidden} if self.want_hidden else {}
+        self.drafter.commit(st.cache, st.importance, [a + 1 for a in st.accepted], **extra)  # window push + rebuild
         st.index_s = self.clock() - t0
 
     # phase: record ---------------------------------------------------------------------

@@ -238,10 +238,12 @@ class Transformer(torch.nn.Module):
 
     # ------------------------------------------------------------------ forwards
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, attend, logits_for: str,
-             weights: DraftWeights | None = None):
+             weights: DraftWeights | None = None, hidden_layers: tuple[int, ...] = (),
+             features: list[torch.Tensor] | None = None):
         """Shared layer loop; ``attend(i, q, k, v)`` returns ``[B, H, T, D]``. ``weights``: the
         linear weights to read instead of the model's own (a quantised draft copy); the
-        embedding and the norms are always the model's."""
+        embedding and the norms are always the model's. ``hidden_layers``: layer ids whose
+        output hidden states ``[B, T, E]`` are appended to ``features`` (in that order)."""
         B, T = input_ids.shape
         h = F.embedding(input_ids, self.embed)  # [B, T, E]
         cos, sin = self._rope(positions)  # [B, 1, T, D]
@@ -252,10 +254,24 @@ class Transformer(torch.nn.Module):
             a = attend(i, q, k, v)  # [B, H, T, D]
             h = h + linear(a.transpose(1, 2).reshape(B, T, -1), lw.wo)
             h = h + self._mlp(lw, self._rms(h, layer.ln_mlp))
+            if i in hidden_layers:
+                features.append(h)
+        if hidden_layers:  # reorder to the requested order
+            order = sorted(set(hidden_layers))
+            features[:] = [features[order.index(j)] for j in hidden_layers]
         if logits_for == "last":
             h = h[:, -1:]
         h = self._rms(h, self.norm)
         return linear(h, self.lm_head if weights is None else weights.lm_head).float()  # [B, T or 1, V]
+
+    def check_hidden_layers(self, hidden_layers) -> tuple[int, ...]:
+        """``hidden_layers`` as a tuple of layer ids in ``[0, L)`` (``ValueError`` otherwise; a
+        layer may repeat: a shallow model's low and middle feature layers can coincide)."""
+        ids = tuple(int(i) for i in hidden_layers)
+        L = self.cfg.num_layers
+        if any(not 0 <= i < L for i in ids):
+            raise ValueError(f"hidden layer ids must be in [0, {L}), got {list(hidden_layers)}")
+        return ids
 
     def quantize_(self, kind: str) -> Transformer:
         """Quantise this model's linear weights in place (``sparsespec.quant.quantize_target_``):
@@ -282,6 +298,13 @@ class Transformer(torch.nn.Module):
 
     @torch.inference_mode()
     def forward_dense(self, input_ids: torch.Tensor, cache: KVCache, want_rows: int = 0, logits_for: str = "all"):
+        """``forward_dense_features`` without features: returns ``(logits, rows)``."""
+        logits, rows, _ = self.forward_dense_features(input_ids, cache, (), want_rows, logits_for)
+        return logits, rows
+
+    @torch.inference_mode()
+    def forward_dense_features(self, input_ids: torch.Tensor, cache: KVCache, hidden_layers: tuple[int, ...] = (),
+                               want_rows: int = 0, logits_for: str = "all"):
         """Append ``input_ids`` ``[B, T]`` at each row's length with full causal attention.
 
         Rows may have different lengths (ragged batch): row ``b``'s tokens take positions
@@ -290,8 +313,14 @@ class Transformer(torch.nn.Module):
         ``want_rows``, importance rows ``[L, B, H_kv, want_rows, S]`` float32 for the last
         ``want_rows`` queries of each row (S = the longest new row length). Advances every
         row's length by T.
+
+        Also returns ``features`` ``[B, T, len(hidden_layers) * E]`` (the model's dtype): the output
+        hidden states of the layers ``hidden_layers`` at every new position, concatenated in that
+        order (what an EAGLE-3 head reads), or None when ``hidden_layers`` is empty.
         """
         B, T = input_ids.shape
+        hidden_layers = self.check_hidden_layers(hidden_layers)
+        feats: list[torch.Tensor] = []
         starts = list(cache.lengths)
         cache.reserve(T)
         S = max(starts) + T
@@ -342,19 +371,27 @@ class Transformer(torch.nn.Module):
                 all_rows.append(rows)
             return out
 
-        logits = self._run(input_ids, positions, attend, logits_for)
+        logits = self._run(input_ids, positions, attend, logits_for, hidden_layers=hidden_layers, features=feats)
         cache.lengths = [s + T for s in starts]
+        features = torch.cat(feats, dim=-1) if hidden_layers else None  # [B, T, n * E]
         if fused:
-            return logits, rows_buf
+            return logits, rows_buf, features
         rows = torch.stack(all_rows) if want_rows else None  # [L, B, H_kv, W, S]
-        return logits, rows
+        return logits, rows, features
 
     def prefill(self, input_ids: torch.Tensor, cache: KVCache, chunk_size: int = 512, want_rows: int = 0):
+        """``prefill_features`` without features: returns ``(logits, rows)``."""
+        logits, rows, _ = self.prefill_features(input_ids, cache, chunk_size, want_rows)
+        return logits, rows
+
+    def prefill_features(self, input_ids: torch.Tensor, cache: KVCache, chunk_size: int = 512, want_rows: int = 0,
+                         hidden_layers: tuple[int, ...] = ()):
         """Chunked prefill of ``input_ids`` ``[B, P]``: attention memory is O(chunk * P).
 
         Returns last-position logits ``[B, V]`` and rows ``[L, B, H_kv, min(want_rows, P), S]`` of
         the last ``want_rows`` prompt queries, whatever the chunk boundaries (the last chunk is
-        made at least that long, see ``prefill_chunks``).
+        made at least that long, see ``prefill_chunks``), and the features ``[B, P, n * E]`` of
+        ``hidden_layers`` at every prompt position (None when empty; ``forward_dense_features``).
         """
         P = input_ids.shape[1]
         if P == 0:
@@ -362,11 +399,13 @@ class Transformer(torch.nn.Module):
         want = min(want_rows, P)
         bounds = prefill_chunks(P, chunk_size, want)
         logits = rows = None
+        feats = []
         for i, (s, e) in enumerate(bounds):
             last = i == len(bounds) - 1
-            logits, rows = self.forward_dense(input_ids[:, s:e], cache, want_rows=want if last else 0,
-                                              logits_for="last")
-        return logits[:, -1], rows
+            logits, rows, f = self.forward_dense_features(input_ids[:, s:e], cache, hidden_layers,
+                                                          want_rows=want if last else 0, logits_for="last")
+            feats.append(f)
+        return logits[:, -1], rows, (torch.cat(feats, dim=1) if hidden_layers else None)
 
     @torch.inference_mode()
     def forward_draft(self, input_ids: torch.Tensor, positions: torch.Tensor, dkv: DraftKV,

@@ -81,3 +81,53 @@ def tiny_model_like(folder: Path, preset: str = "smollm2-135m", *, seed: int = 0
         if (src / name).exists():
             shutil.copy(src / name, folder / name)
     return folder
+
+
+_EAGLE3_HEADS: dict[int, tuple] = {}  # id(model) -> (model, folder): the model is kept so its id is not reused
+
+
+def greedy_windows(model, n: int, seq_len: int, seed: int) -> torch.Tensor:
+    """``[n, seq_len]`` windows: a random first half, then the model's greedy continuation."""
+    from sparsespec.kv.cache import KVCache
+
+    g = torch.Generator().manual_seed(seed)
+    half = seq_len // 2
+    ids = torch.randint(0, model.cfg.vocab_size, (n, half), generator=g)
+    with torch.inference_mode():
+        cache = KVCache(model.cfg, n, seq_len, model.dtype, model.device)
+        logits, _ = model.forward_dense(ids, cache, logits_for="last")
+        out = [ids]
+        for _ in range(seq_len - half):
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
+            out.append(nxt)
+            logits, _ = model.forward_dense(nxt, cache)
+    return torch.cat(out, dim=1)[:, :seq_len]
+
+
+def eagle3_head(model, *, windows: int = 24, seq_len: int = 64, steps: int = 300, draft_vocab: int | None = None,
+                seed: int = 0, lr: float = 3e-3) -> str:
+    """The folder of an EAGLE-3 head trained (``sparsespec.train_eagle3``, a few seconds on a tiny
+    model) on ``model``'s own greedy continuations of random prompts, saved in the checkpoint
+    format; made once per model object per test process. ``draft_vocab`` below the vocabulary
+    exercises the draft-to-target map (ids outside it are never drafted)."""
+    import tempfile
+
+    from sparsespec.eagle3 import Eagle3Config
+    from sparsespec.train_eagle3 import TrainConfig, choose_draft_vocab, init_head, teacher_pass, train
+
+    key = id(model)
+    if key in _EAGLE3_HEADS:
+        return _EAGLE3_HEADS[key][1]
+    V = model.cfg.vocab_size
+    data = greedy_windows(model, windows, seq_len, seed)
+    aux = Eagle3Config.for_target(model.cfg, 1).aux_layers
+    feats, finals, argmax = teacher_pass(model, data, aux)
+    vocab = choose_draft_vocab(argmax, draft_vocab or V, V, [t for t in model.cfg.eos_token_ids if t < V])
+    head = init_head(model, vocab, seed)
+    train(head, feats, finals, data, TrainConfig(seq_len=seq_len, batch_size=8, steps=steps, minutes=5, lr=lr,
+                                                warmup=5, draft_vocab=int(vocab.numel()), seed=seed), log=lambda *_: None)
+    head.requires_grad_(False)
+    folder = Path(tempfile.mkdtemp(prefix="eagle3-head-"))
+    head.save(folder / "head")
+    _EAGLE3_HEADS[key] = (model, str(folder / "head"))
+    return _EAGLE3_HEADS[key][1]

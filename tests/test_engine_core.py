@@ -19,7 +19,7 @@ from sparsespec import METHODS, Engine, SamplingParams
 from sparsespec.kv.cache import KVCache
 from sparsespec.kv.index import build_index
 from sparsespec.model import Transformer, prefill_chunks
-from tests.helpers import write_tiny_llama
+from tests.helpers import eagle3_head, write_tiny_llama
 
 V = 48
 SPARSE = {"k": 3, "min_budget": 40, "max_budget": 40, "n_sink": 4, "n_recent": 8, "window": 8}
@@ -111,6 +111,8 @@ def test_mixed_sampling_batch_keeps_greedy_rows_identical_to_ar(engine, method):
     prompts = [_prompt(200, 10), _prompt(170, 11), _prompt(120, 12)]
     ref = _ar(engine, prompts[0], 16, ignore_eos=True).token_ids
     opts = {} if method == "ar" else dict(SPARSE)
+    if method == "eagle3":
+        opts["draft_model"] = eagle3_head(engine.model)
     core = engine.core(method, opts, max_num_seqs=3, max_model_len=300)
     core.add_request("g", prompts[0], SamplingParams(max_new_tokens=16, ignore_eos=True))
     core.add_request("s1", prompts[1], SamplingParams(max_new_tokens=12, temperature=0.8, top_k=10, seed=1,

@@ -8,6 +8,7 @@ import torch
 from sparsespec import METHODS
 from sparsespec.config import SamplingParams
 from sparsespec.shapes import random_engine
+from tests.helpers import eagle3_head
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,8 @@ def test_every_method_matches_ar_under_min_new_tokens(engine, method):
     stops = sorted({free[0].token_ids[2], free[1].token_ids[3]})
     kw = dict(max_new_tokens=16, eos_token_ids=[], stop_token_ids=stops, min_new_tokens=6)
     ar = engine.generate(prompts, method="ar", **kw)
-    got = engine.generate(prompts, method=method, method_options={"k": 4}, **kw)
+    opts = {"k": 4, **({"draft_model": eagle3_head(engine.model, draft_vocab=256)} if method == "eagle3" else {})}
+    got = engine.generate(prompts, method=method, method_options=opts, **kw)
     assert [o.token_ids for o in got] == [o.token_ids for o in ar]
     assert all(t not in stops for o in ar for t in o.token_ids[:6])
     assert sum(o.stats["num_drafted"] for o in got) > 0  # drafted: the check is conclusive

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from helpers import tiny_model_like, write_tiny_llama
+from helpers import eagle3_head, tiny_model_like, write_tiny_llama
 from sparsespec import METHODS, Engine
 from sparsespec.model import Transformer
 from sparsespec.kv.cache import KVCache
@@ -114,6 +114,8 @@ def test_greedy_speculation_on_an_int8_target_equals_its_own_ar(engine, method, 
                                                     max_pos=1024, seed=0, scale=0.5, embed_scale=1.0)), "k": 3}
     elif method == "ngram":
         opts = {"k": 3}
+    elif method == "eagle3":  # a head trained on the int8 target itself
+        opts["draft_model"] = eagle3_head(engine.model)
     prompts = [_prompt(190, 20), _prompt(130, 21), _prompt(75, 22)]
     if method == "ngram":  # repeated text, so the lookup finds something to propose
         prompts = [(p[:30] * 7)[:n] for p, n in zip(prompts, (190, 130, 75))]

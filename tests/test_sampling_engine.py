@@ -12,7 +12,7 @@ import torch
 from sparsespec import METHODS, Engine
 from sparsespec.kv.cache import KVCache
 from sparsespec.model import Transformer
-from tests.helpers import write_tiny_llama
+from tests.helpers import eagle3_head, write_tiny_llama
 
 pytestmark = pytest.mark.slow
 
@@ -59,6 +59,8 @@ def test_sampled_tokens_follow_the_target_distribution(tiny, method):
     opts = {"k": 3, "min_budget": 40, "max_budget": 40, "n_sink": 4, "n_recent": 8, "window": 8}
     if method == "draft-model":
         opts["draft_model"] = draft_folder
+    elif method == "eagle3":  # a draft vocabulary smaller than the target's: q is 0 outside it
+        opts["draft_model"] = eagle3_head(engine.model, draft_vocab=V - 8)
     outs = engine.generate([prompt] * ROWS, method=method, method_options=opts, max_new_tokens=4, temperature=T,
                            seed=11, ignore_eos=True)
     drafted = sum(o.stats["num_drafted"] for o in outs)

@@ -54,6 +54,10 @@ class Drafter(Protocol):
     want_rows: int
     #: importance rows of the prompt's last queries handed to ``prefill_row``; 0 = none
     want_rows_prefill: int
+    #: target layers whose output hidden states (``Transformer.forward_dense_features``) the
+    #: drafter reads: when non-empty, ``prefill_row`` and ``commit`` also get ``hidden=``, the
+    #: features ``[B, T, n E]`` of the prompt / the verified positions (EAGLE-3); () = none
+    want_hidden: tuple[int, ...]
 
     def prefill_row(self, b: int, cache: KVCache, rows: torch.Tensor | None, prompt: Sequence[int]) -> None:
         """Initialise slot ``b`` (a new request) from its prefilled cache, its prompt's last
@@ -89,6 +93,7 @@ class NullDrafter:
 
     want_rows = 0
     want_rows_prefill = 0
+    want_hidden = ()
 
     def __init__(self, model, spec: SpecConfig | None, capacity: int, max_num_seqs: int, max_k: int):
         self.max_num_seqs = max_num_seqs

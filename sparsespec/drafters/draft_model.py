@@ -91,6 +91,7 @@ class DraftModelDrafter:
 
     want_rows = 0
     want_rows_prefill = 0
+    want_hidden = ()
 
     def __init__(self, model: Transformer, spec: SpecConfig, capacity: int, batch_size: int, max_k: int):
         if spec.draft_model is None:

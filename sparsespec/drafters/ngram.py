@@ -53,6 +53,7 @@ def ngram_propose(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list
 class NgramDrafter:
     want_rows = 0
     want_rows_prefill = 0
+    want_hidden = ()
 
     def __init__(self, model, spec: SpecConfig, capacity: int, batch_size: int, max_k: int):
         self.spec = spec

@@ -38,6 +38,7 @@ class _IndexedSelfDrafter(ABC):
 
     want_rows = 0
     want_rows_prefill = 0
+    want_hidden = ()
     supports_draft_weights = True  # the draft forward may read an int8 copy (``spec.draft_weights``)
 
     def __init__(self, model: Transformer, spec: SpecConfig, capacity: int, batch_size: int, max_k: int):

@@ -1,0 +1,359 @@
+"""``eagle3`` on tiny random-weight models, each check against an independent oracle.
+
+Oracles: greedy AR (losslessness); the training-time-test forward of ``sparsespec.train_eagle3``
+(what drafting j tokens after a pair sees must equal the unrolled training step j); a fresh
+dense forward of the target over the committed sequence (the head's cache after every rollback
+and the features it keeps); the checkpoint written back in the published layouts (EAGLE's
+``midlayer.*`` in ``pytorch_model.bin``, SpecForge's ``layers.0.*`` in safetensors).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from sparsespec import METHODS, Engine, SamplingParams
+from sparsespec.drafters.eagle3 import Eagle3Drafter, resolve_head
+from sparsespec.eagle3 import Eagle3Config, Eagle3Head, default_aux_layers
+from sparsespec.kv.cache import KVCache
+from sparsespec.model import Transformer
+from sparsespec.train_eagle3 import TrainConfig, choose_draft_vocab, init_head, teacher_pass, ttt_forward
+from tests.helpers import eagle3_head, greedy_windows, write_tiny_llama
+
+V = 48
+DRAFT_V = 40  # < V: the draft-to-target map is not the identity
+
+
+class _Tok:
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def _model(folder, seed=0):
+    """Small weights: a smooth target a head can learn in seconds (a scale-0.5 random model is
+    too chaotic for 80 steps on 1.5K tokens)."""
+    return Transformer.from_folder(write_tiny_llama(folder, vocab_size=V, hidden=32, intermediate=64, layers=4,
+                                                    max_pos=1024, seed=seed, scale=0.15, embed_scale=1.0,
+                                                    eos_token_id=V + 7))
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    model = _model(tmp_path_factory.mktemp("tiny") / "m")
+    model.source_folder = None
+    return Engine(model, _Tok(), "tiny")
+
+
+@pytest.fixture(scope="module")
+def head_dir(engine):
+    return eagle3_head(engine.model, draft_vocab=DRAFT_V)
+
+
+@pytest.fixture(scope="module")
+def head(engine, head_dir):
+    return Eagle3Head.load(head_dir, engine.model.cfg, embed=engine.model.embed)
+
+
+def _prompt(n, seed):
+    return torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _opts(head_dir, **kw):
+    return {"draft_model": head_dir, **kw}
+
+
+# ------------------------------------------------------------------ registry and defaults
+def test_eagle3_is_a_registered_method_with_the_published_feature_layers():
+    assert "eagle3" in METHODS
+    assert default_aux_layers(32) == (1, 15, 28)  # Llama-3.1-8B: the official low / middle / high layers
+    assert default_aux_layers(30) == (1, 14, 26)  # SmolLM2-135M
+    assert default_aux_layers(4) == (0, 1, 3)
+
+
+def test_missing_head_names_the_trainer(engine, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARSESPEC_CACHE", str(tmp_path))
+    m = engine.model
+    m.source_folder = tmp_path / "smollm2-135m"
+    try:
+        with pytest.raises(ValueError, match="train_eagle3 --model smollm2-135m"):
+            resolve_head(m, None)
+    finally:
+        m.source_folder = None
+    with pytest.raises(ValueError, match="built in memory"):
+        resolve_head(m, None)
+    with pytest.raises(ValueError, match="no such folder"):
+        resolve_head(m, str(tmp_path / "nope"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="could not be fetched"):
+        resolve_head(m, "someone/not-a-local-folder")
+
+
+# ------------------------------------------------------------------ checkpoint format
+def _same_head(a: Eagle3Head, b: Eagle3Head):
+    assert a.cfg == b.cfg
+    ta, tb = a.state_tensors(), b.state_tensors()
+    assert ta.keys() == tb.keys()
+    for n in ta:
+        assert torch.equal(ta[n], tb[n]), n
+
+
+def test_save_load_round_trip(engine, head, tmp_path):
+    head.save(tmp_path / "copy", {"note": "x"})
+    again = Eagle3Head.load(tmp_path / "copy", engine.model.cfg, embed=engine.model.embed)
+    _same_head(head, again)
+    cfg = json.loads((tmp_path / "copy" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == DRAFT_V
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 3] and cfg["sparsespec"] == {"note": "x"}
+    assert again.embed is engine.model.embed  # the target's embedding, shared, not copied
+
+
+def _forward(h: Eagle3Head, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (2, 5), generator=g)
+    feats = torch.randn(2, 5, 3 * h.cfg.target_hidden_size, generator=g)
+    cache = KVCache(h.lcfg, 2, 16, h.dtype, "cpu")
+    return h.target_logits(h.draft_logits(h.forward_cached(ids, h.fuse(feats), cache)))
+
+
+@pytest.mark.parametrize("layout", ["eagle-bin", "specforge-safetensors"])
+def test_official_checkpoint_layouts_load_to_the_same_head(engine, head, tmp_path, layout):
+    tensors = head.state_tensors()
+    raw = head.cfg.to_hf_config()
+    folder = tmp_path / layout
+    folder.mkdir()
+    if layout == "eagle-bin":  # EAGLE's release: midlayer.* in pytorch_model.bin, no aux-layer ids in the config
+        raw.pop("eagle_config")
+        raw["architectures"] = ["LlamaForCausalLMEagle3"]
+        torch.save(tensors, folder / "pytorch_model.bin")
+    else:  # SpecForge: layers.0.*, its own embed_tokens copy, t2d left out (derived from d2t)
+        tensors = {k.replace("midlayer.", "layers.0."): v for k, v in tensors.items() if k != "t2d"}
+        tensors["embed_tokens.weight"] = engine.model.embed.detach().clone()
+        save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(raw))
+    loaded = Eagle3Head.load(folder, engine.model.cfg, embed=engine.model.embed)
+    _same_head(head, loaded)
+    torch.testing.assert_close(_forward(loaded), _forward(head), rtol=0, atol=0)
+
+
+def test_bad_checkpoints_are_named(engine, head, tmp_path):
+    cfg = engine.model.cfg
+
+    def write(name, tensors=None, raw=None):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(raw if raw is not None else head.cfg.to_hf_config()))
+        if tensors is not None:
+            save_file(tensors, str(folder / "model.safetensors"))
+        return folder
+
+    t = head.state_tensors()
+    with pytest.raises(ValueError, match="no .*safetensors or pytorch_model.bin"):
+        Eagle3Head.load(write("noweights"), cfg, embed=engine.model.embed)
+    with pytest.raises(ValueError, match="'midlayer.mlp.down_proj.weight' missing"):
+        Eagle3Head.load(write("missing", {k: v for k, v in t.items() if "down_proj" not in k}), cfg,
+                        embed=engine.model.embed)
+    with pytest.raises(ValueError, match=r"fc.weight has shape \(32, 95\)"):
+        Eagle3Head.load(write("shape", {**t, "fc.weight": t["fc.weight"][:, :95].contiguous()}), cfg,
+                        embed=engine.model.embed)
+    bad_map = t["d2t"].clone()
+    bad_map[1] = bad_map[0] - 1  # draft ids 0 and 1 -> the same target id
+    with pytest.raises(ValueError, match="d2t does not map"):
+        Eagle3Head.load(write("map", {**t, "d2t": bad_map}), cfg, embed=engine.model.embed)
+    raw = head.cfg.to_hf_config() | {"vocab_size": V + 1}
+    with pytest.raises(ValueError, match="vocab_size 49 != the target's 48"):
+        Eagle3Head.load(write("vocab", t, raw), cfg, embed=engine.model.embed)
+    with pytest.raises(ValueError, match="not an EAGLE-3 head"):
+        Eagle3Head.load(write("arch", t, head.cfg.to_hf_config() | {"architectures": ["LlamaForCausalLM"]}), cfg,
+                        embed=engine.model.embed)
+    with pytest.raises(ValueError, match="no config.json"):
+        Eagle3Head.load(tmp_path, cfg, embed=engine.model.embed)
+
+
+# ------------------------------------------------------------------ the draft-to-target map
+def test_draft_to_target_map(head):
+    d2t_ids = head.draft_to_target
+    assert d2t_ids.tolist() == sorted(d2t_ids.tolist()) and d2t_ids.numel() == DRAFT_V
+    assert head.t2d.sum() == DRAFT_V and head.t2d[d2t_ids].all()
+    draft_logits = torch.randn(3, DRAFT_V)
+    full = head.target_logits(draft_logits)  # [3, V]
+    assert torch.equal(full[:, d2t_ids], draft_logits)
+    assert (full[:, ~head.t2d] == -1e30).all()
+    assert torch.equal(full.argmax(-1), d2t_ids[draft_logits.argmax(-1)])
+    # choose_draft_vocab: the most frequent predictions, ties to the lower id, forced ids kept
+    am = torch.tensor([5, 5, 5, 7, 7, 9, 2])
+    assert choose_draft_vocab(am, 3, 12, always=[11]).tolist() == [5, 7, 11]
+    assert choose_draft_vocab(am, 4, 12).tolist() == [2, 5, 7, 9]
+
+
+def test_drafted_tokens_stay_in_the_draft_vocabulary(engine, head_dir, head):
+    prompts = [_prompt(90, 3), _prompt(60, 4)]
+    outs = engine.generate(prompts, method="eagle3", method_options=_opts(head_dir, k=3), max_new_tokens=12,
+                           temperature=1.0, seed=3, ignore_eos=True)
+    core = engine.core("eagle3", _opts(head_dir, k=3), max_num_seqs=1, max_model_len=200)
+    core.add_request("r", prompts[0], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    drafted = []
+    real_propose = core.drafter.propose
+
+    def spy(*a, **kw):
+        d = real_propose(*a, **kw)
+        drafted.extend(d.token_ids[0, : d.num_draft[0]].tolist())
+        return d
+
+    core.drafter.propose = spy
+    while core.has_unfinished_requests():
+        core.step()
+    assert drafted and all(bool(head.t2d[t]) for t in drafted)
+    assert all(len(o.token_ids) == 12 for o in outs)
+
+
+# ------------------------------------------------------------------ inference == training-time test
+def test_drafting_j_tokens_equals_the_unrolled_training_step_j(engine, head):
+    """Prefill pairs 0..t, then draft with the head's own hidden: step j's logits must equal
+    ``ttt_forward``'s step j at position t (the training mask, positions and feedback)."""
+    model = engine.model
+    ids = torch.tensor([_prompt(20, 9)])
+    feats, _, _ = teacher_pass(model, ids, head.cfg.aux_layers)
+    with torch.no_grad():
+        want = ttt_forward(head, feats, ids, steps=3)  # 3 x [1, 19, V_d]
+    for t in (0, 4, 11, 15):
+        cache = KVCache(head.lcfg, 1, 32, head.dtype, "cpu")
+        out = head.forward_cached(ids[:, 1 : t + 2], head.fuse(feats[:, : t + 1]), cache)  # pairs 0..t
+        h = out[:, -1:]
+        for j in range(3):
+            if j:
+                h = head.forward_cached(ids[:, t + j + 1 : t + j + 2], h, cache)
+            torch.testing.assert_close(head.draft_logits(h[:, 0]), want[j][:, t], rtol=1e-4, atol=1e-4)
+
+
+def test_training_raises_agreement_over_the_untrained_head(engine, head):
+    model = engine.model
+    ids = greedy_windows(model, 8, 64, seed=100)  # held out: other random prompts than the head's
+    feats, finals, argmax = teacher_pass(model, ids, head.cfg.aux_layers)
+    from sparsespec.train_eagle3 import held_out_agreement
+
+    fresh = init_head(model, head.draft_to_target.clone())
+    before = held_out_agreement(fresh, feats, finals, ids, 2)
+    after = held_out_agreement(head, feats, finals, ids, 2)
+    assert after[0] > before[0] + 0.1 and after[1] > before[1] + 0.1, (before, after)
+
+
+# ------------------------------------------------------------------ losslessness and rollback
+@pytest.mark.parametrize("k", [1, 3, "auto"])
+def test_greedy_is_token_identical_to_ar(engine, head_dir, k):
+    prompts = [_prompt(150, 1), _prompt(97, 2), _prompt(40, 3)]
+    refs = [engine.generate([p], method="ar", max_new_tokens=20, ignore_eos=True)[0].token_ids for p in prompts]
+    one = engine.generate(prompts[:1], method="eagle3", method_options=_opts(head_dir, k=k), max_new_tokens=20,
+                          ignore_eos=True)[0]
+    assert one.token_ids == refs[0]
+    ragged = engine.generate(prompts, method="eagle3", method_options=_opts(head_dir, k=k), max_new_tokens=20,
+                             ignore_eos=True)
+    assert [o.token_ids for o in ragged] == refs
+    drafted = one.stats["num_drafted"] + sum(o.stats["num_drafted"] for o in ragged)
+    accepted = one.stats["num_accepted"] + sum(o.stats["num_accepted"] for o in ragged)
+    assert 0 < accepted < drafted, "both the accepted and the rejected path must run"
+    assert one.stats["draft_weight_bytes"] == 0  # no int8 copy of the target: the report's label stays plain
+    from cluster.queries import run_draft_weights
+
+    assert run_draft_weights({"method": "eagle3", "stats": one.stats}) == "target"
+
+
+def test_head_cache_after_each_rollback_equals_a_fresh_forward(engine, head_dir, head):
+    core = engine.core("eagle3", _opts(head_dir, k=4), max_num_seqs=2, max_model_len=300)
+    prompts = {"a": _prompt(120, 5), "b": _prompt(70, 6), "c": _prompt(30, 7)}
+    n_new = {"a": 18, "b": 7, "c": 12}
+    for r in ("a", "b", "c"):  # c waits for a slot, then takes b's (compaction moves the drafter state)
+        core.add_request(r, prompts[r], SamplingParams(max_new_tokens=n_new[r], ignore_eos=True))
+    d: Eagle3Drafter = core.drafter
+    model = engine.model
+    checked = accepted = 0
+    while core.has_unfinished_requests():
+        for out in core.step():
+            if out.finished:
+                accepted += out.output.stats["num_accepted"]
+        for req in core.running:
+            committed = req.prompt + req.out[:-1]
+            n, b = len(committed), req.slot
+            valid = d.valid[b]
+            assert valid + d._npending(b) == n == core.cache.lengths[b]
+            cache = KVCache(model.cfg, 1, n, model.dtype, "cpu")
+            _, _, feats = model.prefill_features(torch.tensor([committed]), cache, hidden_layers=head.cfg.aux_layers)
+            torch.testing.assert_close(torch.cat(d.pending[b]), feats[0, valid:n], rtol=1e-4, atol=1e-5)
+            if valid:
+                fresh = KVCache(head.lcfg, 1, n, head.dtype, "cpu")
+                head.forward_cached(torch.tensor([committed[1 : valid + 1]]), head.fuse(feats[:, :valid]), fresh)
+                torch.testing.assert_close(d.hcache.k[0, b, :, :valid], fresh.k[0, 0, :, :valid], rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(d.hcache.v[0, b, :, :valid], fresh.v[0, 0, :, :valid], rtol=1e-4, atol=1e-5)
+                checked += 1
+    assert checked > 10 and accepted > 0
+
+
+def test_steps_without_a_draft_keep_the_features(engine, head_dir):
+    """Rows whose budget leaves no draft (max_new_tokens 2: the last step drafts nothing) and a
+    k=1 row that never drafts past its budget still commit features, so a later step is exact."""
+    prompts = [_prompt(50, 11), _prompt(80, 12)]
+    refs = [engine.generate([p], method="ar", max_new_tokens=n, ignore_eos=True)[0].token_ids
+            for p, n in zip(prompts, (2, 15))]
+    core = engine.core("eagle3", _opts(head_dir, k=1), max_num_seqs=2, max_model_len=200)
+    core.add_request("short", prompts[0], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    core.add_request("long", prompts[1], SamplingParams(max_new_tokens=15, ignore_eos=True))
+    got = {}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            if out.finished:
+                got[out.request_id] = out.output.token_ids
+    assert [got["short"], got["long"]] == refs
+
+
+def test_unseen_shapes_are_refused(engine, tmp_path):
+    other = _model(tmp_path / "wide", seed=1)
+    bigger = Transformer.from_folder(write_tiny_llama(tmp_path / "w2", vocab_size=V, hidden=48, intermediate=64,
+                                                      layers=4, heads=4, max_pos=1024))
+    h = init_head(other, torch.arange(V))
+    h.requires_grad_(False)
+    h.save(tmp_path / "h")
+    with pytest.raises(ValueError, match="target_hidden_size 32 != the target's hidden_size 48"):
+        Eagle3Head.load(tmp_path / "h", bigger.cfg, embed=bigger.embed)
+    shutil.rmtree(tmp_path / "h")
+
+
+def test_train_config_is_validated():
+    with pytest.raises(ValueError, match="seq_len must be at least"):
+        TrainConfig(seq_len=3, ttt_steps=3)
+    with pytest.raises(ValueError, match="steps must be a positive integer"):
+        TrainConfig(steps=0)
+    with pytest.raises(ValueError, match="three feature layers"):
+        Eagle3Config(hidden_size=8, intermediate_size=8, num_heads=2, num_kv_heads=1, head_dim=4, vocab_size=8,
+                     draft_vocab_size=8, target_hidden_size=8, aux_layers=(0, 1))
+
+
+def test_features_are_the_layer_outputs_transformers_reports(tmp_path):
+    """``forward_dense_features`` / ``prefill_features`` against transformers'
+    ``output_hidden_states`` (``hidden_states[i + 1]`` is layer i's output, but the last), in the requested
+    order, repeats allowed, over a chunked prefill and a ragged verify-shaped batch."""
+    from transformers import AutoModelForCausalLM
+
+    folder = write_tiny_llama(tmp_path / "m", vocab_size=V, hidden=32, intermediate=64, layers=4, max_pos=1024,
+                              seed=3, scale=0.3, embed_scale=1.0)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = Transformer.from_folder(folder)
+    ids = torch.tensor([_prompt(40, 21)])
+    with torch.no_grad():
+        hs = hf(ids, output_hidden_states=True).hidden_states
+    layers = (2, 0, 1, 1)  # (transformers' last entry is after the final norm: layer 3 is not comparable)
+    cache = KVCache(model.cfg, 1, 48, model.dtype, "cpu")
+    _, _, got = model.prefill_features(ids, cache, chunk_size=16, hidden_layers=layers)
+    torch.testing.assert_close(got[0, :, :96], torch.cat([hs[3], hs[1], hs[2]], dim=-1)[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[0, :, 96:], hs[2][0], rtol=1e-4, atol=1e-4)
+    # ragged: row 0 continues the prompt by 3 tokens, row 1 is the prompt's first 30 + 3
+    cache = KVCache(model.cfg, 2, 48, model.dtype, "cpu")
+    model.prefill(ids[:, :37], cache.row(0))
+    model.prefill(ids[:, :27], cache.row(1))
+    cache.lengths = [37, 27]
+    _, _, f = model.forward_dense_features(torch.stack([ids[0, 37:40], ids[0, 27:30]]), cache, (1,))
+    torch.testing.assert_close(f[0], hs[2][0, 37:40], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(f[1], hs[2][0, 27:30], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match=r"hidden layer ids must be in \[0, 4\)"):
+        model.forward_dense_features(ids, KVCache(model.cfg, 1, 48, model.dtype, "cpu"), (4,))
