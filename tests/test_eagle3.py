@@ -357,3 +357,23 @@ def test_features_are_the_layer_outputs_transformers_reports(tmp_path):
     torch.testing.assert_close(f[1], hs[2][0, 27:30], rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match=r"hidden layer ids must be in \[0, 4\)"):
         model.forward_dense_features(ids, KVCache(model.cfg, 1, 48, model.dtype, "cpu"), (4,))
+
+
+@pytest.mark.slow
+def test_the_trainer_cli_saves_a_head_the_drafter_loads(tmp_path):
+    """``python -m sparsespec.train_eagle3`` end to end on the real model at a tiny size: chat
+    answers, teacher pass, a few steps, the held-out figures, and a head ``eagle3`` then runs."""
+    from sparsespec.train_eagle3 import main
+    from tests.helpers import real_engine
+
+    out = tmp_path / "head"
+    assert main(["--out", str(out), "--book-tokens", "3000", "--chats", "2", "--chat-tokens", "8", "--steps", "2",
+                 "--threads", "2"]) == 0
+    meta = json.loads((out / "config.json").read_text())["sparsespec"]
+    assert meta["steps"] == 2 and len(meta["held_out_top1_per_step"]) == 3 and 0 <= meta["held_out_alpha_k4"] <= 1
+    engine = real_engine()
+    prompt = engine.tokenizer("The capital of France is Paris. The capital of Italy is").input_ids
+    ar = engine.generate([prompt], method="ar", max_new_tokens=12, ignore_eos=True)[0]
+    got = engine.generate([prompt], method="eagle3", method_options={"draft_model": str(out), "k": 3},
+                          max_new_tokens=12, ignore_eos=True)[0]
+    assert got.token_ids == ar.token_ids and got.stats["num_drafted"] > 0
