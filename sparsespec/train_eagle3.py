@@ -1,6 +1,6 @@
 """Train an EAGLE-3 head for a target on this machine by self-distillation (no download).
 
-    python -m sparsespec.train_eagle3 --model smollm2-135m            # about 20 minutes on 2 cores
+    python -m sparsespec.train_eagle3 --model smollm2-135m            # about 25 minutes on 2 cores
     python -m sparsespec.train_eagle3 --model smollm2-135m --minutes 5 --out /tmp/head
 
 Data, all shipped and license-clean: windows of the public-domain books
