@@ -32,11 +32,11 @@ class _Tok:
         return " ".join(map(str, ids))
 
 
-def _model(folder, seed=0):
-    """Small weights: a smooth target a head can learn in seconds (a scale-0.5 random model is
-    too chaotic for 80 steps on 1.5K tokens)."""
+def _model(folder, seed=0, scale=0.15):
+    """Scale 0.15: a smooth target a head learns in seconds (its greedy output settles on
+    repeating one token); scale 0.5: a chaotic one whose tokens vary (the head learns little)."""
     return Transformer.from_folder(write_tiny_llama(folder, vocab_size=V, hidden=32, intermediate=64, layers=4,
-                                                    max_pos=1024, seed=seed, scale=0.15, embed_scale=1.0,
+                                                    max_pos=1024, seed=seed, scale=scale, embed_scale=1.0,
                                                     eos_token_id=V + 7))
 
 
@@ -45,6 +45,15 @@ def engine(tmp_path_factory):
     model = _model(tmp_path_factory.mktemp("tiny") / "m")
     model.source_folder = None
     return Engine(model, _Tok(), "tiny")
+
+
+@pytest.fixture(scope="module")
+def varied(tmp_path_factory):
+    """(engine, head folder, head) of the scale-0.5 target: varied tokens, some acceptance."""
+    model = _model(tmp_path_factory.mktemp("varied") / "m", seed=4, scale=0.5)
+    model.source_folder = None
+    folder = eagle3_head(model, draft_vocab=DRAFT_V)
+    return Engine(model, _Tok(), "varied"), folder, Eagle3Head.load(folder, model.cfg, embed=model.embed)
 
 
 @pytest.fixture(scope="module")
@@ -260,7 +269,8 @@ def test_greedy_is_token_identical_to_ar(engine, head_dir, k):
     assert run_draft_weights({"method": "eagle3", "stats": one.stats}) == "target"
 
 
-def test_head_cache_after_each_rollback_equals_a_fresh_forward(engine, head_dir, head):
+def test_head_cache_after_each_rollback_equals_a_fresh_forward(varied):
+    engine, head_dir, head = varied
     core = engine.core("eagle3", _opts(head_dir, k=4), max_num_seqs=2, max_model_len=300)
     prompts = {"a": _prompt(120, 5), "b": _prompt(70, 6), "c": _prompt(30, 7)}
     n_new = {"a": 18, "b": 7, "c": 12}
@@ -268,11 +278,13 @@ def test_head_cache_after_each_rollback_equals_a_fresh_forward(engine, head_dir,
         core.add_request(r, prompts[r], SamplingParams(max_new_tokens=n_new[r], ignore_eos=True))
     d: Eagle3Drafter = core.drafter
     model = engine.model
-    checked = accepted = 0
+    checked = accepted = 0  # (tolerance 1e-3: this target's activations are large; a wrong pair is O(1) off)
+    outs = []
     while core.has_unfinished_requests():
         for out in core.step():
             if out.finished:
                 accepted += out.output.stats["num_accepted"]
+                outs.append(out.output.token_ids)
         for req in core.running:
             committed = req.prompt + req.out[:-1]
             n, b = len(committed), req.slot
@@ -280,14 +292,15 @@ def test_head_cache_after_each_rollback_equals_a_fresh_forward(engine, head_dir,
             assert valid + d._npending(b) == n == core.cache.lengths[b]
             cache = KVCache(model.cfg, 1, n, model.dtype, "cpu")
             _, _, feats = model.prefill_features(torch.tensor([committed]), cache, hidden_layers=head.cfg.aux_layers)
-            torch.testing.assert_close(torch.cat(d.pending[b]), feats[0, valid:n], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(torch.cat(d.pending[b]), feats[0, valid:n], rtol=1e-3, atol=1e-3)
             if valid:
                 fresh = KVCache(head.lcfg, 1, n, head.dtype, "cpu")
                 head.forward_cached(torch.tensor([committed[1 : valid + 1]]), head.fuse(feats[:, :valid]), fresh)
-                torch.testing.assert_close(d.hcache.k[0, b, :, :valid], fresh.k[0, 0, :, :valid], rtol=1e-4, atol=1e-5)
-                torch.testing.assert_close(d.hcache.v[0, b, :, :valid], fresh.v[0, 0, :, :valid], rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(d.hcache.k[0, b, :, :valid], fresh.k[0, 0, :, :valid], rtol=1e-3, atol=1e-3)
+                torch.testing.assert_close(d.hcache.v[0, b, :, :valid], fresh.v[0, 0, :, :valid], rtol=1e-3, atol=1e-3)
                 checked += 1
     assert checked > 10 and accepted > 0
+    assert all(len(set(o)) > len(o) // 3 for o in outs), outs  # varied tokens: the check is conclusive
 
 
 def test_steps_without_a_draft_keep_the_features(engine, head_dir):
@@ -377,3 +390,41 @@ def test_the_trainer_cli_saves_a_head_the_drafter_loads(tmp_path):
     got = engine.generate([prompt], method="eagle3", method_options={"draft_model": str(out), "k": 3},
                           max_new_tokens=12, ignore_eos=True)[0]
     assert got.token_ids == ar.token_ids and got.stats["num_drafted"] > 0
+
+
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_one_pair_forward_matches_the_published_layer_written_out(head, norm_before_residual):
+    """A single pair attends only to itself (attention output = its v), so the layer reduces to
+    the published formula, written here from the checkpoint tensors: residual = hidden (or
+    hidden_norm(hidden) with ``norm_before_residual``), + o_proj(v of [input_layernorm(embed),
+    hidden_norm(hidden)]), + down(silu(gate) * up) of post_attention_layernorm; logits =
+    lm_head(norm(.))."""
+    import dataclasses
+
+    h = Eagle3Head(dataclasses.replace(head.cfg, norm_before_residual=norm_before_residual), embed=head.embed)
+    with torch.no_grad():
+        for name in ("fc", "ln_input", "hidden_norm", "wqkv", "wo", "ln_post", "w_gate_up", "w_down", "norm", "lm_head"):
+            getattr(h, name).copy_(getattr(head, name))
+        h.hidden_norm.mul_(1.7)  # so the residual choice matters
+    t = h.state_tensors()
+    c = h.cfg
+
+    def rms(x, w):
+        return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (3, 1), generator=g)
+    hidden = torch.randn(3, 1, c.hidden_size, generator=g) * 3
+    x = torch.cat([rms(head.embed[ids], t["midlayer.input_layernorm.weight"]),
+                   rms(hidden, t["midlayer.hidden_norm.weight"])], dim=-1)
+    v = x @ t["midlayer.self_attn.v_proj.weight"].T  # [3, 1, H_kv * D]
+    G = c.num_heads // c.num_kv_heads
+    attn = v.view(3, 1, c.num_kv_heads, 1, c.head_dim).expand(3, 1, c.num_kv_heads, G, c.head_dim).reshape(3, 1, -1)
+    res = rms(hidden, t["midlayer.hidden_norm.weight"]) if norm_before_residual else hidden
+    y = res + attn @ t["midlayer.self_attn.o_proj.weight"].T
+    z = rms(y, t["midlayer.post_attention_layernorm.weight"])
+    y = y + (torch.nn.functional.silu(z @ t["midlayer.mlp.gate_proj.weight"].T) * (z @ t["midlayer.mlp.up_proj.weight"].T)) \
+        @ t["midlayer.mlp.down_proj.weight"].T
+    want = rms(y, t["norm.weight"]) @ t["lm_head.weight"].T
+    got = h.draft_logits(h.forward_cached(ids, hidden, KVCache(h.lcfg, 3, 4, h.dtype, "cpu")))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

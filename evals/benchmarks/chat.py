@@ -11,7 +11,7 @@ prompt formatted with the model's chat template (plain text when it has none):
 
 Samples ``"{task}-{i}"``; natural EOS (greedy outputs are the same for every lossless method, so
 the methods do the same work); budget ``max_new_tokens`` (default 128). No references and no
-quality score (:meth:`Chat.score_sample` returns None: alpha, tau and speed only). Only the
+quality score (``ScorelessBenchmark``: alpha, tau and speed only). Only the
 standard library is imported here.
 """
 from __future__ import annotations
@@ -22,7 +22,8 @@ from typing import Any
 
 from evals.base import Sample
 from evals.common import encode, finalize_prompt, has_chat_template, parse_tasks, shared_data_dir
-from evals.spec import BenchmarkBase, Option, check_positive_int
+from evals.benchmarks.speed import ScorelessBenchmark
+from evals.spec import Option, check_positive_int
 
 __all__ = ["BENCHMARK", "INSTRUCTIONS", "Chat", "benchmark", "build_samples"]
 
@@ -98,7 +99,7 @@ def build_samples(tokenizer: Any, *, window: int, context_length: int | None = N
     return out
 
 
-class Chat(BenchmarkBase):
+class Chat(ScorelessBenchmark):
     """Short chat and summarisation prompts as a :class:`evals.registry.Benchmark` (no score)."""
 
     __slots__ = ()
@@ -116,11 +117,6 @@ class Chat(BenchmarkBase):
         Option("--skip-tokens", DEFAULT_SKIP_TOKENS, type=int, help="tokens skipped before the first passage"),
     )
 
-    def resolve_tasks(self, tasks: Sequence[str] | None = None,
-                      options: Mapping[str, Any] | None = None) -> tuple[str, ...]:
-        self.resolve_options(options)
-        return tuple(parse_tasks(tasks, self.tasks) or self.default_tasks)
-
     def check(self, *, tasks: Sequence[str] | None = None, options: Mapping[str, Any] | None = None) -> None:
         """Unknown option keys or task names and a missing passage text raise."""
         opts = self.resolve_options(options)
@@ -133,13 +129,6 @@ class Chat(BenchmarkBase):
                       max_new_tokens: int | None = None, options: Mapping[str, Any] | None = None) -> list[Sample]:
         return build_samples(tokenizer, window=window, context_length=context_length, tasks=tasks,
                              num_samples=num_samples, max_new_tokens=max_new_tokens, options=options)
-
-    def score_sample(self, sample: Sample, prediction: str) -> None:  # type: ignore[override]
-        """None: chat samples have no reference and no quality score."""
-        return None
-
-    def score_predictions(self, task: str, records: Sequence[dict], *, model_name: str | None = None) -> dict:
-        raise ValueError("chat: short chat samples have no official prediction format to score")
 
 
 #: The registry entry (``evals.registry.get_benchmark("chat")``).

@@ -29,7 +29,7 @@ from evals.base import Sample
 from evals.common import encode, parse_tasks, shared_data_dir
 from evals.spec import BenchmarkBase, Option, check_positive_int
 
-__all__ = ["BENCHMARK", "DEFAULT_TEXT", "Speed", "benchmark", "build_samples", "default_text"]
+__all__ = ["BENCHMARK", "DEFAULT_TEXT", "ScorelessBenchmark", "Speed", "benchmark", "build_samples", "default_text"]
 
 BENCHMARK = "speed"
 TASK = "fixed"
@@ -112,7 +112,27 @@ def build_samples(
     ]
 
 
-class Speed(BenchmarkBase):
+class ScorelessBenchmark(BenchmarkBase):
+    """What a speed-only benchmark shares: tasks from its own list, no reference and no quality
+    score (``score_sample`` returns None; ``score_predictions`` raises ValueError). Subclasses
+    set ``name``, ``tasks``, ``default_tasks``, ``OPTIONS``, ``check`` and ``build_samples``."""
+
+    __slots__ = ()
+
+    def resolve_tasks(self, tasks: Sequence[str] | None = None,
+                      options: Mapping[str, Any] | None = None) -> tuple[str, ...]:
+        self.resolve_options(options)
+        return tuple(parse_tasks(tasks, self.tasks) or self.default_tasks)
+
+    def score_sample(self, sample: Sample, prediction: str) -> None:  # type: ignore[override]
+        """None: these samples have no reference and no quality score."""
+        return None
+
+    def score_predictions(self, task: str, records: Sequence[dict], *, model_name: str | None = None) -> dict:
+        raise ValueError(f"{self.name}: speed-only samples have no official prediction format to score")
+
+
+class Speed(ScorelessBenchmark):
     """Fixed-length speed samples as a :class:`evals.registry.Benchmark` (no quality score)."""
 
     __slots__ = ()
@@ -130,11 +150,6 @@ class Speed(BenchmarkBase):
                help="tokens skipped at the start of the text (the Project Gutenberg header)"),
     )
 
-    def resolve_tasks(self, tasks: Sequence[str] | None = None,
-                      options: Mapping[str, Any] | None = None) -> tuple[str, ...]:
-        self.resolve_options(options)
-        return tuple(parse_tasks(tasks, self.tasks) or self.default_tasks)
-
     def check(self, *, tasks: Sequence[str] | None = None, options: Mapping[str, Any] | None = None) -> None:
         """Unknown option keys or task names, a negative ``skip_tokens`` and a missing text raise."""
         opts = self.resolve_options(options)
@@ -147,13 +162,6 @@ class Speed(BenchmarkBase):
                       max_new_tokens: int | None = None, options: Mapping[str, Any] | None = None) -> list[Sample]:
         return build_samples(tokenizer, window=window, context_length=context_length, tasks=tasks,
                              num_samples=num_samples, max_new_tokens=max_new_tokens, options=options)
-
-    def score_sample(self, sample: Sample, prediction: str) -> None:  # type: ignore[override]
-        """None: speed samples have no reference and no quality score."""
-        return None
-
-    def score_predictions(self, task: str, records: Sequence[dict], *, model_name: str | None = None) -> dict:
-        raise ValueError("speed: fixed-length speed samples have no official prediction format to score")
 
 
 #: The registry entry (``evals.registry.get_benchmark("speed")``).
