@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -322,8 +323,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    cfg = TrainConfig(seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, minutes=args.minutes,
-                      lr=args.lr, ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab, seed=args.seed)
+    try:
+        cfg = TrainConfig(seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, minutes=args.minutes,
+                          lr=args.lr, ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab, seed=args.seed)
+    except ValueError as e:
+        ap.error(str(e))
+    for name in ("book_tokens", "chats", "chat_tokens"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
     import os
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
@@ -331,8 +338,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from sparsespec import Engine
     from sparsespec.drafters.eagle3 import trained_head_dir
 
+    from sparsespec.provision import ModelNotAvailableError
+
     t_start = time.perf_counter()
-    engine = Engine.from_pretrained(args.model, dtype="float32")
+    try:
+        engine = Engine.from_pretrained(args.model, dtype="float32")
+    except (ValueError, ModelNotAvailableError) as e:
+        print(f"error: cannot load the target {args.model!r}: {e}", file=sys.stderr)
+        return 2
     model, tok = engine.model, engine.tokenizer
     name = Path(model.source_folder).name if model.source_folder else str(args.model)
     out = Path(args.out) if args.out else trained_head_dir(name)

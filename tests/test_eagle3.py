@@ -332,6 +332,19 @@ def test_unseen_shapes_are_refused(engine, tmp_path):
     shutil.rmtree(tmp_path / "h")
 
 
+def test_trainer_cli_refuses_bad_arguments(capsys):
+    from sparsespec.train_eagle3 import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--steps", "0"])
+    assert e.value.code == 2 and "steps must be a positive integer" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--chats", "0"])
+    assert "--chats must be >= 1" in capsys.readouterr().err
+    assert main(["--model", "no-such-model-anywhere"]) == 2
+    assert "cannot load the target 'no-such-model-anywhere'" in capsys.readouterr().err
+
+
 def test_train_config_is_validated():
     with pytest.raises(ValueError, match="seq_len must be at least"):
         TrainConfig(seq_len=3, ttt_steps=3)
