@@ -35,7 +35,8 @@ import numpy as np
 
 from sparsespec.registry import Registry
 
-__all__ = ["DraftLengthPolicy", "FixedK", "EntropyAdaptive", "StepCosts", "POLICIES", "policy_for", "roc_auc"]
+__all__ = ["CONTROLLERS", "CostAwareController", "DraftLengthPolicy", "EntropyAdaptive", "FixedK", "POLICIES",
+           "RowAcceptance", "StepCosts", "VerifyCostModel", "expected_tokens_geometric", "policy_for", "roc_auc"]
 
 
 def _to_float(x: Any) -> float:
@@ -571,3 +572,295 @@ def roc_auc(scores: Sequence[float], labels: Sequence[Any]) -> float | None:
     ranks = (first_rank + (counts - 1) / 2.0)[inverse]  # average rank within the tie group
     u = ranks[pos].sum() - n_pos * (n_pos + 1) / 2.0
     return float(u / (n_pos * n_neg))
+
+
+# --------------------------------------------------------------------------- cost-aware batch controller
+def _nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares ``X c ~ y`` with ``c >= 0`` (a small active-set loop: columns whose
+    coefficient comes out negative are dropped and the rest refitted; at most ``n`` rounds).
+    Columns are rescaled to unit max for conditioning."""
+    n = X.shape[1]
+    scale = np.abs(X).max(axis=0)
+    scale[scale == 0] = 1.0
+    Xs = X / scale
+    active = np.ones(n, dtype=bool)
+    coef = np.zeros(n)
+    for _ in range(n):
+        if not active.any():
+            break
+        sol, *_ = np.linalg.lstsq(Xs[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            coef[:] = 0.0
+            coef[active] = sol
+            break
+        idx = np.flatnonzero(active)
+        active[idx[sol < 0]] = False
+    return coef / scale
+
+
+class VerifyCostModel:
+    """Seconds of one dense forward of ``w`` tokens per row for ``B`` rows over ``S`` cached
+    positions (an AR step is ``w = 1``, a verify of k drafts ``w = k + 1``), fitted to
+    measurements with the roofline's terms as features::
+
+        C_v(B, w, S) = c0 + c1 * B w + c2 * B w S + c3 * B S
+
+    (fixed cost: dispatch and the weights read once; per token: the linear FLOPs; per token and
+    key: the attention FLOPs; per row and key: the KV read), non-negative least squares over the
+    calibration points (kept) and the last ``history`` observations. Until ``min_points``
+    distinct points exist, ``predict`` returns None.
+    """
+
+    def __init__(self, history: int = 64, min_points: int = 3):
+        from collections import deque
+
+        self.calibration: list[tuple[float, float, float, float]] = []  # (B, w, S, seconds)
+        self.recent = deque(maxlen=history)
+        self.min_points = min_points
+        self.coef: np.ndarray | None = None
+        self._dirty = False
+
+    @staticmethod
+    def features(B: float, w: float, S: float) -> list[float]:
+        return [1.0, B * w, B * w * S, B * S]
+
+    def observe(self, B: int, w: int, S: float, seconds: float, calibration: bool = False) -> None:
+        """One measured forward; non-finite or non-positive seconds are ignored."""
+        seconds = _to_float(seconds)
+        if not (math.isfinite(seconds) and seconds > 0.0):
+            return
+        (self.calibration if calibration else self.recent).append((float(B), float(w), float(S), seconds))
+        self._dirty = True
+
+    def _fit(self) -> None:
+        pts = self.calibration + list(self.recent)
+        if len({p[:3] for p in pts}) < self.min_points:
+            self.coef = None
+        else:
+            X = np.array([self.features(*p[:3]) for p in pts])
+            y = np.array([p[3] for p in pts])
+            self.coef = _nnls(X, y)
+        self._dirty = False
+
+    def predict(self, B: float, w: float, S: float) -> float | None:
+        if self._dirty:
+            self._fit()
+        if self.coef is None:
+            return None
+        return float(np.dot(self.coef, self.features(B, w, S)))
+
+    def state(self) -> dict[str, Any]:
+        if self._dirty:
+            self._fit()
+        return {"verify_cost_coef": None if self.coef is None else [float(c) for c in self.coef],
+                "verify_cost_points": len(self.calibration) + len(self.recent)}
+
+
+class RowAcceptance:
+    """A row's policy under ``CostAwareController``: no decision of its own (``adaptive`` False:
+    the draft loop never syncs for it), only the row's acceptance rate ``alpha`` learned from
+    verification: every token of the accepted leading run is a 1, the first rejection a 0, later
+    tokens have no label; a running mean over the first ``1 / ema`` labels, an EMA after."""
+
+    adaptive = False
+
+    def __init__(self, max_k: int, ema: float = 0.1):
+        self.max_k = int(max_k)
+        self.ema = float(ema)
+        self.alpha: float | None = None
+        self.num_labels = 0
+        self._step_max = self.max_k
+        self.num_steps = 0
+        self._overhead_s = 0.0
+
+    def start_step(self, budget: int) -> int:
+        self._step_max = max(0, min(self.max_k, int(budget)))
+        self.num_steps += 1
+        return self._step_max
+
+    def should_continue(self, entropies: Sequence[float]) -> bool:
+        return len(entropies) < self._step_max
+
+    def update(self, entropies: Sequence[Any], num_accepted: int) -> None:
+        t0 = time.perf_counter()
+        m = len(entropies)
+        if not _is_int(num_accepted) or not 0 <= num_accepted <= m:
+            raise ValueError(f"num_accepted must be an integer in [0, {m}], got {num_accepted!r}")
+        labels = [1.0] * num_accepted + ([0.0] if num_accepted < m else [])
+        for y in labels:
+            self.num_labels += 1
+            w = max(self.ema, 1.0 / self.num_labels)
+            self.alpha = y if self.alpha is None else self.alpha + w * (y - self.alpha)
+        self._overhead_s += time.perf_counter() - t0
+
+    def observe_costs(self, *args, **kwargs) -> None:
+        pass
+
+    @property
+    def overhead_s(self) -> float:
+        return self._overhead_s
+
+    def __repr__(self) -> str:
+        return f"RowAcceptance(alpha={self.alpha}, labels={self.num_labels})"
+
+
+def expected_tokens_geometric(alpha: float, k: int) -> float:
+    """Tokens a round drafting ``k`` emits when each draft passes with probability ``alpha``
+    given the earlier ones passed: ``sum_{i=0..k} alpha^i`` (accepted run + the bonus/recovered token)."""
+    a = min(max(float(alpha), 0.0), 1.0)
+    if a >= 1.0:
+        return float(k + 1)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+class CostAwareController:
+    """Chooses, once per step and before drafting, every row's draft length for the whole batch
+    (``k = 0`` included: plain decoding where speculation does not pay), from measured costs.
+
+    The rows of a batch draft together (every draft forward runs all of them) and are verified
+    together (the verify pads every row to the longest draft), so a step drafting ``k`` costs
+
+        T(k) = k * C_d(B, N) + C_v(B, k + 1, S) + C_o
+
+    and emits ``sum_b E(alpha_b, min(k, limit_b))`` tokens (``expected_tokens_geometric``). The
+    controller takes ``k* = argmax_k sum_b E_b(k) / T(k)`` over ``0..max_k`` (ties: the shorter)
+    and gives row b ``min(k*, limit_b)``. ``C_v`` is ``VerifyCostModel`` (calibrated at load by
+    the engine with a few timed forwards, refitted on every measured round), ``C_d`` is
+    ``draft_ratio * C_v(B, 1, N)`` (a draft forward as a fraction of a dense forward over the N
+    keys it reads; the drafter's prior until measured, then an EMA of measured ratios), ``C_o``
+    an EMA of the measured rest of the round. Rows without ``min_labels`` labels use the mean
+    alpha of the rows that have them, else ``prior_alpha``; while a row has fewer, the step
+    drafts at least ``explore_k`` (``exploring``). Every ``probe_every``-th consecutive
+    ``k = 0`` step drafts ``probe_k`` tokens, so acceptance keeps being measured.
+    The only host work is this arithmetic, once per step (no sync inside the draft loop).
+    """
+
+    def __init__(self, max_k: int, draft_ratio: float = 1.0, ema: float = 0.2, prior_alpha: float = 0.6,
+                 min_labels: int = 8, probe_every: int = 16, probe_k: int = 1, explore_k: int = 4):
+        if not _is_int(max_k) or max_k < 1:
+            raise ValueError(f"max_k must be an integer >= 1, got {max_k!r}")
+        for name, v in (("draft_ratio", draft_ratio), ("ema", ema), ("prior_alpha", prior_alpha)):
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0.0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        if not 0.0 < ema <= 1.0 or not prior_alpha <= 1.0:
+            raise ValueError("ema must be in (0, 1] and prior_alpha in [0, 1]")
+        if not _is_int(probe_every) or probe_every < 1 or not _is_int(probe_k) or probe_k < 1:
+            raise ValueError("probe_every and probe_k must be integers >= 1")
+        self.max_k = int(max_k)
+        self.verify_cost = VerifyCostModel()
+        self.draft_ratio = float(draft_ratio)
+        self.draft_measured = False
+        self.other_s: float | None = None
+        self.ema = float(ema)
+        self.prior_alpha = float(prior_alpha)
+        self.min_labels = int(min_labels)
+        self.probe_every, self.probe_k = int(probe_every), int(probe_k)
+        if not _is_int(explore_k) or explore_k < 1:
+            raise ValueError(f"explore_k must be an integer >= 1, got {explore_k!r}")
+        self.explore_k = int(explore_k)
+        self._zero_run = 0
+        self.num_steps = 0
+        self.num_skipped = 0  # steps that chose k = 0
+        self.k_hist: dict[int, int] = {}
+        self._overhead_s = 0.0
+
+    def policy(self) -> RowAcceptance:
+        """A new row's policy object."""
+        return RowAcceptance(self.max_k)
+
+    # ------------------------------------------------------------------ costs
+    def step_cost(self, k: int, B: int, S: float, N: float) -> float | None:
+        """``T(k)`` in seconds (None until the verify cost model has enough points)."""
+        v = self.verify_cost.predict(B, k + 1, S)
+        if v is None:
+            return None
+        d = 0.0
+        if k:
+            d1 = self.verify_cost.predict(B, 1, N + k / 2)
+            d = k * self.draft_ratio * (d1 or 0.0)
+        return d + v + (self.other_s or 0.0)
+
+    def observe_round(self, B: int, S: float, N: float, k: int, draft_s: float, verify_s: float,
+                      other_s: float | None) -> None:
+        """One measured round: ``k`` draft forwards over ``draft_s`` seconds, the verify of
+        ``k + 1`` tokens per row in ``verify_s``, the rest in ``other_s``."""
+        t0 = time.perf_counter()
+        self.verify_cost.observe(B, k + 1, S, verify_s)
+        if k and draft_s > 0:
+            d1 = self.verify_cost.predict(B, 1, N + k / 2)
+            if d1:
+                r = (draft_s / k) / d1
+                self.draft_ratio = r if not self.draft_measured else self.draft_ratio + self.ema * (r - self.draft_ratio)
+                self.draft_measured = True
+        if other_s is not None and math.isfinite(other_s) and other_s >= 0:
+            self.other_s = other_s if self.other_s is None else self.other_s + self.ema * (other_s - self.other_s)
+        self._overhead_s += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ the decision
+    def alphas(self, policies: Sequence[RowAcceptance]) -> list[float]:
+        """Each row's alpha: its own once it has ``min_labels`` labels, else the mean of the rows
+        that have them, else ``prior_alpha``."""
+        known = [p.alpha for p in policies if p.alpha is not None and p.num_labels >= self.min_labels]
+        fallback = sum(known) / len(known) if known else self.prior_alpha
+        return [p.alpha if (p.alpha is not None and p.num_labels >= self.min_labels) else fallback for p in policies]
+
+    def exploring(self, policies: Sequence[RowAcceptance]) -> bool:
+        """True while some row has fewer than ``min_labels`` acceptance labels: it drafts at least
+        ``explore_k`` tokens, so its alpha is measured before it is trusted (about
+        ``min_labels / (1 + alpha)`` steps per request)."""
+        return any(p.num_labels < self.min_labels for p in policies)
+
+    def best_k(self, alphas: Sequence[float], limits: Sequence[int], B: int, S: float, N: float) -> tuple[int, float | None]:
+        """``(k*, predicted tokens/s)``; k* = the most any row may draft (``max(limits)``) capped
+        at ``max_k`` when costs are unknown (the first rounds measure them)."""
+        k_cap = min(self.max_k, max(limits, default=0))
+        if k_cap <= 0:
+            return 0, None
+        base = self.step_cost(0, B, S, N)
+        if base is None:
+            return min(k_cap, 2), None  # nothing measured yet: a short draft measures every cost
+        best_k, best_rate = 0, sum(1.0 for _ in alphas) / base
+        for k in range(1, k_cap + 1):
+            cost = self.step_cost(k, B, S, N)
+            tokens = sum(expected_tokens_geometric(a, min(k, lim)) for a, lim in zip(alphas, limits))
+            rate = tokens / cost
+            if rate > best_rate * (1.0 + 1e-9):
+                best_k, best_rate = k, rate
+        return best_k, best_rate
+
+    def plan(self, policies: Sequence[RowAcceptance], limits: Sequence[int], lengths: Sequence[int],
+             index_sizes: Sequence[int]) -> list[int]:
+        """Each row's draft length for this step (``<= limits[b]``)."""
+        t0 = time.perf_counter()
+        B = len(limits)
+        S = sum(lengths) / max(1, B)
+        N = sum(index_sizes) / max(1, B) if index_sizes else S
+        k, _ = self.best_k(self.alphas(policies), limits, B, S, N)
+        if self.exploring(policies):
+            k = max(k, min(self.explore_k, max(limits, default=0)))
+        if k == 0 and max(limits, default=0) > 0:
+            self._zero_run += 1
+            if self._zero_run >= self.probe_every:  # probe: keep measuring acceptance and draft cost
+                self._zero_run, k = 0, min(self.probe_k, max(limits))
+            else:
+                self.num_skipped += 1
+        else:
+            self._zero_run = 0
+        self.num_steps += 1
+        self.k_hist[k] = self.k_hist.get(k, 0) + 1
+        self._overhead_s += time.perf_counter() - t0
+        return [min(k, lim) for lim in limits]
+
+    @property
+    def overhead_s(self) -> float:
+        return self._overhead_s
+
+    def state(self) -> dict[str, Any]:
+        return {"controller": "cost", "draft_ratio": self.draft_ratio, "cost_other_s": self.other_s,
+                "num_steps": self.num_steps, "num_skipped": self.num_skipped,
+                "k_hist": {str(k): n for k, n in sorted(self.k_hist.items())}, "overhead_s": self._overhead_s,
+                **self.verify_cost.state()}
+
+
+#: ``SpecConfig.controller`` values: how ``k="auto"`` chooses the draft length
+CONTROLLERS = ("cost", "entropy")

@@ -102,7 +102,7 @@ class SpecConfig:
 
     Attributes:
         k: draft length K (tokens proposed per step), an int >= 1, or ``"auto"``: the
-            entropy-adaptive controller picks it per step, up to ``max_k``.
+            ``controller`` picks it every step, up to ``max_k`` (0 where speculation does not pay).
         max_k: the longest draft ``"auto"`` may choose.
         budget_frac: sparse index budget as a fraction of the context (SparseSpec-L: 0.1).
         min_budget / max_budget: floor and cap of the budget in tokens (per layer and KV head).
@@ -117,6 +117,12 @@ class SpecConfig:
             (``sparsespec-l``, ``magicdec-*``): ``"target"`` (the model's own) or ``"int8"`` (a
             weight-only int8 copy made once at load, ``sparsespec.quant``). Verification always
             reads the target's weights, so outputs are unchanged; only q and the draft's cost move.
+        controller: how ``k="auto"`` picks the draft length (ignored for an integer k):
+            ``"cost"`` (``sparsespec.adaptive.CostAwareController``: once per step for the whole
+            batch, 0 included, from the rows' measured acceptance and the measured costs of a
+            draft forward and of a verify as a function of batch, width and context, calibrated
+            at load) or ``"entropy"`` (``EntropyAdaptive``: per row, stopping on each drafted
+            token's entropy, one host sync per draft token).
     """
 
     k: int | str = "auto"
@@ -132,9 +138,14 @@ class SpecConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     draft_weights: str = "target"
+    controller: str = "cost"
 
     def __post_init__(self) -> None:
+        from sparsespec.adaptive import CONTROLLERS
         from sparsespec.quant import DRAFT_WEIGHTS
+
+        if self.controller not in CONTROLLERS:
+            raise ValueError(f"controller must be one of {CONTROLLERS}, got {self.controller!r}")
 
         if self.draft_weights not in DRAFT_WEIGHTS:
             raise ValueError(f"draft_weights must be one of {DRAFT_WEIGHTS}, got {self.draft_weights!r}")

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 import sparsespec.drafters  # noqa: F401  (registers the drafters)
-from sparsespec.adaptive import StepCosts, policy_for
+from sparsespec.adaptive import CostAwareController, StepCosts, policy_for
 from sparsespec.config import SamplingParams, SpecConfig
 from sparsespec.drafters.base import Draft, empty_draft
 from sparsespec.kv.cache import KVCache
@@ -55,6 +55,8 @@ def resolve_method_options(method: str, options: dict[str, Any] | None = None) -
     spec = SpecConfig.from_options(options)
     _check_draft_weights(method, drafter_cls, spec)
     out = dataclasses.asdict(spec)
+    if spec.k != "auto":  # the controller only chooses k="auto"'s lengths: fixed-k run ids stay the same
+        out.pop("controller")
     # options added later are left out at their default, so the run ids (hashes of the resolved
     # options) of configurations written before them stay the same and those runs still resume
     for name, default in LATER_OPTION_DEFAULTS.items():
@@ -135,6 +137,7 @@ class _Request:
     text: str = ""  # final text so far (cut before a stop string)
     emitted: str = ""  # text already streamed
     finish_reason: str | None = None
+    controller_s: float = 0.0  # this row's share of the batch controller's decisions
 
 
 @dataclass
@@ -198,10 +201,44 @@ class EngineCore:
         self.want_hidden = tuple(getattr(self.drafter, "want_hidden", ()))  # layer ids whose outputs it reads
         self.costs = StepCosts()  # measured round costs, shared by the rows' controllers
         self.clock = engine.clock
+        # k="auto" with the cost controller: one decision per step for the batch, from costs
+        # calibrated now (a few timed forwards) and refined on every round
+        self.controller: CostAwareController | None = None
+        if self.spec is not None and self.spec.k == "auto" and self.spec.controller == "cost":
+            self.controller = CostAwareController(self.k_max, draft_ratio=float(getattr(drafter_cls, "draft_cost_prior", 1.0)))
+            self._calibrate()
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []  # running[slot]
         self._ids: set[str] = set()
         self.num_steps = 0
+
+    # ------------------------------------------------------------------ calibration
+    def _calibrate(self) -> None:
+        """The cost controller's starting point: a few timed dense forwards of this core's shapes
+        (``max_num_seqs`` rows, widths 1, 2 and ``k_max + 1``, a short and a longer context, and
+        one row), with the importance rows the drafter asks for, on the pool's own buffers (no
+        request is running; lengths are restored). Measured once per engine and shape."""
+        key = (self.method, self.max_num_seqs, self.k_max, self.drafter.want_rows, self.cache.capacity)
+        memo = self.engine.__dict__.setdefault("_calibration", {})
+        if key not in memo:
+            Bm, kw = self.max_num_seqs, self.k_max + 1
+            s_hi = max(1, min(1024, self.cache.capacity - kw - 1))
+            s_lo = max(1, min(64, s_hi // 4))
+            points = sorted({(Bm, 1, s_lo), (Bm, 2, s_lo), (Bm, kw, s_lo), (Bm, 1, s_hi), (Bm, kw, s_hi), (1, 1, s_hi)})
+            dev = self.model.device
+            measured = []
+            for i, (B, w, S) in enumerate([points[0]] + points):  # the first one twice: a warm-up
+                view = self.cache.head(B)
+                view.lengths = [S] * B
+                ids = torch.zeros(B, w, dtype=torch.long, device=dev)
+                t0 = self.clock()
+                self.model.forward_dense(ids, view, want_rows=self.drafter.want_rows and w)
+                dt = self.clock() - t0
+                if i:
+                    measured.append((B, w, S, dt))
+            memo[key] = measured
+        for B, w, S, dt in memo[key]:
+            self.controller.verify_cost.observe(B, w, S, dt, calibration=True)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None) -> None:
@@ -229,8 +266,8 @@ class EngineCore:
                 f"the window of {self.max_model_len} tokens (max_model_len); shorten it"
             )
         stats = RunStats(method=self.method, k=0 if self.spec is None else self.spec.k, num_prompt_tokens=len(ids))
-        req = _Request(request_id, ids, params, self.clock(), stats, policy_for(self.spec, self.costs),
-                       make_generator(params.seed, self.model.device))
+        policy = self.controller.policy() if self.controller is not None else policy_for(self.spec, self.costs)
+        req = _Request(request_id, ids, params, self.clock(), stats, policy, make_generator(params.seed, self.model.device))
         self._ids.add(request_id)
         self.waiting.append(req)
 
@@ -300,8 +337,15 @@ class EngineCore:
         B = len(rows)
         budgets = [r.params.max_new_tokens - len(r.out) - 1 for r in rows]  # never draft past the budget
         limits = [max(0, min(r.policy.start_step(b), b)) for r, b in zip(rows, budgets)]
-        return _Step(rows, self.cache.head(B), BatchSampling([r.params for r in rows], [r.generator for r in rows]),
-                     limits, self.drafter.index_sizes()[:B])
+        index_sizes = self.drafter.index_sizes()[:B]
+        cache = self.cache.head(B)
+        if self.controller is not None:  # one decision for the batch (k = 0 included), no sync
+            c0 = self.controller.overhead_s
+            limits = self.controller.plan([r.policy for r in rows], limits, cache.lengths, index_sizes)
+            for r in rows:
+                r.controller_s += self.controller.overhead_s - c0
+        return _Step(rows, cache, BatchSampling([r.params for r in rows], [r.generator for r in rows]),
+                     limits, index_sizes)
 
     # phase: propose ----------------------------------------------------------------
     def _propose(self, st: _Step, pending: torch.Tensor) -> None:
@@ -395,11 +439,14 @@ class EngineCore:
         other_s = (now - t0) - st.draft_s - st.verify_s
         K = st.draft.token_ids.shape[1]
         self.costs.observe(st.draft_s / K if K else 0.0, st.verify_s, K + 1, other_s)
+        if self.controller is not None:
+            B = len(st.rows)
+            self.controller.observe_round(B, sum(base) / B, sum(st.index_sizes) / B, K, st.draft_s, st.verify_s, other_s)
         outputs = []
         for req, kept in events:
             req.stats.other_s += other_s
             req.stats.emit_times.extend([now - req.arrival_s] * kept)
-            req.stats.controller_s = req.policy.overhead_s
+            req.stats.controller_s = req.policy.overhead_s + req.controller_s
             outputs.append(self._output(req, kept))
         for req in [r for r in st.rows if r.finish_reason is not None]:
             self._finalize(req, outputs)
@@ -455,7 +502,7 @@ class EngineCore:
         s.total_s = s.emit_times[-1] if s.emit_times else 0.0
         s.kv_bytes = self.slot_bytes
         s.draft_weight_bytes = int(getattr(self.drafter, "weight_bytes", 0))
-        s.controller_s = req.policy.overhead_s
+        s.controller_s = req.policy.overhead_s + req.controller_s
         final = GenerationOutput(list(req.out), req.text, s.to_dict(len(req.out), self.model.device),
                                  req.finish_reason)
         for o in outputs:

@@ -43,7 +43,8 @@ from safetensors import safe_open
 from sparsespec import kernels
 from sparsespec.config import ModelConfig
 from sparsespec.kv.cache import KVCache
-from sparsespec.quant import DRAFT_WEIGHTS, DraftWeights, linear, quantize_int8, quantize_target_
+from sparsespec.quant import (DRAFT_WEIGHTS, DraftWeights, linear, linear_weights, prepack_, quantize_int8,
+                              quantize_target_)
 
 
 def prefill_chunks(length: int, chunk_size: int, min_last: int = 0) -> list[tuple[int, int]]:
@@ -139,6 +140,7 @@ class Transformer(torch.nn.Module):
         self.scale = 1.0 / math.sqrt(D)
         self.source_folder: Path | None = None  # the HF folder the weights came from
         self.quantize = "none"  # a sparsespec.quant.QUANTIZE value: what the target's own linear weights are
+        self.prepacked_bytes = 0  # bytes of the oneDNN copies of the linear weights (``prepack_``)
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -189,7 +191,7 @@ class Transformer(torch.nn.Module):
             gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0)
             put(layer.w_gate_up, gate_up, p + "gate_up")
             put(layer.w_down, take(p + "mlp.down_proj.weight"), p + "down_proj")
-        return model
+        return model.prepack_()
 
     # ------------------------------------------------------------------ pieces
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -279,6 +281,14 @@ class Transformer(torch.nn.Module):
         quantize_target_(self, kind)
         return self
 
+    def prepack_(self, enable: bool = True) -> Transformer:
+        """Give the dense CPU linear weights their oneDNN prepacked copies (``sparsespec.quant.prepack_``:
+        about 2x faster skinny linears on this project's CPU; the dense weights stay); no-op
+        elsewhere, for int8 weights or with ``SPARSESPEC_PREPACK=0``. ``enable=False`` drops
+        them. Call it again after changing a weight in place. Returns self."""
+        self.prepacked_bytes = prepack_(linear_weights(self), enable)
+        return self
+
     def draft_weights(self, kind: str) -> DraftWeights | None:
         """The weights a draft forward reads for ``draft_weights=kind`` (``sparsespec.quant``):
         None for ``"target"`` (the model's own), an int8 copy for ``"int8"``, made on first use
@@ -330,17 +340,20 @@ class Transformer(torch.nn.Module):
         positions = start_t + torch.arange(T, device=dev)  # [B, T]
         key_pos = torch.arange(S, device=dev)
         fused = kernels.use_triton(dev)  # Triton decode/verify attention (reads the cache in place)
+        # Causal + ragged visibility. Every key before min(starts) is visible to every query, so
+        # the torch path masks only the tail columns from there (``[B, T, S - m0]``, a few columns
+        # for a decode/verify step), never a dense [B, T, S] mask; the kernels mask themselves.
+        m0 = min(starts)
         mask = None
-        if (T > 1 or not uniform) and (T > 32 or not fused):  # the kernels apply the mask themselves
-            mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, S] causal + ragged
-        rows_mask = None if mask is None else mask[:, T - want_rows :] if want_rows else None
-        all_rows = [] if want_rows else None
+        if (T > 1 or not uniform) and (T > 32 or not fused):
+            mask = key_pos[None, None, m0:] <= positions[:, :, None]  # [B, T, S - m0]
+        rows_mask = mask[:, T - want_rows :] if (mask is not None and want_rows) else None
         batch_idx = torch.arange(B, device=dev)[:, None].expand(B, T)  # [B, T]
+        # each layer's importance rows are written in place into one buffer (no stack copy)
+        rows_buf = torch.empty(self.cfg.num_layers, B, self.cfg.num_kv_heads, want_rows, S,
+                               dtype=torch.float32, device=dev) if want_rows else None  # [L, B, H_kv, W, S]
         if fused:
             starts_i32 = torch.tensor(starts, dtype=torch.int32, device=dev)  # [B]
-            # the kernels write each layer's rows in place (no stack copy): [L, B, H_kv, W, S]
-            rows_buf = torch.empty(self.cfg.num_layers, B, self.cfg.num_kv_heads, want_rows, S,
-                                   dtype=torch.float32, device=dev) if want_rows else None
 
         def attend(i, q, k, v):
             if uniform:
@@ -352,32 +365,30 @@ class Transformer(torch.nn.Module):
                 cache.v[i][batch_idx, :, positions] = v.transpose(1, 2)
             keys, vals = cache.k[i, :, :, :S], cache.v[i, :, :, :S]  # [B, H_kv, S, D]
             if T > 32:  # prefill chunk: fused SDPA, then (cheap) rows for the last queries only
-                out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask[:, None], enable_gqa=True)
+                dense = torch.ones(B, T, S, dtype=torch.bool, device=dev)
+                dense[:, :, m0:] = mask
+                out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=dense[:, None], enable_gqa=True)
                 if want_rows and fused:  # the last W queries as a W-token "verify" over the same keys
                     kernels.verify_attention(q[:, :, T - want_rows :], cache.k[i], cache.v[i],
                                              starts_i32 + (T - want_rows), want_rows, self.scale,
                                              max(starts) + T - want_rows, use=True, rows_out=rows_buf[i])
                 elif want_rows:
-                    _, rows = self._grouped_attention(q[:, :, T - want_rows :], keys, vals, rows_mask, want_rows)
-                    all_rows.append(rows)
+                    kernels.grouped_attention(q[:, :, T - want_rows :], keys, vals, rows_mask, want_rows, self.scale,
+                                              mask_from=m0, rows_out=rows_buf[i])
                 return out
             if fused:
                 out, _ = kernels.verify_attention(q, cache.k[i], cache.v[i], starts_i32, want_rows, self.scale,
                                                   max(starts), use=True,
                                                   rows_out=rows_buf[i] if want_rows else None)
                 return out
-            out, rows = self._grouped_attention(q, keys, vals, mask, want_rows)
-            if want_rows:
-                all_rows.append(rows)
+            out, _ = kernels.grouped_attention(q, keys, vals, mask, want_rows, self.scale, mask_from=m0,
+                                               rows_out=rows_buf[i] if want_rows else None)
             return out
 
         logits = self._run(input_ids, positions, attend, logits_for, hidden_layers=hidden_layers, features=feats)
         cache.lengths = [s + T for s in starts]
         features = torch.cat(feats, dim=-1) if hidden_layers else None  # [B, T, n * E]
-        if fused:
-            return logits, rows_buf, features
-        rows = torch.stack(all_rows) if want_rows else None  # [L, B, H_kv, W, S]
-        return logits, rows, features
+        return logits, rows_buf, features
 
     def prefill(self, input_ids: torch.Tensor, cache: KVCache, chunk_size: int = 512, want_rows: int = 0):
         """``prefill_features`` without features: returns ``(logits, rows)``."""

@@ -26,6 +26,8 @@ an int8 target speculation reproduces its ar except at such near-ties, measured 
 """
 from __future__ import annotations
 
+import functools
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,10 +112,62 @@ def fbgemm_available() -> bool:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for a dense weight, the int8 matmul for an ``Int8Weight``."""
+    """``F.linear`` for a dense weight (through its oneDNN prepacked copy when ``prepack_``
+    made one), the int8 matmul for an ``Int8Weight``."""
     if isinstance(w, Int8Weight):
         return w.linear(x, bias)
+    packed = getattr(w, PACKED_ATTR, None)
+    if packed is not None and x.dtype == w.dtype and x.device.type == "cpu":
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, w, bias)
+
+
+#: attribute of a dense CPU weight holding its oneDNN (blocked-layout) copy, set by ``prepack_``
+PACKED_ATTR = "_sparsespec_packed"
+
+
+@functools.lru_cache(maxsize=None)
+def prepack_available() -> bool:
+    """True when oneDNN's prepacked linear runs here and matches ``F.linear`` (to fp32 rounding).
+
+    Why: on this project's CPU (AMD EPYC, PyTorch's MKL sgemm) a decode step's skinny linears
+    (``M = B x tokens`` of 1-36 rows against weights far larger than the caches) read their
+    weights at 5-8 GB/s of the machine's 33-63; oneDNN's blocked layout reads them about 2x
+    faster at every M measured (``benchmarks/RESULTS.md``, 2026-12-02). ``SPARSESPEC_PREPACK=0``
+    turns it off.
+    """
+    if os.environ.get("SPARSESPEC_PREPACK", "1").strip().lower() in ("0", "false", "off", "no"):
+        return False
+    try:
+        if not torch.backends.mkldnn.is_available():
+            return False
+        w, x = torch.randn(8, 4), torch.randn(3, 4)
+        with torch.inference_mode():
+            y = torch.ops.mkldnn._linear_pointwise(x, w.to_mkldnn(), None, "none", [], "")
+        return bool(torch.allclose(y, F.linear(x, w), rtol=1e-4, atol=1e-5))
+    except Exception:  # pragma: no cover - a build without the op
+        return False
+
+
+def prepack_(weights, enable: bool = True) -> int:
+    """Give each dense fp32 / bf16 CPU weight of ``weights`` its oneDNN prepacked copy (read by
+    ``linear``), or drop the copies (``enable=False``). Returns the bytes the copies hold (the
+    dense weights stay: the embedding gather, int8 quantisation and the byte counts read them).
+
+    The copy is a snapshot: whoever changes a packed weight in place must prepack again.
+    """
+    total = 0
+    for w in weights:
+        if isinstance(w, Int8Weight) or w is None:
+            continue
+        if enable and w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16) and w.dim() == 2 \
+                and prepack_available():
+            packed = w.detach().contiguous().to_mkldnn()
+            setattr(w, PACKED_ATTR, packed)
+            total += w.numel() * w.element_size()
+        elif hasattr(w, PACKED_ATTR):
+            delattr(w, PACKED_ATTR)
+    return total
 
 
 @dataclass(frozen=True)
@@ -181,6 +235,8 @@ def quantize_target_(model, kind: str) -> None:
         raise ValueError(f"model is quantised already ({current}); cannot re-quantise it to {kind}")
     if kind == "none":
         return
+
+    prepack_(linear_weights(model), enable=False)  # the int8 weights replace them (and their copies)
 
     def swap(module, name: str) -> None:
         w = Int8Weight.quantize(getattr(module, name))

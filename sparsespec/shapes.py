@@ -115,7 +115,7 @@ def random_transformer(shape: str | ModelConfig, dtype: torch.dtype = torch.floa
         normal_(layer.wo, 1.0 / math.sqrt(cfg.num_heads * cfg.head_dim))
         normal_(layer.w_gate_up, 1.0 / math.sqrt(E))
         normal_(layer.w_down, 1.0 / math.sqrt(cfg.intermediate_size))
-    return model
+    return model.prepack_()
 
 
 class IdTokenizer:

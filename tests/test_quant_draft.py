@@ -88,6 +88,7 @@ def test_the_draft_forward_reads_the_int8_weights(engine):
         ref.lm_head.data.copy_(dw.lm_head.dequantize())
     else:  # a tied head: the int8 copy is the head's; the embedding itself stays full precision
         ref.lm_head = torch.nn.Parameter(dw.lm_head.dequantize(), requires_grad=False)
+    ref.prepack_()  # the weights changed in place: refresh their prepacked copies
     cfg = m.cfg
     g = torch.Generator().manual_seed(1)
     shape = (cfg.num_layers, 2, cfg.num_kv_heads, 20, cfg.head_dim)

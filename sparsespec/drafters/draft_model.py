@@ -92,6 +92,7 @@ class DraftModelDrafter:
     want_rows = 0
     want_rows_prefill = 0
     want_hidden = ()
+    draft_cost_prior = 0.3  # the cost controller's prior for C_d / C_v(B, 1, N): a smaller model's forward
 
     def __init__(self, model: Transformer, spec: SpecConfig, capacity: int, batch_size: int, max_k: int):
         if spec.draft_model is None:

@@ -94,6 +94,8 @@ def load_head(model: Transformer, folder: Path) -> Eagle3Head:
 class Eagle3Drafter:
     """EAGLE-3 chain drafting; see the module docstring."""
 
+    draft_cost_prior = 0.1  # the cost controller's prior for C_d / C_v(B, 1, N): a one-layer head
+
     want_rows = 0
     want_rows_prefill = 0
 

@@ -54,6 +54,7 @@ class NgramDrafter:
     want_rows = 0
     want_rows_prefill = 0
     want_hidden = ()
+    draft_cost_prior = 0.0  # the cost controller's prior for C_d / C_v(B, 1, N): a host-side lookup, no forward
 
     def __init__(self, model, spec: SpecConfig, capacity: int, batch_size: int, max_k: int):
         self.spec = spec

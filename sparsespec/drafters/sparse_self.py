@@ -40,6 +40,9 @@ class _IndexedSelfDrafter(ABC):
     want_rows_prefill = 0
     want_hidden = ()
     supports_draft_weights = True  # the draft forward may read an int8 copy (``spec.draft_weights``)
+    #: a draft forward's cost relative to a dense forward over the N keys it reads (the cost
+    #: controller's prior until measured): the same weights, the same layers
+    draft_cost_prior = 1.0
 
     def __init__(self, model: Transformer, spec: SpecConfig, capacity: int, batch_size: int, max_k: int):
         cfg = model.cfg
@@ -78,9 +81,13 @@ class _IndexedSelfDrafter(ABC):
     def move(self, src: int, dst: int) -> None:
         self.index[dst] = self.index[src]  # the compact buffers are refilled at every propose
 
+    def flush(self, cache: KVCache) -> None:
+        """Bring every running row's index up to date (a no-op unless rebuilds are deferred)."""
+
     def propose(self, cache: KVCache, pending: torch.Tensor, limits: Sequence[int], policies: Sequence,
                 sampling: BatchSampling, history: Sequence[Sequence[int]] = ()) -> Draft:
         B = cache.batch_size
+        self.flush(cache)
         sizes = self.index_sizes()[:B]
         n = max(sizes)
         D = cache.k.shape[-1]
@@ -130,10 +137,13 @@ class SparseSelfDrafter(_IndexedSelfDrafter):
         self.want_rows = self.want_rows_prefill = spec.window
         self.window = ImportanceWindow(cfg.num_layers, batch_size, cfg.num_kv_heads, spec.window, capacity, model.device)
 
+        self.stale: list[int | None] = [None] * batch_size  # per slot: the length to rebuild at (None: fresh)
+
     def _rebuild(self, cache: KVCache, b: int) -> None:
         S = cache.lengths[b]
-        scores = self.window.scores(S, b)  # [L, 1, H_kv, S]
+        scores = self.window.scores(S, b)  # [L, 1, H_kv, S] running sum of the window
         self.index[b] = build_index(scores, S, self.spec.budget(S), self.spec.n_sink, self.spec.n_recent)
+        self.stale[b] = None
 
     def prefill_row(self, b: int, cache: KVCache, rows: torch.Tensor | None, prompt: Sequence[int] = ()) -> None:
         self.window.reset(b)
@@ -142,13 +152,30 @@ class SparseSelfDrafter(_IndexedSelfDrafter):
         self._rebuild(cache, b)
 
     def commit(self, cache: KVCache, rows: torch.Tensor | None, counts: Sequence[int]) -> None:
+        """Push the committed rows into the window now; the top-K rebuild waits for the next
+        draft phase (``flush``), so a step that drafts nothing (``k = 0``) pays no rebuild."""
         if rows is not None:
             self.window.push(rows, list(counts))
-        super().commit(cache, rows, counts)
+        for b in range(cache.batch_size):
+            self.stale[b] = cache.lengths[b]
+
+    def flush(self, cache: KVCache) -> None:
+        for b in range(cache.batch_size):
+            if self.stale[b] is not None:
+                if self.stale[b] != cache.lengths[b]:
+                    raise RuntimeError(f"slot {b}: cache length {cache.lengths[b]} changed since commit "
+                                       f"({self.stale[b]}) without a commit")
+                self._rebuild(cache, b)
+
+    def index_sizes(self) -> list[int]:
+        """Per slot: the size its index has (or will have at the deferred rebuild)."""
+        return [self.spec.budget(st) if st is not None else (0 if idx is None else int(idx.shape[-1]))
+                for st, idx in zip(self.stale, self.index)]
 
     def move(self, src: int, dst: int) -> None:
         super().move(src, dst)
         self.window.move(src, dst)
+        self.stale[dst] = self.stale[src]
 
     @property
     def nbytes(self) -> int:

@@ -11,15 +11,22 @@ import torch
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                      want_rows: int, scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      want_rows: int, scale: float, *, mask_from: int = 0,
+                      rows_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention with query heads grouped by KV head (GQA without materialising repeated KV heads).
 
     Args:
         q: ``[B, H, T, D]``; heads ``h = kv * G + g`` share KV head ``kv`` (G = H / H_kv).
         k, v: ``[B, H_kv, S, D]``.
-        mask: ``[B, T, S]`` bool (True = visible) or None (every key visible).
+        mask: ``[B, T, S - mask_from]`` bool (True = visible) over the key columns
+            ``mask_from .. S - 1``; the keys before ``mask_from`` are visible to every query (the
+            causal tail of a decode/verify step is a few columns, so no dense ``[B, T, S]`` mask
+            is built). None: every key visible.
         want_rows: W; 0 = no importance rows.
         scale: softmax scale (``1 / sqrt(D)``).
+        mask_from: first key column ``mask`` covers (0: it covers all S).
+        rows_out: optional ``[B, H_kv, W, S]`` float32 buffer the rows are summed into (e.g. one
+            layer's slice of a preallocated ``[L, B, H_kv, W, S]`` buffer: no stack afterwards).
 
     Returns:
         out ``[B, H, T, D]`` (q's dtype) and, if ``want_rows``, rows ``[B, H_kv, W, S]`` float32:
@@ -30,15 +37,31 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     Hkv, S = k.shape[1], k.shape[2]
     G = H // Hkv
     qg = q.reshape(B, Hkv, G * T, D)  # heads h = kv*G + g are contiguous
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, H_kv, G*T, S]
-    if mask is not None:
-        scores = scores.view(B, Hkv, G, T, S).masked_fill(~mask[:, None, None], float("-inf")).view(B, Hkv, G * T, S)
+    scores = torch.matmul(qg, k.transpose(-1, -2))  # [B, H_kv, G*T, S]
+    scores = scores.float() if scores.dtype != torch.float32 else scores
+    scores.mul_(scale)
+    if mask is not None:  # in place, over the masked columns only
+        tail = scores.view(B, Hkv, G, T, S)[..., mask_from:]  # [B, H_kv, G, T, S - mask_from]
+        tail.masked_fill_(~mask[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)  # [B, H_kv, G*T, S]
     out = torch.matmul(probs.to(v.dtype), v).view(B, H, T, D)
     rows = None
     if want_rows:
-        rows = probs.view(B, Hkv, G, T, S)[:, :, :, T - want_rows :].sum(dim=2)  # [B, H_kv, W, S]
+        sel = probs.view(B, Hkv, G, T, S)[:, :, :, T - want_rows :]  # [B, H_kv, G, W, S]
+        if rows_out is None:
+            rows = sel.sum(dim=2)  # [B, H_kv, W, S]
+        else:  # summed in place, one add per query head of the group (a reduction with out= zero-fills first)
+            rows = rows_out.copy_(sel[:, :, 0])
+            for g in range(1, G):
+                rows.add_(sel[:, :, g])
     return out, rows
+
+
+def tail_mask(starts: torch.Tensor, T: int, S: int, mask_from: int) -> torch.Tensor:
+    """``[B, T, S - mask_from]`` bool: ``verify_mask``'s columns ``mask_from .. S - 1`` (every
+    key before ``mask_from <= min(starts)`` is visible to every query)."""
+    positions = starts.long()[:, None] + torch.arange(T, device=starts.device)  # [B, T]
+    return torch.arange(mask_from, S, device=starts.device)[None, None, :] <= positions[:, :, None]
 
 
 def verify_mask(starts: torch.Tensor, T: int, S: int) -> torch.Tensor:

@@ -15,22 +15,29 @@ import torch
 
 
 class ImportanceWindow:
-    """Ring buffer, per row, of the attention rows of the last ``W`` committed query positions.
+    """Ring buffer, per row, of the attention rows of the last ``W`` committed query positions,
+    with their running sum.
 
     ``rows``: ``[L, B, H_kv, W, S_max]`` float32, slot ``w`` holding the attention probability
     (summed over the query heads of each KV head) that one query gave to every key; zero past
-    that query's own position. Rows of the batch advance independently (ragged acceptance).
+    that query's own position. ``total``: ``[L, B, H_kv, S_max]`` float64, the sum of a row's
+    slots, kept as a running sum: a push adds the new rows and subtracts the ones they evict
+    (float64, so the sum of W float32 rows stays exact to ~1e-16 relative and no drift reaches
+    the top-K), so a rebuild reads one row of scores instead of re-summing W rows of the whole
+    context. Rows of the batch advance independently (ragged acceptance).
     """
 
     def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, window: int, capacity: int, device):
         self.rows = torch.zeros(num_layers, batch_size, num_kv_heads, window, capacity, device=device)
+        self.total = torch.zeros(num_layers, batch_size, num_kv_heads, capacity, dtype=torch.float64, device=device)
         self.window = window
         self.count = [0] * batch_size  # rows written so far, per batch row
         self._next = [0] * batch_size
+        self._width = [0] * batch_size  # columns of the row's slots that may be non-zero
 
     @property
     def nbytes(self) -> int:
-        return self.rows.numel() * self.rows.element_size()
+        return self.rows.numel() * self.rows.element_size() + self.total.numel() * self.total.element_size()
 
     def push(self, new_rows: torch.Tensor, counts: list[int] | None = None) -> None:
         """Append query rows ``[L, B, H_kv, T, S]`` (oldest first); keeps the last ``W`` per row.
@@ -49,34 +56,50 @@ class ImportanceWindow:
             new_rows, T = new_rows[:, :, T - self.window :], self.window
         if T == 0:
             return
-        slots = torch.tensor([(self._next[b] + i) % self.window for i in range(T)], device=self.rows.device)
-        self.rows[:, b, :, slots, :S] = new_rows.float()
-        self.rows[:, b, :, slots, S:] = 0.0
-        self._next[b] = (self._next[b] + T) % self.window
+        first = self._next[b]
+        slots = [(first + i) % self.window for i in range(T)]
+        contiguous = slots == list(range(first, first + T))
+        sl = slice(first, first + T) if contiguous else torch.tensor(slots, device=self.rows.device)
+        wide = max(self._width[b], S)
+        old = self.rows[:, b, :, sl, :wide]  # [L, H_kv, T, wide] the evicted rows (zeros if never written)
+        tot = self.total[:, b, :, :wide]  # [L, H_kv, wide]
+        tot -= old.sum(dim=2, dtype=torch.float64)
+        tot[..., :S] += new_rows.sum(dim=2, dtype=torch.float64)
+        self.rows[:, b, :, sl, :S] = new_rows.float()
+        if wide > S:
+            self.rows[:, b, :, sl, S:wide] = 0.0
+        self._width[b] = wide
+        self._next[b] = (first + T) % self.window
         self.count[b] += T
 
     def scores(self, length: int, b: int | None = None) -> torch.Tensor:
-        """Importance of the first ``length`` keys: ``[L, B, H_kv, length]`` (or ``[L, 1, H_kv, length]`` for row b)."""
-        rows = self.rows if b is None else self.rows[:, b : b + 1]
-        return rows[..., :length].sum(dim=3)
+        """Importance of the first ``length`` keys: ``[L, B, H_kv, length]`` float64 (or
+        ``[L, 1, H_kv, length]`` for row b): the running sum of the window's rows."""
+        tot = self.total if b is None else self.total[:, b : b + 1]
+        return tot[..., :length]
 
     def move(self, src: int, dst: int) -> None:
         """Copy row ``src``'s window into row ``dst`` (pool compaction)."""
         if src == dst:
             return
         self.rows[:, dst] = self.rows[:, src]
-        self.count[dst], self._next[dst] = self.count[src], self._next[src]
+        self.total[:, dst] = self.total[:, src]
+        self.count[dst], self._next[dst], self._width[dst] = self.count[src], self._next[src], self._width[src]
 
     def reset(self, b: int) -> None:
         """Empty row ``b``'s window (a new request takes the slot)."""
-        self.rows[:, b] = 0.0
-        self.count[b], self._next[b] = 0, 0
+        w = self._width[b]  # nothing past it was ever written
+        self.rows[:, b, :, :, :w] = 0.0
+        self.total[:, b, :, :w] = 0.0
+        self.count[b], self._next[b], self._width[b] = 0, 0, 0
 
     def select(self, keep: list[int]) -> None:
         idx = torch.tensor(keep, dtype=torch.long, device=self.rows.device)
         self.rows = self.rows.index_select(1, idx)
+        self.total = self.total.index_select(1, idx)
         self.count = [self.count[b] for b in keep]
         self._next = [self._next[b] for b in keep]
+        self._width = [self._width[b] for b in keep]
 
 
 def build_index(scores: torch.Tensor, length: int, budget: int, n_sink: int, n_recent: int) -> torch.Tensor:

@@ -1,0 +1,225 @@
+"""Issue 15's fast paths against independent oracles: the tail-only causal mask and the in-place
+importance rows, the running-sum importance window, oneDNN prepacked linears, the verify cost
+model and the cost-aware controller's decision."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sparsespec.adaptive import (CostAwareController, RowAcceptance, VerifyCostModel, _nnls,
+                                 expected_tokens_geometric)
+from sparsespec.engine import resolve_method_options
+from sparsespec.kernels.reference import grouped_attention, tail_mask, verify_mask
+from sparsespec.kv.index import ImportanceWindow
+from sparsespec.quant import PACKED_ATTR, linear, prepack_, prepack_available
+
+
+# ------------------------------------------------------------------ attention
+@pytest.mark.parametrize("starts", [[37, 37, 37], [37, 20, 45], [0, 5, 3]])
+@pytest.mark.parametrize("T", [1, 5])
+def test_tail_mask_attention_equals_the_dense_mask_and_a_plain_softmax(starts, T):
+    g = torch.Generator().manual_seed(len(starts) * 7 + T)
+    B, H, Hkv, D = len(starts), 6, 2, 16
+    S = max(starts) + T
+    q = torch.randn(B, H, T, D, generator=g)
+    k = torch.randn(B, Hkv, S, D, generator=g)
+    v = torch.randn(B, Hkv, S, D, generator=g)
+    st = torch.tensor(starts)
+    m0 = min(starts)
+    rows_buf = torch.full((B, Hkv, T, S), 7.0)
+    out, rows = grouped_attention(q, k, v, tail_mask(st, T, S, m0), T, 0.25, mask_from=m0, rows_out=rows_buf)
+    assert rows.data_ptr() == rows_buf.data_ptr()  # written in place
+    # oracle: per row, per head, a plain masked softmax with repeated KV heads
+    G = H // Hkv
+    for b in range(B):
+        for h in range(H):
+            sc = (q[b, h] @ k[b, h // G].T) * 0.25  # [T, S]
+            vis = torch.arange(S)[None, :] <= (starts[b] + torch.arange(T))[:, None]
+            p = torch.softmax(sc.masked_fill(~vis, float("-inf")), dim=-1)
+            torch.testing.assert_close(out[b, h], p @ v[b, h // G], rtol=1e-5, atol=1e-5)
+    dense_out, dense_rows = grouped_attention(q, k, v, verify_mask(st, T, S), T, 0.25)
+    torch.testing.assert_close(out, dense_out)
+    torch.testing.assert_close(rows, dense_rows)
+    # rows: probabilities summed over the G heads of each KV head, zero past each query
+    assert torch.allclose(rows.sum(-1), torch.full((B, Hkv, T), float(G)), atol=1e-5)
+    for b in range(B):
+        assert float(rows[b, :, :, starts[b] + T :].abs().sum()) == 0.0
+
+
+# ------------------------------------------------------------------ running-sum window
+def test_running_sum_window_equals_the_sum_of_the_last_w_rows():
+    L, B, H, W, cap = 2, 3, 2, 4, 40
+    win = ImportanceWindow(L, B, H, W, cap, "cpu")
+    g = torch.Generator().manual_seed(3)
+    hist: dict[int, list[torch.Tensor]] = {b: [] for b in range(B)}  # per row: every pushed query row [L, H, cap]
+    lengths = [5, 9, 2]
+
+    def push(b, T):
+        S = lengths[b] + T
+        rows = torch.rand(L, H, T, S, generator=g)
+        win.push_row(b, rows)
+        for t in range(T):
+            full = torch.zeros(L, H, cap)
+            full[..., :S] = rows[:, :, t]
+            hist[b].append(full)
+        lengths[b] = S
+
+    def check():
+        for b in range(B):
+            want = torch.stack(hist[b][-W:]).double().sum(0) if hist[b] else torch.zeros(L, H, cap, dtype=torch.float64)
+            got = win.scores(cap, b)[:, 0]
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(win.rows[:, b].sum(2).double(), want, rtol=1e-6, atol=1e-6)
+
+    for T, b in [(3, 0), (1, 1), (6, 2), (2, 0), (3, 0), (1, 1), (4, 1), (2, 2), (1, 0), (5, 1)]:  # wraps, T > W
+        push(b, T)
+        check()
+    win.move(2, 0)  # compaction: row 2's window into slot 0
+    hist[0], lengths[0] = list(hist[2]), lengths[2]
+    check()
+    win.reset(1)
+    hist[1], lengths[1] = [], 0
+    check()
+    push(1, 3)
+    check()
+    win.select([1, 0])
+    hist = {0: hist[1], 1: hist[0], 2: []}
+    B = 2
+    check()
+
+
+# ------------------------------------------------------------------ prepacked linears
+@pytest.mark.skipif(not prepack_available(), reason="oneDNN prepacked linear unavailable")
+def test_prepacked_linear_matches_f_linear_and_is_dropped_on_request():
+    g = torch.Generator().manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(48, 32, generator=g), requires_grad=False)
+    bias = torch.randn(48, generator=g)
+    x = torch.randn(2, 3, 32, generator=g)
+    assert prepack_([w]) == w.numel() * 4 and hasattr(w, PACKED_ATTR)
+    with torch.inference_mode():
+        torch.testing.assert_close(linear(x, w, bias), F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+    # the copy is what linear reads: a stale copy shows (so prepack_ must follow an in-place change)
+    w.data.mul_(2.0)
+    with torch.inference_mode():
+        assert not torch.allclose(linear(x, w), F.linear(x, w), atol=1e-3)
+        prepack_([w])
+        torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    prepack_([w], enable=False)
+    assert not hasattr(w, PACKED_ATTR)
+
+
+def test_model_prepack_and_quantize_drop_the_copies(tmp_path):
+    from sparsespec.model import Transformer
+    from tests.helpers import write_tiny_llama
+
+    model = Transformer.from_folder(write_tiny_llama(tmp_path / "m", vocab_size=300))
+    has = [hasattr(w, PACKED_ATTR) for w in (model.lm_head, model.layers[0].wqkv)]
+    assert has == [prepack_available()] * 2
+    assert model.prepacked_bytes == (sum(p.numel() * 4 for p in model.parameters() if p.dim() == 2)
+                                     if prepack_available() else 0)
+    model.quantize_("int8")
+    assert not hasattr(model.embed, PACKED_ATTR)  # a tied head's copy goes with the fp32 head
+
+
+# ------------------------------------------------------------------ cost model
+def test_nnls_recovers_nonnegative_coefficients():
+    rng = np.random.default_rng(0)
+    X = rng.uniform(0.5, 2.0, size=(40, 3))
+    y = X @ np.array([2.0, 0.0, 0.5])
+    np.testing.assert_allclose(_nnls(X, y), [2.0, 0.0, 0.5], atol=1e-9)
+    y2 = X @ np.array([1.0, -3.0, 0.0])  # the best fit wants a negative coefficient: it is clamped
+    assert (_nnls(X, y2) >= 0).all()
+
+
+def test_verify_cost_model_fits_the_roofline_terms():
+    c = [2e-3, 1e-4, 3e-8, 5e-7]  # fixed, per token, per token-key, per row-key
+    m = VerifyCostModel()
+    assert m.predict(1, 1, 100) is None  # nothing measured
+    for B, w, S in [(1, 1, 64), (4, 1, 64), (4, 9, 64), (4, 1, 1024), (4, 9, 1024), (1, 1, 1024), (2, 5, 512)]:
+        m.observe(B, w, S, sum(ci * f for ci, f in zip(c, VerifyCostModel.features(B, w, S))), calibration=True)
+    m.observe(1, 1, 10, float("nan"))  # ignored
+    want = sum(ci * f for ci, f in zip(c, VerifyCostModel.features(8, 17, 8192)))
+    assert m.predict(8, 17, 8192) == pytest.approx(want, rel=1e-6)  # extrapolates along the terms
+
+
+def test_expected_tokens_geometric():
+    assert expected_tokens_geometric(1.0, 5) == 6.0
+    assert expected_tokens_geometric(0.0, 5) == 1.0
+    assert expected_tokens_geometric(0.5, 2) == pytest.approx(1.75)
+
+
+def _controller(c, **kw):
+    ctl = CostAwareController(8, draft_ratio=kw.pop("draft_ratio", 0.2), **kw)
+    for B, w, S in [(1, 1, 100), (1, 9, 100), (4, 1, 100), (4, 9, 100), (4, 1, 4000), (4, 9, 4000), (1, 5, 2000)]:
+        ctl.verify_cost.observe(B, w, S, sum(ci * f for ci, f in zip(c, VerifyCostModel.features(B, w, S))),
+                                calibration=True)
+    ctl.other_s = 0.0
+    return ctl
+
+
+def _rows(alpha, n, labels=100):
+    out = []
+    for _ in range(n):
+        p = RowAcceptance(8)
+        p.alpha, p.num_labels = alpha, labels
+        out.append(p)
+    return out
+
+
+def test_controller_k_is_the_argmax_of_tokens_per_second():
+    # memory-bound verify (flat in w): long drafts pay at alpha 0.9 with a cheap draft
+    flat = [10e-3, 0.0, 0.0, 0.0]
+    ctl = _controller(flat, draft_ratio=0.05)
+    S, N, B = 4000, 400, 4
+
+    def rate(k, a):
+        return B * expected_tokens_geometric(a, k) / (k * 0.05 * 10e-3 + 10e-3)
+
+    want = max(range(9), key=lambda k: (rate(k, 0.9), -k))
+    assert ctl.best_k([0.9] * B, [8] * B, B, S, N)[0] == want == 8
+    # compute-bound verify (cost linear in B*w) at batch 4: each verified token costs 2 ms, the
+    # fixed part 4 ms; alpha 0.8: worked out by hand below
+    lin = [4e-3, 2e-3, 0.0, 0.0]
+    ctl = _controller(lin, draft_ratio=0.0)
+
+    def rate2(k):
+        return 4 * expected_tokens_geometric(0.8, k) / (4e-3 + 2e-3 * 4 * (k + 1))
+
+    want2 = max(range(9), key=lambda k: (rate2(k), -k))
+    assert want2 == 1  # 4*1.8/0.02=360 vs 4*1/0.012=333 vs 4*2.44/0.028=349
+    assert ctl.best_k([0.8] * 4, [8] * 4, 4, S, N)[0] == 1
+    # nothing is accepted: never speculate
+    assert ctl.best_k([0.0] * 4, [8] * 4, 4, S, N)[0] == 0
+    # limits cap every row
+    assert _controller(flat, draft_ratio=0.05).plan(_rows(0.9, 2), [8, 3], [4000, 4000], [400, 400]) == [8, 3]
+
+
+def test_controller_explores_new_rows_and_probes_after_skipping():
+    ctl = _controller([10e-3, 0.0, 0.0, 0.0], draft_ratio=5.0, probe_every=4)  # drafting never pays
+    assert ctl.plan(_rows(0.9, 1, labels=2), [8], [100], [100]) == [4]  # too few labels: explore_k
+    ks = [ctl.plan(_rows(0.9, 1), [8], [100], [100])[0] for _ in range(8)]
+    assert ks == [0, 0, 0, 1, 0, 0, 0, 1]  # every probe_every-th skipped step drafts probe_k
+    assert ctl.num_skipped == 6
+
+
+def test_row_acceptance_labels():
+    p = RowAcceptance(8)
+    p.update([0.1, 0.2, 0.3], 2)  # 1, 1, 0
+    assert p.num_labels == 3 and p.alpha == pytest.approx(2 / 3)
+    p.update([0.1, 0.2], 2)  # 1, 1 (no rejection)
+    assert p.num_labels == 5 and p.alpha == pytest.approx(4 / 5)
+    with pytest.raises(ValueError):
+        p.update([0.1], 2)
+
+
+def test_controller_option_changes_only_auto_run_ids():
+    fixed = resolve_method_options("sparsespec-l", {"k": 4})
+    assert "controller" not in fixed
+    assert resolve_method_options("sparsespec-l", {"k": 4, "controller": "entropy"}) == fixed
+    auto = resolve_method_options("sparsespec-l", {"k": "auto"})
+    assert auto["controller"] == "cost"
+    assert resolve_method_options("sparsespec-l", {"k": "auto", "controller": "entropy"})["controller"] == "entropy"
+    with pytest.raises(ValueError, match="controller"):
+        resolve_method_options("sparsespec-l", {"k": "auto", "controller": "oracle"})
