@@ -257,11 +257,13 @@ def bench_steps(model, prompts: list[list[int]], cfg: BenchConfig, machine: dict
     cache.rollback(base)
     counts = [K + 1] * B
 
-    def index_update():  # what the engine's commit does after a verify: push rows + rebuild
+    def index_update():  # what the engine does after a verify: push rows, then the (deferred) rebuild
         drafter.commit(cache, vrows, counts)
+        drafter.flush(cache)
 
     def index_rebuild():
         drafter.commit(cache, None, counts)
+        drafter.flush(cache)
 
     def gather():
         drafter.propose(cache, tok1, [0] * B, [FixedK(0)] * B, sampling)

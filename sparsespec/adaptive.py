@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -728,18 +728,19 @@ class CostAwareController:
     the engine with a few timed forwards, refitted on every measured round), ``C_d`` is
     ``draft_ratio * C_v(B, 1, N)`` (a draft forward as a fraction of a dense forward over the N
     keys it reads; the drafter's prior until measured, then an EMA of measured ratios), ``C_o``
-    an EMA of the measured rest of the round. Rows without ``min_labels`` labels use the mean
-    alpha of the rows that have them, else ``prior_alpha``; while a row has fewer, the step
-    drafts at least ``explore_k`` (``exploring``). Every ``probe_every``-th consecutive
+    an EMA of the measured rest of the round. A row's alpha is its measured one shrunk towards
+    the batch's (``alphas``); a row without any label makes the step draft at least
+    ``explore_k`` (``exploring``). Every ``probe_every``-th consecutive
     ``k = 0`` step drafts ``probe_k`` tokens, so acceptance keeps being measured.
     The only host work is this arithmetic, once per step (no sync inside the draft loop).
     """
 
     def __init__(self, max_k: int, draft_ratio: float = 1.0, ema: float = 0.2, prior_alpha: float = 0.6,
-                 min_labels: int = 8, probe_every: int = 16, probe_k: int = 1, explore_k: int = 4):
+                 prior_weight: float = 2.0, probe_every: int = 8, probe_k: int = 1, explore_k: int = 2):
         if not _is_int(max_k) or max_k < 1:
             raise ValueError(f"max_k must be an integer >= 1, got {max_k!r}")
-        for name, v in (("draft_ratio", draft_ratio), ("ema", ema), ("prior_alpha", prior_alpha)):
+        for name, v in (("draft_ratio", draft_ratio), ("ema", ema), ("prior_alpha", prior_alpha),
+                        ("prior_weight", prior_weight)):
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0.0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
         if not 0.0 < ema <= 1.0 or not prior_alpha <= 1.0:
@@ -753,7 +754,10 @@ class CostAwareController:
         self.other_s: float | None = None
         self.ema = float(ema)
         self.prior_alpha = float(prior_alpha)
-        self.min_labels = int(min_labels)
+        self.prior_weight = float(prior_weight)
+        self.learned_prior: float | None = None  # mean alpha measured by earlier cores (``load``)
+        self._alpha_sum, self._alpha_n = 0.0, 0
+        self._probe_interval = int(probe_every)
         self.probe_every, self.probe_k = int(probe_every), int(probe_k)
         if not _is_int(explore_k) or explore_k < 1:
             raise ValueError(f"explore_k must be an integer >= 1, got {explore_k!r}")
@@ -798,17 +802,50 @@ class CostAwareController:
 
     # ------------------------------------------------------------------ the decision
     def alphas(self, policies: Sequence[RowAcceptance]) -> list[float]:
-        """Each row's alpha: its own once it has ``min_labels`` labels, else the mean of the rows
-        that have them, else ``prior_alpha``."""
-        known = [p.alpha for p in policies if p.alpha is not None and p.num_labels >= self.min_labels]
-        fallback = sum(known) / len(known) if known else self.prior_alpha
-        return [p.alpha if (p.alpha is not None and p.num_labels >= self.min_labels) else fallback for p in policies]
+        """Each row's alpha, shrunk towards a prior by ``prior_weight`` pseudo-labels:
+        ``(n alpha_b + m prior) / (n + m)`` with ``n`` the row's labels (at most ``1 / ema``, the
+        EMA's memory) and ``prior`` the mean alpha of the batch's rows that have labels, else
+        ``prior_alpha``."""
+        known = [p.alpha for p in policies if p.alpha is not None and p.num_labels > 0]
+        base = self.prior_alpha if self.learned_prior is None else self.learned_prior
+        prior = sum(known) / len(known) if known else base
+        m = self.prior_weight
+        out = []
+        for p in policies:
+            n = 0.0 if p.alpha is None else min(float(p.num_labels), 1.0 / p.ema)
+            out.append((n * (p.alpha or 0.0) + m * prior) / (n + m) if n + m > 0 else prior)
+        return out
 
     def exploring(self, policies: Sequence[RowAcceptance]) -> bool:
-        """True while some row has fewer than ``min_labels`` acceptance labels: it drafts at least
-        ``explore_k`` tokens, so its alpha is measured before it is trusted (about
-        ``min_labels / (1 + alpha)`` steps per request)."""
-        return any(p.num_labels < self.min_labels for p in policies)
+        """True while some row has no acceptance label yet and the prior is not a measured one
+        (``learned_prior``): the step then drafts at least ``explore_k`` tokens (once per request:
+        its first decode step), so alpha is measured before the prior decides for it."""
+        return self.learned_prior is None and any(p.num_labels == 0 for p in policies)
+
+    def export(self) -> dict[str, Any]:
+        """What a later core of the same engine and method may start from (``load``): the
+        measured draft ratio and round overhead, the recent verify timings and the mean alpha of
+        the rows seen (None if none has a label)."""
+        seen = self._alpha_sum / self._alpha_n if self._alpha_n else self.learned_prior
+        return {"draft_ratio": self.draft_ratio if self.draft_measured else None, "other_s": self.other_s,
+                "recent": list(self.verify_cost.recent), "alpha": seen}
+
+    def load(self, state: Mapping[str, Any]) -> None:
+        """Start from ``export()`` of an earlier core (measurements, not constants)."""
+        if state.get("draft_ratio") is not None:
+            self.draft_ratio, self.draft_measured = float(state["draft_ratio"]), True
+        if state.get("other_s") is not None:
+            self.other_s = float(state["other_s"])
+        for pt in state.get("recent") or ():
+            self.verify_cost.observe(*pt)
+        if state.get("alpha") is not None:
+            self.learned_prior = float(state["alpha"])
+
+    def row_finished(self, policy: RowAcceptance) -> None:
+        """Fold a finished row's measured alpha into the mean ``export`` hands on."""
+        if policy.alpha is not None and policy.num_labels:
+            self._alpha_sum += policy.alpha
+            self._alpha_n += 1
 
     def best_k(self, alphas: Sequence[float], limits: Sequence[int], B: int, S: float, N: float) -> tuple[int, float | None]:
         """``(k*, predicted tokens/s)``; k* = the most any row may draft (``max(limits)``) capped
@@ -840,12 +877,13 @@ class CostAwareController:
             k = max(k, min(self.explore_k, max(limits, default=0)))
         if k == 0 and max(limits, default=0) > 0:
             self._zero_run += 1
-            if self._zero_run >= self.probe_every:  # probe: keep measuring acceptance and draft cost
+            if self._zero_run >= self._probe_interval:  # probe: keep measuring acceptance and draft cost
                 self._zero_run, k = 0, min(self.probe_k, max(limits))
+                self._probe_interval = min(8 * self.probe_every, 2 * self._probe_interval)  # back off
             else:
                 self.num_skipped += 1
-        else:
-            self._zero_run = 0
+        elif k > 0:
+            self._zero_run, self._probe_interval = 0, self.probe_every
         self.num_steps += 1
         self.k_hist[k] = self.k_hist.get(k, 0) + 1
         self._overhead_s += time.perf_counter() - t0

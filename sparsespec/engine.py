@@ -207,12 +207,21 @@ class EngineCore:
         if self.spec is not None and self.spec.k == "auto" and self.spec.controller == "cost":
             self.controller = CostAwareController(self.k_max, draft_ratio=float(getattr(drafter_cls, "draft_cost_prior", 1.0)))
             self._calibrate()
+            learned = engine.__dict__.setdefault("_controller_state", {}).get(self._controller_key)
+            if learned:
+                self.controller.load(learned)
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []  # running[slot]
         self._ids: set[str] = set()
         self.num_steps = 0
 
     # ------------------------------------------------------------------ calibration
+    @property
+    def _controller_key(self) -> tuple:
+        """Cores of one engine share controller measurements per method and draft settings."""
+        spec = dataclasses.asdict(self.spec) if self.spec is not None else {}
+        return (self.method, tuple(sorted((k, str(v)) for k, v in spec.items())))
+
     def _calibrate(self) -> None:
         """The cost controller's starting point: a few timed dense forwards of this core's shapes
         (``max_num_seqs`` rows, widths 1, 2 and ``k_max + 1``, a short and a longer context, and
@@ -503,6 +512,9 @@ class EngineCore:
         s.kv_bytes = self.slot_bytes
         s.draft_weight_bytes = int(getattr(self.drafter, "weight_bytes", 0))
         s.controller_s = req.policy.overhead_s + req.controller_s
+        if self.controller is not None:  # what later cores of this engine start from
+            self.controller.row_finished(req.policy)
+            self.engine.__dict__.setdefault("_controller_state", {})[self._controller_key] = self.controller.export()
         final = GenerationOutput(list(req.out), req.text, s.to_dict(len(req.out), self.model.device),
                                  req.finish_reason)
         for o in outputs:

@@ -197,11 +197,37 @@ def test_controller_k_is_the_argmax_of_tokens_per_second():
 
 
 def test_controller_explores_new_rows_and_probes_after_skipping():
-    ctl = _controller([10e-3, 0.0, 0.0, 0.0], draft_ratio=5.0, probe_every=4)  # drafting never pays
-    assert ctl.plan(_rows(0.9, 1, labels=2), [8], [100], [100]) == [4]  # too few labels: explore_k
-    ks = [ctl.plan(_rows(0.9, 1), [8], [100], [100])[0] for _ in range(8)]
-    assert ks == [0, 0, 0, 1, 0, 0, 0, 1]  # every probe_every-th skipped step drafts probe_k
-    assert ctl.num_skipped == 6
+    ctl = _controller([10e-3, 0.0, 0.0, 0.0], draft_ratio=5.0, probe_every=2, explore_k=4, probe_k=2)
+    assert ctl.plan(_rows(0.9, 1, labels=0), [8], [100], [100]) == [4]  # no label yet: explore_k
+    assert ctl.plan(_rows(0.9, 1, labels=0), [3], [100], [100]) == [3]  # within the limit
+    ks = [ctl.plan(_rows(0.9, 1), [8], [100], [100])[0] for _ in range(16)]
+    # drafting never pays: probes of probe_k after 2, then 4, 8 skipped steps (backing off)
+    assert ks == [0, 2, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0]
+    assert ctl.num_skipped == 13
+    # a later core starts from the measurements: no exploration, the learned alpha as prior
+    ctl.row_finished(_rows(0.25, 1)[0])
+    later = CostAwareController(8)
+    later.load(ctl.export())
+    assert later.draft_ratio == 1.0  # a prior that was never measured is not handed on
+    d1 = ctl.verify_cost.predict(1, 1, 100 + 1)
+    ctl.observe_round(1, 100, 100, 2, 2 * 3.0 * d1, 10e-3, 0.0)  # a measured draft forward: 3x C_v(1, 1, N)
+    later = CostAwareController(8)
+    later.load(ctl.export())
+    assert later.learned_prior == 0.25 and later.draft_ratio == pytest.approx(3.0)
+    assert not later.exploring(_rows(0.9, 1, labels=0))
+    assert later.alphas([RowAcceptance(8)]) == [0.25]
+
+
+def test_controller_alpha_shrinks_towards_the_batch():
+    ctl = CostAwareController(8, prior_alpha=0.5, prior_weight=2.0)
+    rows = _rows(0.9, 1, labels=2) + _rows(0.3, 1, labels=100)
+    rows[1].ema = 0.1  # memory 10 labels
+    a = ctl.alphas(rows + [RowAcceptance(8)])
+    prior = (0.9 + 0.3) / 2
+    assert a[0] == pytest.approx((2 * 0.9 + 2 * prior) / 4)
+    assert a[1] == pytest.approx((10 * 0.3 + 2 * prior) / 12)
+    assert a[2] == pytest.approx(prior)  # no labels: the batch's
+    assert ctl.alphas([RowAcceptance(8)]) == [0.5]  # nobody measured: prior_alpha
 
 
 def test_row_acceptance_labels():
