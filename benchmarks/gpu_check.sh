@@ -11,10 +11,13 @@
 # 2. correctness: pytest -q -m gpu tests/gpu (kernel parity at real shapes, greedy losslessness of
 #    the speculative methods with the kernels active, kernel path == torch path).
 # 3. timing: per-layer attention kernels (benchmarks/kernel_timing.py), then the step benchmark
-#    `python -m cluster.bench --shape llama-3.1-8b --random-weights ...` (16K-64K, batch 1).
+#    `python -m cluster.bench --shape llama-3.1-8b --random-weights ...` (16K-64K, batch 1), then
+#    paired end-to-end ar vs sparsespec-l (k=auto, k=4) at batch 1, 4, 16 x 16K-64K
+#    (benchmarks/paired_e2e.py; random weights, so alpha is not a real model's; cells that do
+#    not fit in memory are reported as such).
 #
 # Everything lands in $OUT: env.txt, nvidia-smi.txt, pytest.log, pytest.xml, kernels.{log,json},
-# bench.{log,json}, summary.txt. Exit status: 1 if correctness failed (or no GPU/env),
+# bench.{log,json}, e2e.{log,json}, summary.txt. Exit status: 1 if correctness failed (or no GPU/env),
 # 2 if only a timing step failed, 0 otherwise.
 set -euo pipefail
 
@@ -103,6 +106,16 @@ if "$PY" -m cluster.bench --shape llama-3.1-8b --random-weights --device cuda --
     log "timing: bench done"
 else
     log "timing: cluster.bench FAILED (see bench.log)"
+    [ "$status" -eq 0 ] && status=2
+fi
+
+log "timing: paired end to end (benchmarks/paired_e2e.py: llama-3.1-8b shape, random weights, bf16, batch 1-16 x 16K-64K)"
+if "$PY" benchmarks/paired_e2e.py --shape llama-3.1-8b --device cuda --dtype bfloat16 --batch-sizes 1,4,16 \
+        --context-lengths 16384,32768,65536 --methods sparsespec-l:auto,sparsespec-l:4 --gen-tokens 32 --reps 1 --max-batch-tokens 262144 \
+        --json-out "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log"; then
+    log "timing: paired e2e done"
+else
+    log "timing: paired_e2e FAILED (see e2e.log)"
     [ "$status" -eq 0 ] && status=2
 fi
 

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FAST_TESTS = ["tests/test_engine_core.py", "tests/test_rejection.py", "tests/test_sampling.py",
               "tests/test_adaptive.py", "tests/test_engine_units.py", "tests/test_baselines.py",
               "tests/test_draft_model.py", "tests/test_engine_min_tokens.py", "tests/test_sampling_engine.py",
-              "tests/test_kernels.py"]
+              "tests/test_kernels.py", "tests/test_perf_paths.py"]
 
 
 @dataclass(frozen=True)
@@ -52,13 +52,41 @@ MUTANTS = [
     M("window_push_rejected", "sparsespec/drafters/sparse_self.py", "push every verified query, rejected ones too",
       ("self.window.push(rows, list(counts))", "self.window.push(rows, None)")),
     M("window_wiped_each_step", "sparsespec/drafters/sparse_self.py", "wipe the window before each push",
+      ("        if rows is not None:\n            self.window.push(rows, list(counts))\n        for b",
+       "        self.window.rows.zero_()\n        self.window.total.zero_()\n        if rows is not None:\n"
+       "            self.window.push(rows, list(counts))\n        for b"),
       ("        if rows is not None:\n            self.window.push(rows, list(counts))",
        "        self.window.rows.zero_()\n        if rows is not None:\n            self.window.push(rows, list(counts))")),
     M("index_rebuild_skipped", "sparsespec/drafters/sparse_self.py", "never rebuild the index after a verify",
+      ("                self._rebuild(cache, b)\n", "                pass\n"),
       ("        for b in range(cache.batch_size):\n            self._rebuild(cache, b)",
        "        pass")),
     M("window_scores_max", "sparsespec/kv/index.py", "score keys by the max over the window, not the sum",
+      ("        tot -= old.sum(dim=2, dtype=torch.float64)\n", "        pass\n"),
       ("return rows[..., :length].sum(dim=3)", "return rows[..., :length].amax(dim=3)")),
+    M("window_running_sum_double_add", "sparsespec/kv/index.py", "the running sum adds the new rows twice",
+      ("        tot[..., :S] += new_rows.sum(dim=2, dtype=torch.float64)",
+       "        tot[..., :S] += 2 * new_rows.sum(dim=2, dtype=torch.float64)")),
+    # ---- the attention fast path (issue 15)
+    M("tail_mask_strict", "sparsespec/model.py", "a query does not see its own key",
+      ("mask = key_pos[None, None, m0:] <= positions[:, :, None]", "mask = key_pos[None, None, m0:] < positions[:, :, None]")),
+    M("tail_mask_columns", "sparsespec/kernels/reference.py", "the tail mask applied to the first columns",
+      ("tail = scores.view(B, Hkv, G, T, S)[..., mask_from:]", "tail = scores.view(B, Hkv, G, T, S)[..., : S - mask_from]")),
+    M("rows_one_head_short", "sparsespec/kernels/reference.py", "importance rows miss a query head of the group",
+      ("            for g in range(1, G):", "            for g in range(1, max(1, G - 1)):")),
+    M("prepack_stale_weight", "sparsespec/quant.py", "the prepacked copy is not the weight",
+      ("packed = w.detach().contiguous().to_mkldnn()", "packed = (w.detach() * 1.0001).contiguous().to_mkldnn()")),
+    # ---- the cost controller (issue 15)
+    M("cost_verify_width_ignored", "sparsespec/adaptive.py", "the verify costs the same whatever its width",
+      ("        v = self.verify_cost.predict(B, k + 1, S)", "        v = self.verify_cost.predict(B, 1, S)")),
+    M("cost_tokens_off_by_one", "sparsespec/adaptive.py", "expected tokens without the bonus token",
+      ("return (1.0 - a ** (k + 1)) / (1.0 - a)", "return (1.0 - a ** k) / (1.0 - a)")),
+    M("row_alpha_no_rejection_label", "sparsespec/adaptive.py", "the first rejection is not a label",
+      ("labels = [1.0] * num_accepted + ([0.0] if num_accepted < m else [])", "labels = [1.0] * num_accepted")),
+    M("cost_draft_not_charged", "sparsespec/adaptive.py", "draft forwards cost nothing",
+      ("            d = k * self.draft_ratio * (d1 or 0.0)", "            d = 0.0")),
+    M("cost_never_skips", "sparsespec/adaptive.py", "k = 0 is never chosen",
+      ("        best_k, best_rate = 0, sum(1.0 for _ in alphas) / base", "        best_k, best_rate = 0, 0.0")),
     M("index_top_offset", "sparsespec/kv/index.py", "top positions off by the sink count",
       ("top = torch.topk(middle, n_top, dim=-1, sorted=False).indices + n_sink",
        "top = torch.topk(middle, n_top, dim=-1, sorted=False).indices")),

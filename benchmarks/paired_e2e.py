@@ -55,6 +55,8 @@ def main() -> None:
     p.add_argument("--gen-tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--max-batch-tokens", type=int, default=None,
+                   help="skip (batch, context) cells with batch x context above this (prefill time and KV memory)")
     p.add_argument("--json-out", default=None)
     a = p.parse_args()
     if a.threads:
@@ -68,6 +70,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for B in (int(x) for x in a.batch_sizes.split(",")):
         for L in (int(x) for x in a.context_lengths.split(",")):
+            if a.max_batch_tokens and B * L > a.max_batch_tokens:
+                print(f"| {B} | {L} | (skipped: {B} x {L} > --max-batch-tokens {a.max_batch_tokens}) | | | | | |")
+                continue
             P = L - a.gen_tokens
             prompts = torch.randint(3, model.cfg.vocab_size, (B, P), generator=g).tolist()
             tpot: dict[str, list[float]] = {m + str(o.get("k", "")): [] for m, o in methods}

@@ -82,6 +82,47 @@ SPEED = "speed"  # the registry key of the fixed-length speed benchmark
 MIN_PROMPT_TOKENS = 64
 
 
+#: draft lengths the roofline's choice of k ranges over
+ROOFLINE_MAX_K = 16
+
+
+# --------------------------------------------------------------------------- roofline physics
+def expected_tokens(alpha: float, k: float) -> float:
+    """Tokens a round drafting ``k`` emits at per-token acceptance ``alpha`` (i.i.d.):
+    ``(1 - alpha^(k+1)) / (1 - alpha)``, ``k + 1`` at ``alpha = 1``."""
+    a = min(max(float(alpha), 0.0), 1.0)
+    return float(k) + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def verify_floor_at(verify_by_k: Mapping[str, float], k: float) -> float | None:
+    """The verify floor at a (fractional, e.g. mean) draft length ``k``: linear between the
+    floors at ``floor(k)`` and ``ceil(k)`` (``verify_by_k``: str(k) -> seconds)."""
+    if not verify_by_k or k is None:
+        return None
+    lo, hi = int(k // 1), int(-(-k // 1))
+    if str(lo) not in verify_by_k or str(hi) not in verify_by_k:
+        return None
+    a, b = verify_by_k[str(lo)], verify_by_k[str(hi)]
+    return a + (b - a) * (k - lo)
+
+
+def roofline_best_k(alpha: float | None, ar_floor_s: float, draft_floor_s: float,
+                    verify_by_k: Mapping[str, float]) -> tuple[int, float] | tuple[None, None]:
+    """The draft length the compute-aware roofline would choose at acceptance ``alpha``, and its
+    speedup: ``argmax_k E(alpha, k) * ar_floor / (k * draft_floor + verify_floor(k))`` over the
+    ks in ``verify_by_k`` (``k = 0`` is plain decoding: speedup 1 by definition); ties: the shorter."""
+    if alpha is None or not verify_by_k:
+        return None, None
+    best_k, best = 0, 1.0
+    for k in sorted(int(x) for x in verify_by_k):
+        if k == 0:
+            continue
+        s = expected_tokens(alpha, k) * ar_floor_s / (k * draft_floor_s + verify_by_k[str(k)])
+        if s > best * (1.0 + 1e-12):
+            best_k, best = k, s
+    return best_k, best
+
+
 # --------------------------------------------------------------------------- configuration
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
@@ -109,6 +150,8 @@ class BenchConfig:
     steps_only: bool = False
     hf: bool = True
     hf_tokens: int = 32
+    #: transformers' prompt lookup (``prompt_lookup_num_tokens``) against our ``ngram`` (same k); 0 = skip
+    hf_prompt_lookup_tokens: int = 10
     seed: int = 0
     text: str | None = None
     #: end-to-end cells only where batch x context <= this (each batch prefills every row; on a
@@ -137,6 +180,10 @@ class BenchConfig:
             raise ValueError(f"k must be >= 1, got {self.k}")
         if not 0 < self.budget_frac <= 1:
             raise ValueError(f"budget_frac must be in (0, 1], got {self.budget_frac}")
+        if self.hf_tokens < 2:
+            raise ValueError(f"hf_tokens must be >= 2, got {self.hf_tokens}")
+        if self.hf_prompt_lookup_tokens < 0:
+            raise ValueError(f"hf_prompt_lookup_tokens must be >= 0, got {self.hf_prompt_lookup_tokens}")
         if self.e2e_samples is not None and self.e2e_samples < 1:
             raise ValueError(f"e2e_samples must be >= 1, got {self.e2e_samples}")
         if self.device not in ("cpu", "cuda"):
@@ -302,6 +349,9 @@ def bench_steps(model, prompts: list[list[int]], cfg: BenchConfig, machine: dict
         "draft_step_int8": roofline(model, machine, B, 1, n_index + K / 2,
                                     weight_nbytes=draft_weight_bytes(model, drafter8.weights)),
     }
+    # the verify's floor at every draft length (its compute floor grows with k + 1 tokens per row)
+    out["verify_roofline_s_by_k"] = {str(k): roofline(model, machine, B, k + 1, P)["roofline_s"]
+                                     for k in range(0, ROOFLINE_MAX_K + 1)}
     for name, key in (("ar_step", "ar_step_s"), ("verify", "verify_importance_s"), ("draft_step", "draft_step_s"),
                       ("draft_step_int8", "draft_step_int8_s")):
         r = roofs[name]
@@ -381,15 +431,63 @@ def bench_hf(folder: Path, prompt: list[int], cfg: BenchConfig) -> dict[str, Any
                           min_new_tokens=cfg.hf_tokens, do_sample=False, logits_processor=LogitsProcessorList([Stamp()]))
         total = time.perf_counter() - t0
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    # prompt lookup decoding (transformers' ``prompt_lookup_num_tokens``), greedy, same prompt:
+    # its decode time = total - the plain run's time to first token (the same prefill)
+    pl = None
+    if cfg.hf_prompt_lookup_tokens:
+        with torch.inference_mode():
+            t1 = time.perf_counter()
+            out_pl = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=cfg.hf_tokens,
+                                 min_new_tokens=cfg.hf_tokens, do_sample=False,
+                                 prompt_lookup_num_tokens=cfg.hf_prompt_lookup_tokens)
+            _sync(cfg.device)
+            total_pl = time.perf_counter() - t1
+        ttft = stamps[0] - t0 if stamps else 0.0
+        n_pl = out_pl.shape[1] - len(prompt)
+        pl = {"hf_pl_total_s": total_pl, "hf_pl_step_s": (total_pl - ttft) / max(1, n_pl - 1),
+              "hf_pl_token_ids": out_pl[0, len(prompt):].tolist()}
     res = {
         "kind": "hf", "method": "transformers-generate", "context_len": len(prompt) + cfg.gen_tokens,
         "prompt_len": len(prompt), "batch_size": 1,
         "gen_tokens": cfg.hf_tokens, "hf_step_s": statistics.median(gaps) if gaps else None,
         "hf_ttft_s": stamps[0] - t0 if stamps else None, "hf_total_s": total,
         "hf_token_ids": out[0, len(prompt):].tolist(),
+        **(pl or {}),
     }
     del hf
     return res
+
+
+def bench_ours_reference(model, tokenizer, prompt: list[int], cfg: BenchConfig, hf_row: dict[str, Any]) -> list[dict[str, Any]]:
+    """Our ``ar`` and ``ngram`` on ``bench_hf``'s prompt in this process (batch 1, greedy,
+    ``hf_tokens`` tokens), beside transformers' ``generate`` and its prompt lookup: rows of kind
+    ``"reference"`` with both per-token decode times (ours: ``sparsespec.stats.batch_tpot``), their
+    ratio (``ours_over_hf`` < 1: ours faster) and whether the greedy tokens are the same."""
+    from sparsespec.engine import Engine
+    from sparsespec.stats import batch_tpot
+
+    eng = Engine(model, tokenizer, name=cfg.model)
+    rows = []
+    pairs = [("transformers-generate", "ar", None, "hf_step_s", "hf_token_ids")]
+    if "hf_pl_step_s" in hf_row:
+        pairs.append(("transformers-prompt-lookup", "ngram", {"k": cfg.hf_prompt_lookup_tokens},
+                      "hf_pl_step_s", "hf_pl_token_ids"))
+    eng.generate([prompt[:256]], method="ar", max_new_tokens=4, ignore_eos=True)  # warm-up
+    for hf_name, ours, opts, step_key, tok_key in pairs:
+        # EOS masked as transformers' min_new_tokens does (our min_new_tokens must stay below the
+        # cap, so the last token is left out of the comparison)
+        out = eng.generate([prompt], method=ours, method_options=opts, max_new_tokens=cfg.hf_tokens,
+                           min_new_tokens=cfg.hf_tokens - 1)[0]
+        mine = batch_tpot([out.stats])
+        theirs = hf_row.get(step_key)
+        ref = hf_row.get(tok_key) or []
+        n = min(len(ref), len(out.token_ids), cfg.hf_tokens - 1)
+        rows.append({"kind": "reference", "method": hf_name, "context_len": hf_row["context_len"],
+                     "prompt_len": len(prompt), "batch_size": 1, "gen_tokens": cfg.hf_tokens,
+                     "hf_step_s": theirs, "ours_method": ours, "ours_step_s": mine,
+                     "ours_over_hf": mine / theirs if (mine and theirs) else None,
+                     "same_tokens": n > 0 and list(out.token_ids[:n]) == list(ref[:n])})
+    return rows
 
 
 # --------------------------------------------------------------------------- steps driver
@@ -428,6 +526,11 @@ def measure_steps(cfg: BenchConfig, *, progress: Callable[[str], None] = log.inf
             hf_row = bench_hf(model.source_folder, base_prompts[0], cfg)
             rows.append(hf_row)
             progress(f"ctx {L}: transformers generate {hf_row['hf_step_s'] * 1e3:.1f} ms/token")
+            for ref in bench_ours_reference(model, tokenizer, base_prompts[0], cfg, hf_row):
+                rows.append(ref)
+                progress(f"ctx {L}: {ref['method']} {_f(ref['hf_step_s'] and ref['hf_step_s'] * 1e3, '.1f')} ms/token, "
+                         f"ours ({ref['ours_method']}) {_f(ref['ours_step_s'] and ref['ours_step_s'] * 1e3, '.1f')}, "
+                         f"same tokens {ref['same_tokens']}")
         for B in cfg.batch_sizes:
             steps = bench_steps(model, base_prompts[:B], cfg, machine, prefill_s if B == 1 else None, L)
             if hf_row is not None and B == 1:
@@ -517,7 +620,7 @@ def e2e_rows(results: Sequence[Mapping[str, Any]], steps: Sequence[Mapping[str, 
     for r in results:
         by_group[(r["context_length"], int(r.get("batch_size") or 1), r["method"])].append(r)
     step_at = {(s["context_len"], s["batch_size"]): s for s in steps if s.get("kind") == "steps"}
-    hf_at = {s["context_len"]: s for s in steps if s.get("kind") == "hf"}
+    hf_at = {s["context_len"]: s for s in steps if s.get("kind") == "hf" and not s.get("ours_method")}
     out = []
     for rep in compute_report(results):
         L, B, method = rep["context_length"], rep["batch_size"], rep["method"]
@@ -547,10 +650,17 @@ def e2e_rows(results: Sequence[Mapping[str, Any]], steps: Sequence[Mapping[str, 
                                                     ar=pool(r.get("stats") or {} for r in ar_rows))[
                 "predicted_speedup_round"]
             if st is not None:
-                # what the roofline allows at this acceptance (every step at its floor), and what
-                # the measured step times predict
+                # what the roofline allows at this acceptance (every step at its floor: the verify's
+                # at the run's own mean k), and what the measured step times predict
+                v_floor = verify_floor_at(st.get("verify_roofline_s_by_k") or {}, mean_k)
                 row["roofline_speedup"] = roofline_speedup(tau, mean_k, st["ar_step_roofline_s"],
-                                                           st["draft_step_roofline_s"], st["verify_roofline_s"])
+                                                           st["draft_step_roofline_s"],
+                                                           st["verify_roofline_s"] if v_floor is None else v_floor)
+                if row["roofline_speedup"] and rep["speedup"] is not None:
+                    row["measured_over_roofline"] = rep["speedup"] / row["roofline_speedup"]
+                row["roofline_best_k"], row["roofline_best_speedup"] = roofline_best_k(
+                    rep["alpha"], st["ar_step_roofline_s"], st["draft_step_roofline_s"],
+                    st.get("verify_roofline_s_by_k") or {})
                 row["step_predicted_speedup"] = roofline_speedup(tau, mean_k, st["ar_step_s"], st["draft_step_s"],
                                                                  st["verify_importance_s"])
                 row["ledger_speedup_roofline_gamma"] = ledger_speedup(rep["alpha"], mean_k, st["gamma_roofline"])
@@ -712,6 +822,15 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {_f(r.get('roofline_max_speedup'), '.2f')} / {_f(r.get('step_max_speedup'), '.2f')} "
             f"| {_f(r.get('hf_step_s') and r['hf_step_s'] * 1e3, '.1f')} ({_f(r.get('hf_over_ar_step'), '.2f')}x) |"
         )
+    refs = [r for r in result["rows"] if r["kind"] == "reference"]
+    if refs:
+        lines += ["", "outside references (batch 1, greedy, same prompt, same process):", "",
+                  "| ctx | transformers | ms/token | ours | ms/token | ours / transformers | same tokens |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in refs:
+            lines.append(f"| {r['context_len']} | {r['method']} | {_f(r['hf_step_s'] and r['hf_step_s'] * 1e3, '.1f')} "
+                         f"| {r['ours_method']} | {_f(r['ours_step_s'] and r['ours_step_s'] * 1e3, '.1f')} "
+                         f"| {_f(r['ours_over_hf'], '.2f')} | {_f(r['same_tokens'])} |")
     e2e = [r for r in result["rows"] if r["kind"] == "e2e"]
     if e2e:
         info = meta.get("e2e") or {}
@@ -722,8 +841,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"{len(info.get('failed') or {})} failed; speedup = median over paired batches (`cluster.report`)",
             "",
             "| ctx | B | method | n | decode tok/s | speedup (per batch) | alpha | tau | mean k | gamma | ledger S | "
-            "cycle-predicted S | step-predicted S | roofline S | lossless |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "cycle-predicted S | step-predicted S | roofline S | measured / roofline | roofline k (S) | lossless |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in e2e:
             runs = ", ".join(f"{x:.2f}" for x in r.get("speedup_runs") or [])
@@ -734,7 +853,8 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {_f(r['speedup'])} ({runs}) | {_f(r.get('alpha'))} | {_f(r.get('tau'), '.2f')} "
                 f"| {_f(r.get('mean_k'), '.2f')} | {_f(r.get('gamma'))} | {_f(r.get('ledger_speedup'))} "
                 f"| {_f(r.get('cycle_predicted_speedup'))} | {_f(r.get('step_predicted_speedup'))} "
-                f"| {_f(r.get('roofline_speedup'))} | {lossless} |"
+                f"| {_f(r.get('roofline_speedup'))} | {_f(r.get('measured_over_roofline'), '.2f')} "
+                f"| {_f(r.get('roofline_best_k'))} ({_f(r.get('roofline_best_speedup'), '.2f')}) | {lossless} |"
             )
     return "\n".join(lines)
 
@@ -815,6 +935,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, argparse
                    help="end-to-end cells only where batch x context <= this (prefill of every row is slow on CPU)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers generate reference")
     p.add_argument("--hf-tokens", type=int, default=32)
+    p.add_argument("--hf-prompt-lookup-tokens", type=int, default=10,
+                   help="transformers prompt lookup (prompt_lookup_num_tokens) vs our ngram with this k; 0 = skip")
     p.add_argument("--text", default=None,
                    help="plain-text file the prompts are cut from (default: the speed benchmark's public-domain book)")
     p.add_argument("--seed", type=int, default=0)
@@ -842,7 +964,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, argparse
                           methods=methods, k=a.k, method_k=a.k if a.method_k is None else a.method_k,
                           budget_frac=a.budget_frac, gen_tokens=a.gen_tokens, reps=a.reps, e2e_reps=a.e2e_reps,
                           e2e_samples=a.e2e_samples, warmup=a.warmup, steps_only=a.steps_only, hf=not a.no_hf,
-                          hf_tokens=a.hf_tokens, seed=a.seed, text=a.text, e2e_max_tokens=a.e2e_max_tokens,
+                          hf_tokens=a.hf_tokens, hf_prompt_lookup_tokens=a.hf_prompt_lookup_tokens, seed=a.seed, text=a.text, e2e_max_tokens=a.e2e_max_tokens,
                           draft_weights=a.draft_weights, quantize=a.quantize)
     except ValueError as e:
         p.error(str(e))
@@ -880,6 +1002,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     for r in result["rows"]:  # token ids are for the comparison with transformers, not the report
         r.pop("hf_token_ids", None)
+        r.pop("hf_pl_token_ids", None)
     md = markdown(result)
     print(md)
     if a.json_out:

@@ -664,7 +664,7 @@ class RowAcceptance:
 
     adaptive = False
 
-    def __init__(self, max_k: int, ema: float = 0.1):
+    def __init__(self, max_k: int, ema: float = 0.05):
         self.max_k = int(max_k)
         self.ema = float(ema)
         self.alpha: float | None = None
@@ -736,7 +736,7 @@ class CostAwareController:
     """
 
     def __init__(self, max_k: int, draft_ratio: float = 1.0, ema: float = 0.2, prior_alpha: float = 0.6,
-                 prior_weight: float = 2.0, probe_every: int = 8, probe_k: int = 1, explore_k: int = 2):
+                 prior_weight: float = 1.0, probe_every: int = 8, probe_k: int = 1, explore_k: int = 2):
         if not _is_int(max_k) or max_k < 1:
             raise ValueError(f"max_k must be an integer >= 1, got {max_k!r}")
         for name, v in (("draft_ratio", draft_ratio), ("ema", ema), ("prior_alpha", prior_alpha),
@@ -804,14 +804,15 @@ class CostAwareController:
     def alphas(self, policies: Sequence[RowAcceptance]) -> list[float]:
         """Each row's alpha, shrunk towards a prior by ``prior_weight`` pseudo-labels:
         ``(n alpha_b + m prior) / (n + m)`` with ``n`` the row's labels (at most ``1 / ema``, the
-        EMA's memory) and ``prior`` the mean alpha of the batch's rows that have labels, else
-        ``prior_alpha``."""
-        known = [p.alpha for p in policies if p.alpha is not None and p.num_labels > 0]
+        EMA's memory) and ``prior`` the mean alpha of the batch's other rows that have labels,
+        else the alpha earlier cores measured (``learned_prior``), else ``prior_alpha``."""
         base = self.prior_alpha if self.learned_prior is None else self.learned_prior
-        prior = sum(known) / len(known) if known else base
+        measured = [(i, p.alpha) for i, p in enumerate(policies) if p.alpha is not None and p.num_labels > 0]
         m = self.prior_weight
         out = []
-        for p in policies:
+        for i, p in enumerate(policies):
+            others = [a for j, a in measured if j != i]  # a row is not its own prior
+            prior = sum(others) / len(others) if others else base
             n = 0.0 if p.alpha is None else min(float(p.num_labels), 1.0 / p.ema)
             out.append((n * (p.alpha or 0.0) + m * prior) / (n + m) if n + m > 0 else prior)
         return out

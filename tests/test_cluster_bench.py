@@ -63,6 +63,44 @@ def test_roofline_speedup_by_hand():
     assert x_roofline(3e-3, 1.5e-3) == pytest.approx(2.0) and x_roofline(1.0, 0.0) is None
 
 
+def test_roofline_best_k_by_hand():
+    flat = {str(k): 1.0 for k in range(0, 17)}  # a memory-bound verify: the floor does not grow with k
+    # alpha 1, drafts free: every k emits k+1 tokens for one verify: the longest k
+    assert bench.roofline_best_k(1.0, 1.0, 0.0, flat) == (16, pytest.approx(17.0))
+    assert bench.roofline_best_k(0.0, 1.0, 0.1, flat) == (0, 1.0)  # nothing accepted: plain decoding
+    assert bench.roofline_best_k(None, 1.0, 0.1, flat) == (None, None)
+    # compute-bound verify: floor 0.5 + 0.5 (k + 1) (k=0: 1.0 = the AR floor), draft 0.2, alpha 0.8
+    lin = {str(k): 0.5 + 0.5 * (k + 1) for k in range(0, 17)}
+    # S(1) = 1.8 / 1.7 = 1.059, S(2) = 2.44 / 2.4 = 1.017, S(3) = 2.952 / 3.1 = 0.952
+    k, s = bench.roofline_best_k(0.8, 1.0, 0.2, lin)
+    assert k == 1 and s == pytest.approx(1.8 / 1.7)
+
+
+def test_verify_floor_interpolates_at_a_fractional_mean_k():
+    by_k = {"0": 1.0, "1": 2.0, "2": 4.0, "3": 5.0}
+    assert bench.verify_floor_at(by_k, 2.0) == 4.0
+    assert bench.verify_floor_at(by_k, 1.25) == pytest.approx(2.5)
+    assert bench.verify_floor_at(by_k, 3.5) is None  # past the table
+    assert bench.expected_tokens(0.5, 2) == pytest.approx(1.75) and bench.expected_tokens(1.0, 3) == 4.0
+
+
+def test_markdown_has_the_physics_and_reference_columns():
+    result = {"meta": {"date": "d", "machine_desc": "m", "torch": "t", "threads": 2, "model": "x",
+                       "config": {"dtype": "float32"}, "e2e": {"run_ids": ["r"], "done": 1}},
+              "machine": {"read_bytes_per_s": 1e10, "gemm_flops_per_s": 1e11},
+              "rows": [{"kind": "reference", "method": "transformers-prompt-lookup", "context_len": 256,
+                        "hf_step_s": 0.02, "ours_method": "ngram", "ours_step_s": 0.01, "ours_over_hf": 0.5,
+                        "same_tokens": True},
+                       {"kind": "e2e", "method": "sparsespec-l", "context_len": 256, "batch_size": 1, "n": 1,
+                        "decode_tokens_per_s": 10.0, "speedup": 0.9, "speedup_runs": [0.9], "alpha": 0.8,
+                        "tau": 2.0, "mean_k": 2.0, "gamma": 0.3, "roofline_speedup": 1.2,
+                        "measured_over_roofline": 0.75, "roofline_best_k": 3, "roofline_best_speedup": 1.31,
+                        "lossless_rate": 1.0}]}
+    md = bench.markdown(result)
+    assert "| measured / roofline | roofline k (S) |" in md and "| 0.75 | 3 (1.31) |" in md
+    assert "| 256 | transformers-prompt-lookup | 20.0 | ngram | 10.0 | 0.50 | yes |" in md
+
+
 def test_the_roofline_module_needs_no_ray_or_sql():
     import subprocess
     import sys
@@ -258,6 +296,14 @@ def test_tiny_bench_times_the_steps_and_runs_the_e2e_part_as_a_sweep(tiny_bench)
             assert r["roofline_speedup"] > 0 and r["step_predicted_speedup"] > 0
             assert r["cycle_predicted_speedup"] > 0
     assert isinstance(e2e[(256, 1, "ar")]["hf_same_tokens"], bool)
+    refs = {r["method"]: r for r in result["rows"] if r["kind"] == "reference"}
+    assert set(refs) == {"transformers-generate", "transformers-prompt-lookup"}
+    assert all(r["ours_step_s"] > 0 and r["hf_step_s"] > 0 for r in refs.values())
+    for (_, B, m), r in e2e.items():
+        if m != "ar":  # the physics columns: measured vs the roofline at the measured alpha and mean k
+            assert r["measured_over_roofline"] == pytest.approx(r["speedup"] / r["roofline_speedup"])
+            assert 0 <= r["roofline_best_k"] <= 16 and r["roofline_best_speedup"] >= 1.0
+    assert "outside references" in tiny_bench["md"] and "measured / roofline" in tiny_bench["md"]
     info = result["meta"]["e2e"]
     assert len(info["run_ids"]) == 2 and info["shards"] == info["done"] == 2 and not info["failed"]
     assert all(rid.startswith("speed-") for rid in info["run_ids"])
@@ -320,6 +366,11 @@ def test_real_model_with_transformers_reference(ray_session, tmp_path):
     assert steps["hf_over_ar_step"] > 0
     spec = next(r for r in result["rows"] if r["kind"] == "e2e" and r["method"] == "sparsespec-l")
     assert spec["lossless"] is True
+    # our ar and ngram beside transformers' generate and prompt lookup: the same greedy tokens
+    refs = {r["method"]: r for r in result["rows"] if r["kind"] == "reference"}
+    assert refs["transformers-generate"]["ours_method"] == "ar"
+    assert refs["transformers-prompt-lookup"]["ours_method"] == "ngram"
+    assert all(r["same_tokens"] is True and r["ours_over_hf"] > 0 for r in refs.values())
 
 
 @pytest.mark.slow

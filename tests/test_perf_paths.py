@@ -223,11 +223,11 @@ def test_controller_alpha_shrinks_towards_the_batch():
     rows = _rows(0.9, 1, labels=2) + _rows(0.3, 1, labels=100)
     rows[1].ema = 0.1  # memory 10 labels
     a = ctl.alphas(rows + [RowAcceptance(8)])
-    prior = (0.9 + 0.3) / 2
-    assert a[0] == pytest.approx((2 * 0.9 + 2 * prior) / 4)
-    assert a[1] == pytest.approx((10 * 0.3 + 2 * prior) / 12)
-    assert a[2] == pytest.approx(prior)  # no labels: the batch's
+    assert a[0] == pytest.approx((2 * 0.9 + 2 * 0.3) / 4)  # towards the other rows, not itself
+    assert a[1] == pytest.approx((10 * 0.3 + 2 * 0.9) / 12)
+    assert a[2] == pytest.approx((0.9 + 0.3) / 2)  # no labels: the batch's
     assert ctl.alphas([RowAcceptance(8)]) == [0.5]  # nobody measured: prior_alpha
+    assert ctl.alphas(_rows(1.0, 1, labels=2)) == [pytest.approx((2 * 1.0 + 2 * 0.5) / 4)]  # alone: prior_alpha
 
 
 def test_row_acceptance_labels():
