@@ -62,11 +62,10 @@ MUTANTS = [
       ("        for b in range(cache.batch_size):\n            self._rebuild(cache, b)",
        "        pass")),
     M("window_scores_max", "sparsespec/kv/index.py", "score keys by the max over the window, not the sum",
-      ("        tot -= old.sum(dim=2, dtype=torch.float64)\n", "        pass\n"),
+      ("tot -= old.sum(dim=2)  #", "tot -= 0 * old.sum(dim=2)  #"),
       ("return rows[..., :length].sum(dim=3)", "return rows[..., :length].amax(dim=3)")),
     M("window_running_sum_double_add", "sparsespec/kv/index.py", "the running sum adds the new rows twice",
-      ("        tot[..., :S] += new_rows.sum(dim=2, dtype=torch.float64)",
-       "        tot[..., :S] += 2 * new_rows.sum(dim=2, dtype=torch.float64)")),
+      ("tot[..., :S] += seg.sum(dim=2)", "tot[..., :S] += 2 * seg.sum(dim=2)")),
     # ---- the attention fast path (issue 15)
     M("tail_mask_strict", "sparsespec/model.py", "a query does not see its own key",
       ("mask = key_pos[None, None, m0:] <= positions[:, :, None]", "mask = key_pos[None, None, m0:] < positions[:, :, None]")),

@@ -606,8 +606,8 @@ class VerifyCostModel:
         C_v(B, w, S) = c0 + c1 * B w + c2 * B w S + c3 * B S
 
     (fixed cost: dispatch and the weights read once; per token: the linear FLOPs; per token and
-    key: the attention FLOPs; per row and key: the KV read), non-negative least squares over the
-    calibration points (kept) and the last ``history`` observations. Until ``min_points``
+    key: the attention FLOPs; per row and key: the KV read), non-negative least squares of the
+    relative error over the calibration points (kept) and the last ``history`` observations. Until ``min_points``
     distinct points exist, ``predict`` returns None.
     """
 
@@ -639,7 +639,7 @@ class VerifyCostModel:
         else:
             X = np.array([self.features(*p[:3]) for p in pts])
             y = np.array([p[3] for p in pts])
-            self.coef = _nnls(X, y)
+            self.coef = _nnls(X / y[:, None], np.ones_like(y))  # relative errors: the short steps count as much as the long
         self._dirty = False
 
     def predict(self, B: float, w: float, S: float) -> float | None:

@@ -239,6 +239,10 @@ class EngineCore:
             s_lo = max(1, min(256, s_hi // 8))
             points = sorted({(Bm, 1, s_lo), (Bm, 2, s_lo), (Bm, kw, s_lo), (Bm, 1, s_hi), (Bm, kw, s_hi), (1, 1, s_hi)})
             dev = self.model.device
+            # touch the pool first: a fresh allocation reads as the OS's shared zero page, which
+            # would time the KV reads as free (the per-key terms would come out far too small)
+            self.cache.k[:, :Bm, :, : s_hi + kw].fill_(1e-3)
+            self.cache.v[:, :Bm, :, : s_hi + kw].fill_(1e-3)
             measured = []
             for B, w, S in points:
                 ids = torch.zeros(B, w, dtype=torch.long, device=dev)

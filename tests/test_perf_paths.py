@@ -52,6 +52,7 @@ def test_tail_mask_attention_equals_the_dense_mask_and_a_plain_softmax(starts, T
 def test_running_sum_window_equals_the_sum_of_the_last_w_rows():
     L, B, H, W, cap = 2, 3, 2, 4, 40
     win = ImportanceWindow(L, B, H, W, cap, "cpu")
+    win.exact_every = 7  # the periodic re-sum runs inside this test too
     g = torch.Generator().manual_seed(3)
     hist: dict[int, list[torch.Tensor]] = {b: [] for b in range(B)}  # per row: every pushed query row [L, H, cap]
     lengths = [5, 9, 2]
@@ -70,7 +71,7 @@ def test_running_sum_window_equals_the_sum_of_the_last_w_rows():
         for b in range(B):
             want = torch.stack(hist[b][-W:]).double().sum(0) if hist[b] else torch.zeros(L, H, cap, dtype=torch.float64)
             got = win.scores(cap, b)[:, 0]
-            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
             torch.testing.assert_close(win.rows[:, b].sum(2).double(), want, rtol=1e-6, atol=1e-6)
 
     for T, b in [(3, 0), (1, 1), (6, 2), (2, 0), (3, 0), (1, 1), (4, 1), (2, 2), (1, 0), (5, 1)]:  # wraps, T > W
