@@ -179,6 +179,7 @@ def test_draft_cache_catch_up_and_rollback(tmp_path):
         layer.wqkv.data *= 10
         layer.wo.data *= 10
     model.embed.data *= 10
+    model.prepack_()  # the weights changed in place: refresh their prepacked copies
     V = model.cfg.vocab_size
 
     def fresh_greedy(hist, k):

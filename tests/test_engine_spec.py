@@ -100,12 +100,18 @@ def test_ar_stats_follow_the_contract(ar_rows):
 
 
 def test_auto_k_reports_controller_and_entropy_auc(engine, long_prompts):
-    out = engine.generate(long_prompts[:1], method="sparsespec-l", method_options={"k": "auto"}, max_new_tokens=40,
-                          ignore_eos=True)[0]
+    # the entropy controller decides per drafted token: its draft lengths vary
+    out = engine.generate(long_prompts[:1], method="sparsespec-l", method_options={"k": "auto", "controller": "entropy"},
+                          max_new_tokens=40, ignore_eos=True)[0]
     s = out.stats
     assert s["k"] == "auto" and s["controller_s"] > 0 and s["num_entropy_labels"] > 0
     ks = {int(key.split(":")[0]) for key in s["accept_hist"]}
     assert len(ks) >= 2, f"the controller never changed the draft length: {s['accept_hist']}"
+    # the cost controller (the default) reports its time too; its first step always drafts
+    cost = engine.generate(long_prompts[:1], method="sparsespec-l", method_options={"k": "auto"}, max_new_tokens=40,
+                           ignore_eos=True)[0]
+    assert cost.stats["controller_s"] > 0 and cost.stats["num_drafting_steps"] >= 1
+    assert cost.token_ids == out.token_ids  # both lossless
 
 
 def test_full_budget_draft_is_accepted_entirely(engine):
