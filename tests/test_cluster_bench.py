@@ -125,6 +125,8 @@ def test_the_roofline_module_needs_no_ray_or_sql():
     ({"e2e_samples": 0}, "e2e_samples"),
     ({"device": "tpu"}, "device"),
     ({"quantize": "int4"}, "quantize must be one of"),
+    ({"hf_tokens": 1}, "hf_tokens must be >= 2"),
+    ({"hf_prompt_lookup_tokens": -1}, "hf_prompt_lookup_tokens"),
 ])
 def test_config_rejects_bad_values(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
