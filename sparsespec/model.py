@@ -42,9 +42,10 @@ from safetensors import safe_open
 
 from sparsespec import kernels
 from sparsespec.config import ModelConfig
+from sparsespec.kernels import cpu
+from sparsespec.kernels.plan import KernelPlan, choose, ours_plan, pack_weights, torch_plan
 from sparsespec.kv.cache import KVCache
-from sparsespec.quant import (DRAFT_WEIGHTS, DraftWeights, linear, linear_weights, prepack_, quantize_int8,
-                              quantize_target_)
+from sparsespec.quant import DRAFT_WEIGHTS, DraftWeights, linear_weights, prepack_, quantize_int8, quantize_target_
 
 
 def prefill_chunks(length: int, chunk_size: int, min_last: int = 0) -> list[tuple[int, int]]:
@@ -141,6 +142,9 @@ class Transformer(torch.nn.Module):
         self.source_folder: Path | None = None  # the HF folder the weights came from
         self.quantize = "none"  # a sparsespec.quant.QUANTIZE value: what the target's own linear weights are
         self.prepacked_bytes = 0  # bytes of the oneDNN copies of the linear weights (``prepack_``)
+        # which kernel runs each op (sparsespec.kernels.plan); ``use_kernels`` measures the best
+        # one on this machine, which ``from_folder`` does at load
+        self.kernel_plan: KernelPlan = choose(self, tune=False)
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -191,10 +195,12 @@ class Transformer(torch.nn.Module):
             gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0)
             put(layer.w_gate_up, gate_up, p + "gate_up")
             put(layer.w_down, take(p + "mlp.down_proj.weight"), p + "down_proj")
-        return model.prepack_()
+        return model.use_kernels("auto")
 
     # ------------------------------------------------------------------ pieces
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.kernel_plan.fused and cpu.supports(x):
+            return cpu.rms_norm(x, w, self.cfg.rms_norm_eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
         return w * xf.to(x.dtype)
@@ -217,16 +223,30 @@ class Transformer(torch.nn.Module):
         cfg = self.cfg
         B, T, _ = h.shape
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = linear(h, layer.wqkv, layer.bqkv)  # [B, T, (H + 2 H_kv) D]
+        qkv = self._linear(h, layer.wqkv, layer.bqkv)  # [B, T, (H + 2 H_kv) D]
+        if self.kernel_plan.fused and cpu.supports(qkv):  # split + RoPE in one pass
+            return cpu.rope_split(qkv, cos.view(B, T, D), sin.view(B, T, D), H, Hkv, D)
         q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
         q = q.view(B, T, H, D).transpose(1, 2)
         k = k.view(B, T, Hkv, D).transpose(1, 2)
         v = v.view(B, T, Hkv, D).transpose(1, 2)
         return self._apply_rope(q, cos, sin), self._apply_rope(k, cos, sin), v
 
-    def _mlp(self, layer, h: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(h, layer.w_gate_up).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, layer.w_down)
+    def _mlp(self, layer, h: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The gated MLP of ``h``; with ``residual``, added into it in place (and returned)."""
+        gu = self._linear(h, layer.w_gate_up)  # [B, T, 2 I]
+        if self.kernel_plan.fused and cpu.supports(gu):
+            act = cpu.silu_mul(gu)
+        else:
+            gate, up = gu.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return self._linear(act, layer.w_down, residual=residual)
+
+    def _linear(self, x: torch.Tensor, w, bias: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ w.T (+ bias)`` through the kernel plan (``KernelPlan.apply_linear``); with
+        ``residual``, ``residual += that`` in place (returned)."""
+        return self.kernel_plan.apply_linear(x, w, bias, residual)
 
     def _grouped_attention(self, q, k, v, mask: torch.Tensor | None, want_rows: int):
         """Attention with query heads grouped by KV head.
@@ -253,18 +273,20 @@ class Transformer(torch.nn.Module):
             lw = layer if weights is None else weights.layers[i]
             x = self._rms(h, layer.ln_attn)
             q, k, v = self._qkv(lw, x, cos, sin)
-            a = attend(i, q, k, v)  # [B, H, T, D]
-            h = h + linear(a.transpose(1, 2).reshape(B, T, -1), lw.wo)
-            h = h + self._mlp(lw, self._rms(h, layer.ln_mlp))
+            a = attend(i, q, k, v)  # [B, H, T, D] or, from our kernels, already [B, T, H D]
+            if a.dim() == 4:
+                a = a.transpose(1, 2).reshape(B, T, -1)
+            h = self._linear(a, lw.wo, residual=h)  # h += attention output @ wo.T, in place
+            h = self._mlp(lw, self._rms(h, layer.ln_mlp), residual=h)
             if i in hidden_layers:
-                features.append(h)
+                features.append(h.clone())  # h is updated in place by the next layers
         if hidden_layers:  # reorder to the requested order
             order = sorted(set(hidden_layers))
             features[:] = [features[order.index(j)] for j in hidden_layers]
         if logits_for == "last":
             h = h[:, -1:]
         h = self._rms(h, self.norm)
-        return linear(h, self.lm_head if weights is None else weights.lm_head).float()  # [B, T or 1, V]
+        return self._linear(h, self.lm_head if weights is None else weights.lm_head).float()  # [B, T or 1, V]
 
     def check_hidden_layers(self, hidden_layers) -> tuple[int, ...]:
         """``hidden_layers`` as a tuple of layer ids in ``[0, L)`` (``ValueError`` otherwise; a
@@ -279,15 +301,57 @@ class Transformer(torch.nn.Module):
         """Quantise this model's linear weights in place (``sparsespec.quant.quantize_target_``):
         a new target, not a draft. Returns self."""
         quantize_target_(self, kind)
+        if kind != "none":
+            self.prepacked_bytes = 0  # the int8 weights replaced the dense ones and their copies
         return self
 
-    def prepack_(self, enable: bool = True) -> Transformer:
-        """Give the dense CPU linear weights their oneDNN prepacked copies (``sparsespec.quant.prepack_``:
-        about 2x faster skinny linears on this project's CPU; the dense weights stay); no-op
-        elsewhere, for int8 weights or with ``SPARSESPEC_PREPACK=0``. ``enable=False`` drops
-        them. Call it again after changing a weight in place. Returns self."""
-        self.prepacked_bytes = prepack_(linear_weights(self), enable)
+    def prepack_(self, enable: bool | None = None) -> Transformer:
+        """Give the dense CPU linear weights the packed copies the kernel plan reads
+        (``sparsespec.kernels.plan.pack_weights``: our panels for ``"ss"``, oneDNN's for
+        ``"onednn"``; the dense weights stay) and drop the others; ``enable`` True/False forces
+        oneDNN copies on/off (``sparsespec.quant.prepack_``). No-op elsewhere and for int8 weights.
+        Call it again after changing a weight in place. Returns self."""
+        if enable is None:
+            self.prepacked_bytes = pack_weights(linear_weights(self), self.kernel_plan)
+        else:
+            self.prepacked_bytes = prepack_(linear_weights(self), enable)
         return self
+
+    def use_kernels(self, plan: KernelPlan | str = "auto") -> Transformer:
+        """Choose which kernel runs each op (``sparsespec.kernels.plan``).
+
+        ``plan``: ``"auto"`` (the environment's override, else this machine's measured choice,
+        measured now if not cached: a few seconds), ``"ss"`` (our CPU kernels wherever they run),
+        ``"torch"`` (PyTorch's ops: the eager reference) or a ``KernelPlan``. Keeps the oneDNN
+        copies the plan needs (and only those). Returns self.
+
+        Raises:
+            ValueError: an unknown name, or our kernels asked for where they cannot run.
+        """
+        if isinstance(plan, KernelPlan):
+            self.kernel_plan = plan
+        elif plan == "auto":
+            self.kernel_plan = choose(self, tune=True)
+        elif plan == "torch":
+            self.kernel_plan = torch_plan("requested", "user", self.device)
+        elif plan == "ss":
+            from sparsespec.kernels.plan import _eligible
+
+            why = _eligible(self)
+            if why is not None:
+                raise ValueError(f"our CPU kernels cannot run this model: {why}")
+            self.kernel_plan = ours_plan("user", "requested")
+        else:
+            raise ValueError(f"kernels must be 'auto', 'ss', 'torch' or a KernelPlan, got {plan!r}")
+        return self.prepack_()
+
+    @property
+    def attention_in_kernel(self) -> bool:
+        """True when attention runs in a kernel that reads the dense cache in place (ours on the
+        CPU, Triton on CUDA): the sparse drafters then hand it the index instead of a gathered copy."""
+        if self.kernel_plan.attention == "ss":
+            return cpu.supports(self.embed) and cpu.attention_supported(self.cfg.head_dim)
+        return kernels.use_triton(self.device)
 
     def draft_weights(self, kind: str) -> DraftWeights | None:
         """The weights a draft forward reads for ``draft_weights=kind`` (``sparsespec.quant``):
@@ -340,12 +404,13 @@ class Transformer(torch.nn.Module):
         positions = start_t + torch.arange(T, device=dev)  # [B, T]
         key_pos = torch.arange(S, device=dev)
         fused = kernels.use_triton(dev)  # Triton decode/verify attention (reads the cache in place)
+        ours = self.kernel_plan.attention == "ss" and self.attention_in_kernel  # our CPU attention kernel
         # Causal + ragged visibility. Every key before min(starts) is visible to every query, so
         # the torch path masks only the tail columns from there (``[B, T, S - m0]``, a few columns
         # for a decode/verify step), never a dense [B, T, S] mask; the kernels mask themselves.
         m0 = min(starts)
         mask = None
-        if (T > 1 or not uniform) and (T > 32 or not fused):
+        if (T > 1 or not uniform) and (T > 32 or not (fused or ours)):
             mask = key_pos[None, None, m0:] <= positions[:, :, None]  # [B, T, S - m0]
         rows_mask = mask[:, T - want_rows :] if (mask is not None and want_rows) else None
         batch_idx = torch.arange(B, device=dev)[:, None].expand(B, T)  # [B, T]
@@ -354,6 +419,8 @@ class Transformer(torch.nn.Module):
                                dtype=torch.float32, device=dev) if want_rows else None  # [L, B, H_kv, W, S]
         if fused:
             starts_i32 = torch.tensor(starts, dtype=torch.int32, device=dev)  # [B]
+        if ours:
+            starts_i64 = torch.tensor(starts, dtype=torch.int64)  # [B]
 
         def attend(i, q, k, v):
             if uniform:
@@ -372,6 +439,9 @@ class Transformer(torch.nn.Module):
                     kernels.verify_attention(q[:, :, T - want_rows :], cache.k[i], cache.v[i],
                                              starts_i32 + (T - want_rows), want_rows, self.scale,
                                              max(starts) + T - want_rows, use=True, rows_out=rows_buf[i])
+                elif want_rows and ours:
+                    cpu.attention(q[:, :, T - want_rows :], cache.k[i], cache.v[i], starts_i64 + (T - want_rows),
+                                  max(starts) + T - want_rows, self.scale, rows_out=rows_buf[i])
                 elif want_rows:
                     kernels.grouped_attention(q[:, :, T - want_rows :], keys, vals, rows_mask, want_rows, self.scale,
                                               mask_from=m0, rows_out=rows_buf[i])
@@ -381,6 +451,9 @@ class Transformer(torch.nn.Module):
                                                   max(starts), use=True,
                                                   rows_out=rows_buf[i] if want_rows else None)
                 return out
+            if ours:  # [B, T, H D]
+                return cpu.attention(q, cache.k[i], cache.v[i], starts_i64, max(starts), self.scale,
+                                     rows_out=rows_buf[i] if want_rows else None)
             out, _ = kernels.grouped_attention(q, keys, vals, mask, want_rows, self.scale, mask_from=m0,
                                                rows_out=rows_buf[i] if want_rows else None)
             return out
@@ -433,10 +506,17 @@ class Transformer(torch.nn.Module):
         if dkv.index is not None:  # gather-in-kernel layout: index into the dense cache + draft tail
             src, e = dkv.source, slot - dkv.n_index
             use = kernels.use_triton(self.device)
+            ours = not use and self.kernel_plan.attention == "ss"
+            n_valid = dkv.n_valid
+            if ours and n_valid is None:
+                n_valid = torch.full((B,), dkv.index.shape[-1], dtype=torch.int64)
 
             def attend_indexed(i, q, k, v):
                 dkv.k[i, :, :, e] = k[:, :, 0]
                 dkv.v[i, :, :, e] = v[:, :, 0]
+                if ours:  # [B, 1, H D]
+                    return cpu.sparse_attention(q, src.k[i], src.v[i], dkv.index[i], n_valid, dkv.k[i, :, :, : e + 1],
+                                                dkv.v[i, :, :, : e + 1], self.scale)
                 return kernels.sparse_attention(q, src.k[i], src.v[i], dkv.index[i], dkv.n_valid,
                                                 dkv.k[i, :, :, : e + 1], dkv.v[i, :, :, : e + 1], self.scale, use=use)
 

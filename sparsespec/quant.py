@@ -113,7 +113,8 @@ def fbgemm_available() -> bool:
 
 def linear(x: torch.Tensor, w: torch.Tensor | Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` for a dense weight (through its oneDNN prepacked copy when ``prepack_``
-    made one), the int8 matmul for an ``Int8Weight``."""
+    made one), the int8 matmul for an ``Int8Weight``. (The model's own forwards go through its
+    kernel plan, ``sparsespec.kernels.plan.KernelPlan.apply_linear``.)"""
     if isinstance(w, Int8Weight):
         return w.linear(x, bias)
     packed = getattr(w, PACKED_ATTR, None)
@@ -124,17 +125,25 @@ def linear(x: torch.Tensor, w: torch.Tensor | Int8Weight, bias: torch.Tensor | N
 
 #: attribute of a dense CPU weight holding its oneDNN (blocked-layout) copy, set by ``prepack_``
 PACKED_ATTR = "_sparsespec_packed"
+#: attribute of a dense fp32 CPU weight holding its copy packed in panels of 16 columns for our
+#: linear kernel (``sparsespec.kernels.plan.pack_weights``)
+PANELS_ATTR = "_sparsespec_panels"
+
+
+def drop_packed_copies(weights) -> None:
+    """Remove every packed copy (oneDNN's and our panels) from ``weights``."""
+    for w in weights:
+        for attr in (PACKED_ATTR, PANELS_ATTR):
+            if w is not None and not isinstance(w, Int8Weight) and hasattr(w, attr):
+                delattr(w, attr)
 
 
 @functools.lru_cache(maxsize=None)
 def prepack_available() -> bool:
     """True when oneDNN's prepacked linear runs here and matches ``F.linear`` (to fp32 rounding).
 
-    Why: on this project's CPU (AMD EPYC, PyTorch's MKL sgemm) a decode step's skinny linears
-    (``M = B x tokens`` of 1-36 rows against weights far larger than the caches) read their
-    weights at 5-8 GB/s of the machine's 33-63; oneDNN's blocked layout reads them about 2x
-    faster at every M measured (``benchmarks/RESULTS.md``, 2026-12-02). ``SPARSESPEC_PREPACK=0``
-    turns it off.
+    oneDNN's blocked layout is one of the linear backends the kernel plan measures at load
+    (``sparsespec.kernels.plan``); ``SPARSESPEC_PREPACK=0`` leaves it out.
     """
     if os.environ.get("SPARSESPEC_PREPACK", "1").strip().lower() in ("0", "false", "off", "no"):
         return False
@@ -236,7 +245,7 @@ def quantize_target_(model, kind: str) -> None:
     if kind == "none":
         return
 
-    prepack_(linear_weights(model), enable=False)  # the int8 weights replace them (and their copies)
+    drop_packed_copies(linear_weights(model))  # the int8 weights replace them (and their copies)
 
     def swap(module, name: str) -> None:
         w = Int8Weight.quantize(getattr(module, name))

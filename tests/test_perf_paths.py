@@ -13,7 +13,7 @@ from sparsespec.adaptive import (CostAwareController, RowAcceptance, VerifyCostM
 from sparsespec.engine import resolve_method_options
 from sparsespec.kernels.reference import grouped_attention, tail_mask, verify_mask
 from sparsespec.kv.index import ImportanceWindow
-from sparsespec.quant import PACKED_ATTR, linear, prepack_, prepack_available
+from sparsespec.quant import PACKED_ATTR, PANELS_ATTR, linear, prepack_, prepack_available
 
 
 # ------------------------------------------------------------------ attention
@@ -111,17 +111,28 @@ def test_prepacked_linear_matches_f_linear_and_is_dropped_on_request():
     assert not hasattr(w, PACKED_ATTR)
 
 
-def test_model_prepack_and_quantize_drop_the_copies(tmp_path):
+@pytest.mark.parametrize("linear_backend", ["onednn", "ss", "mkl"])
+def test_model_keeps_the_copies_its_plan_reads_and_quantize_drops_them(tmp_path, linear_backend):
+    from sparsespec.kernels import cpu
+    from sparsespec.kernels.plan import KernelPlan
     from sparsespec.model import Transformer
     from tests.helpers import write_tiny_llama
 
+    if linear_backend == "onednn" and not prepack_available():
+        pytest.skip("oneDNN prepacked linear unavailable")
+    if linear_backend == "ss" and not cpu.available():
+        pytest.skip(f"CPU kernels unavailable: {cpu.unavailable_reason()}")
     model = Transformer.from_folder(write_tiny_llama(tmp_path / "m", vocab_size=300))
-    has = [hasattr(w, PACKED_ATTR) for w in (model.lm_head, model.layers[0].wqkv)]
-    assert has == [prepack_available()] * 2
-    assert model.prepacked_bytes == (sum(p.numel() * 4 for p in model.parameters() if p.dim() == 2)
-                                     if prepack_available() else 0)
+    model.use_kernels(KernelPlan(((None, linear_backend),), "torch"))
+    dense = sum(p.numel() * 4 for p in model.parameters() if p.dim() == 2)
+    for attr, wanted in ((PACKED_ATTR, linear_backend == "onednn"), (PANELS_ATTR, linear_backend == "ss")):
+        assert [hasattr(w, attr) for w in (model.lm_head, model.layers[0].wqkv)] == [wanted] * 2
+    # panels are padded to 16 columns (vocab 300 -> 304 rows of the head)
+    assert model.prepacked_bytes >= (dense if linear_backend != "mkl" else 0)
+    assert (model.prepacked_bytes == 0) == (linear_backend == "mkl")
     model.quantize_("int8")
-    assert not hasattr(model.embed, PACKED_ATTR)  # a tied head's copy goes with the fp32 head
+    assert not hasattr(model.embed, PACKED_ATTR) and not hasattr(model.embed, PANELS_ATTR)  # a tied head's copy goes
+    assert model.prepacked_bytes == 0
 
 
 # ------------------------------------------------------------------ cost model

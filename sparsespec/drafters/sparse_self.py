@@ -1,9 +1,10 @@
 """Self-speculative drafters: the target model drafts for itself over a sparse view of its own KV.
 
 All of them attend, per layer and KV head, to ``N`` positions of the dense cache (the *index*).
-On the PyTorch path the index is gathered into a compact buffer once per step; on the Triton path
-(``sparsespec.kernels.use_triton``) the draft kernel gathers the indexed positions itself and the
-drafter only hands it the padded index (no KV copy). The draft tokens of the step append their own
+On the PyTorch path the index is gathered into a compact buffer once per step; where attention
+runs in a kernel (``Transformer.attention_in_kernel``: ours on the CPU, Triton on CUDA) the draft
+kernel gathers the indexed positions itself and the drafter only hands it the padded index (no KV
+copy). The draft tokens of the step append their own
 KV to a small buffer, so the dense cache is never touched by the draft. Keys keep the RoPE of their
 true positions and draft queries use true positions. They differ only in how the index is chosen:
 
@@ -23,7 +24,6 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from sparsespec import kernels
 from sparsespec.config import SpecConfig
 from sparsespec.drafters.base import Draft, self_draft_loop
 from sparsespec.kv.cache import KVCache
@@ -49,8 +49,8 @@ class _IndexedSelfDrafter(ABC):
         self.model, self.spec = model, spec
         self.weights = model.draft_weights(spec.draft_weights)  # None: the target's own
         self.n_max = self._max_index(capacity)
-        # Triton path: the draft kernel gathers from the dense cache; keep only the padded index
-        self.gather_in_kernel = kernels.use_triton(model.device)
+        # Triton and our CPU kernels: the draft kernel gathers from the dense cache; keep only the padded index
+        self.gather_in_kernel = model.attention_in_kernel
         slots = max_k + 1 if self.gather_in_kernel else self.n_max + max_k + 1
         shape = (cfg.num_layers, batch_size, cfg.num_kv_heads, slots, cfg.head_dim)
         self.dkv = DraftKV(

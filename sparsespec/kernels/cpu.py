@@ -1,0 +1,394 @@
+"""Our CPU kernels (``cpu/sparsespec_cpu.c``): built at first use, called through ctypes.
+
+What they are for: a decode step's matmuls are skinny (1-64 rows against weights far larger
+than the caches) and its attention has a few query rows per KV head over thousands of keys.
+PyTorch's CPU paths read the weights and the KV cache at a fraction of the machine's bandwidth
+there (``benchmarks/RESULTS.md``). The kernels here stream each weight tile and each key once,
+split the work over torch's own OpenMP threads, and fuse the small ops of a layer:
+
+* ``linear_packed``: ``y = x @ W.T (+ b)`` (or ``y += ...``, the residual add fused) over a copy of
+  W packed in panels of 16 output columns (``pack_weight``), a BLIS-style 6 x 16 outer-product
+  micro-kernel; ``linear`` the same over the plain ``[N, K]`` weight (dot products, no copy);
+* ``attention``: causal attention of a ragged batch (decode, verify) with the importance rows of
+  the last W queries; ``sparse_attention``: the draft's attention over indexed cache positions
+  plus its own tail (the index is gathered inside the kernel: no compact copy);
+* ``rms_norm``, ``silu_mul``, ``rope_split`` (RoPE of q and k, q laid out per KV group).
+
+Every output element is a fixed sequence of operations on its own inputs, so a row's result does
+not depend on its batch, on the number of queries of the step, or on the threads: a verify's
+logits equal the AR step's bit for bit (see the C file's header).
+
+Build: the machine's C compiler (``$CC``, else ``cc``/``gcc``) with ``-O3 -march=native -fopenmp``,
+into ``$SPARSESPEC_CACHE/kernels/`` keyed by the source, the flags, the compiler and the CPU
+(model and ISA flags), so another CPU builds its own. About a second; done once per machine.
+The library links ``libgomp.so.1``, the same soname torch has loaded, so both share one OpenMP
+runtime and thread pool. ``SPARSESPEC_CPU_KERNELS=0`` disables them; when they cannot be built
+(no compiler, no AVX2/FMA) ``available()`` is False and ``unavailable_reason()`` says why, and
+the model runs PyTorch's ops.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu") / "sparsespec_cpu.c"
+ABI_VERSION = 5
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
+#: keys per attention chunk in the C kernels (SS_CHUNK)
+CHUNK = 256
+_ENV = "SPARSESPEC_CPU_KERNELS"
+_state: dict[str, object] = {}
+_lock = threading.Lock()
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else ``platform.processor()``."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> tuple[str, ...]:
+    """The CPU's ISA flags (``/proc/cpuinfo``), sorted; empty where unknown."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return tuple(sorted(set(line.split(":", 1)[1].split())))
+    except OSError:
+        pass
+    return ()
+
+
+#: the ISA flags that decide which kernels run well (reported with every bench row)
+ISA_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni",
+             "amx_tile", "amx_bf16", "amx_int8", "avx_vnni")
+
+
+def isa_summary() -> str:
+    """The ``ISA_FLAGS`` this CPU has, space-separated."""
+    have = set(cpu_flags())
+    return " ".join(f for f in ISA_FLAGS if f in have)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPARSESPEC_CACHE", Path.home() / ".cache" / "sparsespec")).expanduser() / "kernels"
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc) or (cc if Path(cc).exists() else None)
+    for name in ("cc", "gcc", "clang"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def _build() -> Path:
+    """Compile the library if this machine has not yet (returns its path).
+
+    Raises:
+        RuntimeError: naming the cause (no compiler, no AVX2/FMA, a compiler error).
+    """
+    if platform.machine() not in ("x86_64", "AMD64"):
+        raise RuntimeError(f"the CPU kernels are x86-64 only (this machine: {platform.machine()})")
+    flags = set(cpu_flags())
+    if flags and not {"avx2", "fma"} <= flags:
+        raise RuntimeError("the CPU kernels need AVX2 and FMA; this CPU lacks them")
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set $CC or install gcc)")
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError) as e:
+        raise RuntimeError(f"{cc} --version failed: {e}") from None
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), version.encode(), cpu_model().encode(),
+                                     " ".join(cpu_flags()).encode(), str(ABI_VERSION).encode()])).hexdigest()[:16]
+    out = cache_dir() / f"sparsespec_cpu-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        res = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300)
+        if res.returncode != 0:
+            raise RuntimeError(f"building the CPU kernels failed ({cc}): {res.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)  # atomic: concurrent builders race harmlessly
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+_I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {
+    "ss_abi_version": ([], _INT),
+    "ss_linear": ([_I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _INT, _INT], None),
+    "ss_linear_packed": ([_I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _INT, _INT], None),
+    "ss_pack_numel": ([_I64, _I64], _I64),
+    "ss_pack_weight": ([_I64, _I64, _PTR, _I64, _PTR, _INT], None),
+    "ss_rms_norm": ([_I64, _I64, _PTR, _I64, _PTR, _F32, _PTR, _I64, _INT], None),
+    "ss_silu_mul": ([_I64, _I64, _PTR, _I64, _PTR, _I64, _INT], None),
+    "ss_rope_split": ([_I64, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _INT], None),
+    "ss_attention_workspace": ([_I64] * 6 + [_INT], _I64),
+    "ss_attention": ([_I64] * 5 + [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _F32, _PTR, _I64, _I64, _PTR,
+                                   _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _INT], None),
+    "ss_sparse_attention": ([_I64] * 5 + [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR,
+                                          _PTR, _I64, _I64, _I64, _F32, _PTR, _I64, _I64, _PTR, _I64, _INT], None),
+}
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (``unavailable_reason()`` says why). Built on first call."""
+    with _lock:
+        if "lib" in _state:
+            return _state["lib"]  # type: ignore[return-value]
+        lib, reason = None, None
+        if os.environ.get(_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+            reason = f"{_ENV}=0"
+        else:
+            try:
+                path = _build()
+                lib = ctypes.CDLL(str(path))
+                for name, (args, res) in _SIGNATURES.items():
+                    fn = getattr(lib, name)
+                    fn.argtypes, fn.restype = args, res
+                if lib.ss_abi_version() != ABI_VERSION:
+                    raise RuntimeError(f"{path}: ABI {lib.ss_abi_version()} != {ABI_VERSION}")
+                _state["path"] = str(path)
+            except (RuntimeError, OSError, AttributeError) as e:
+                lib, reason = None, str(e)
+        _state["lib"], _state["reason"] = lib, reason
+        return lib
+
+
+def available() -> bool:
+    """True when the kernels are built and loaded (and not disabled by ``SPARSESPEC_CPU_KERNELS=0``)."""
+    return library() is not None
+
+
+def unavailable_reason() -> str | None:
+    library()
+    return _state.get("reason")  # type: ignore[return-value]
+
+
+def library_path() -> str | None:
+    library()
+    return _state.get("path")  # type: ignore[return-value]
+
+
+def _reset_for_tests() -> None:
+    with _lock:
+        _state.clear()
+
+
+# --------------------------------------------------------------------------- wrappers
+def supports(t: torch.Tensor) -> bool:
+    """Whether ``t`` can go through these kernels (fp32 on the CPU)."""
+    return t.dtype == torch.float32 and t.device.type == "cpu"
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+_local = threading.local()
+
+
+def workspace(numel: int) -> torch.Tensor:
+    """A float32 scratch buffer of at least ``numel`` elements, reused by this thread's calls
+    (grown when too small; the kernels overwrite what they read)."""
+    buf = getattr(_local, "ws", None)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(max(numel, 1 << 16), dtype=torch.float32)
+        _local.ws = buf
+    return buf
+
+
+def _rows_out(x: torch.Tensor, N: int, out: torch.Tensor | None, accumulate: bool):
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate needs out")
+        out = torch.empty(*x.shape[:-1], N, dtype=x.dtype)
+    return x2, out, out.view(x2.shape[0], N)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+           accumulate: bool = False) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` for fp32 ``x`` ``[..., K]`` and ``w`` ``[N, K]`` (rows contiguous).
+
+    ``out`` ``[..., N]`` (rows contiguous): written (or, with ``accumulate``, added to: the
+    residual add fused) and returned.
+    """
+    N = w.shape[0]
+    x2, out, y2 = _rows_out(x, N, out, accumulate)
+    if w.stride(-1) != 1:
+        w = w.contiguous()
+    library().ss_linear(x2.shape[0], N, x.shape[-1], x2.data_ptr(), x2.stride(0), w.data_ptr(), w.stride(0),
+                        _ptr(bias), y2.data_ptr(), y2.stride(0), int(accumulate), torch.get_num_threads())
+    return out
+
+
+def pack_weight(w: torch.Tensor) -> torch.Tensor:
+    """W ``[N, K]`` fp32 as panels of 16 output columns (``linear_packed``'s layout):
+    ``[ceil(N / 16), K, 16]``, zero-padded past N."""
+    N, K = w.shape
+    lib = library()
+    wp = torch.empty(lib.ss_pack_numel(N, K) // (16 * K), K, 16, dtype=torch.float32)
+    wc = w if w.stride(-1) == 1 else w.contiguous()
+    lib.ss_pack_weight(N, K, wc.data_ptr(), wc.stride(0), wp.data_ptr(), torch.get_num_threads())
+    return wp
+
+
+def linear_packed(x: torch.Tensor, wp: torch.Tensor, N: int, bias: torch.Tensor | None = None, *,
+                  out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` with W ``[N, K]`` given as ``pack_weight(W)``; ``out``/``accumulate``
+    as in ``linear``. Each output is one FMA chain over K in order: batch- and width-invariant."""
+    x2, out, y2 = _rows_out(x, N, out, accumulate)
+    library().ss_linear_packed(x2.shape[0], N, x.shape[-1], x2.data_ptr(), x2.stride(0), wp.data_ptr(), _ptr(bias),
+                               y2.data_ptr(), y2.stride(0), int(accumulate), torch.get_num_threads())
+    return out
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """``w * x / sqrt(mean(x^2) + eps)`` over the last dim of fp32 ``x`` ``[..., E]``."""
+    E = x.shape[-1]
+    x2 = x.reshape(-1, E)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(x.shape, dtype=x.dtype)
+    library().ss_rms_norm(x2.shape[0], E, x2.data_ptr(), x2.stride(0), w.data_ptr(), eps, y.data_ptr(), E,
+                          torch.get_num_threads())
+    return y
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gu`` ``[..., 2I]`` = ``(gate | up)``: ``[..., I]``."""
+    I2 = gu.shape[-1]
+    g2 = gu.reshape(-1, I2)
+    if g2.stride(-1) != 1:
+        g2 = g2.contiguous()
+    y = torch.empty(*gu.shape[:-1], I2 // 2, dtype=gu.dtype)
+    library().ss_silu_mul(g2.shape[0], I2 // 2, g2.data_ptr(), g2.stride(0), y.data_ptr(), I2 // 2,
+                          torch.get_num_threads())
+    return y
+
+
+def rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, H: int, Hkv: int, D: int):
+    """Split ``qkv`` ``[B, T, (H + 2 H_kv) D]`` and rotate q and k: q ``[B, H, T, D]``, k and v
+    ``[B, H_kv, T, D]``; ``cos``/``sin`` ``[B, T, D]`` (contiguous)."""
+    B, T, _ = qkv.shape
+    q2 = qkv.reshape(B * T, -1)
+    if q2.stride(-1) != 1:
+        q2 = q2.contiguous()
+    q = torch.empty(B, H, T, D, dtype=qkv.dtype)
+    k = torch.empty(B, Hkv, T, D, dtype=qkv.dtype)
+    v = torch.empty(B, Hkv, T, D, dtype=qkv.dtype)
+    library().ss_rope_split(B, T, H, Hkv, D, q2.data_ptr(), q2.stride(0), cos.data_ptr(), sin.data_ptr(),
+                            q.data_ptr(), k.data_ptr(), v.data_ptr(), torch.get_num_threads())
+    return q, k, v
+
+
+def attention_supported(head_dim: int) -> bool:
+    return head_dim % 16 == 0
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, starts: torch.Tensor, max_start: int,
+              scale: float, rows_out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of a ragged batch: returns out ``[B, T, H * D]``.
+
+    Args:
+        q: ``[B, H, T, D]`` contiguous (after RoPE); heads ``kv * G + g`` share KV head ``kv``.
+        k_cache, v_cache: ``[B, H_kv, S_max, D]`` one layer's cache (rows of D contiguous), the new
+            tokens already written at ``starts[b] .. starts[b] + T - 1``.
+        starts: ``[B]`` int64 (CPU), each row's length before this forward.
+        max_start: ``max(starts)`` (host int).
+        scale: softmax scale.
+        rows_out: ``[B, H_kv, W, max_start + T]`` float32 (last dim contiguous) or None: the
+            attention probabilities of the last W queries, summed over each KV group's query heads,
+            zero past each row's keys.
+    """
+    B, H, T, D = q.shape
+    Hkv = k_cache.shape[1]
+    G = H // Hkv
+    if q.stride(-1) != 1 or not q.is_contiguous():
+        q = q.contiguous()
+    n_max = max_start + T
+    lib = library()
+    ws = workspace(lib.ss_attention_workspace(B, Hkv, G, T, D, n_max, 0))
+    out = torch.empty(B, T, H * D, dtype=q.dtype)
+    if rows_out is not None:
+        W, S_rows = rows_out.shape[2], rows_out.shape[3]
+        rp, rs = rows_out.data_ptr(), rows_out.stride()
+    else:
+        W, S_rows, rp, rs = 0, 0, None, (0, 0, 0, 0)
+    st = starts if starts.dtype == torch.int64 else starts.long()
+    lib.ss_attention(B, Hkv, G, T, D, q.data_ptr(), k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+                     v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), st.data_ptr(), scale,
+                     out.data_ptr(), out.stride(0), out.stride(1), rp, rs[0], rs[1], rs[2], W, S_rows,
+                     ws.data_ptr(), n_max, torch.get_num_threads())
+    return out
+
+
+def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor,
+                     n_valid: torch.Tensor, k_tail: torch.Tensor | None, v_tail: torch.Tensor | None,
+                     scale: float) -> torch.Tensor:
+    """The draft's attention over indexed cache positions plus its tail: out ``[B, T, H * D]``.
+
+    Args:
+        q: ``[B, H, T, D]``; query t is tail slot ``E - T + t``.
+        k_cache, v_cache: ``[B, H_kv, S_max, D]`` one layer's dense cache.
+        index: ``[B, H_kv, N]`` int32 positions (row b uses its first ``n_valid[b]``).
+        n_valid: ``[B]`` int (CPU).
+        k_tail, v_tail: ``[B, H_kv, E, D]`` the draft tokens of this phase (E >= T) or None.
+        scale: softmax scale.
+    """
+    B, H, T, D = q.shape
+    Hkv, N = index.shape[1], index.shape[2]
+    G = H // Hkv
+    if not q.is_contiguous():
+        q = q.contiguous()
+    if index.dtype != torch.int32:
+        index = index.to(torch.int32)
+    if index.stride(-1) != 1:
+        index = index.contiguous()
+    nv = n_valid if n_valid.dtype == torch.int64 else n_valid.long()
+    E = 0 if k_tail is None else k_tail.shape[2]
+    n_max = N + E
+    lib = library()
+    ws = workspace(lib.ss_attention_workspace(B, Hkv, G, T, D, n_max, 1))
+    out = torch.empty(B, T, H * D, dtype=q.dtype)
+    if E:
+        assert k_tail.stride() == v_tail.stride(), "k_tail and v_tail must share strides"
+        kt, vt, tsb, tsh = k_tail.data_ptr(), v_tail.data_ptr(), k_tail.stride(0), k_tail.stride(1)
+    else:
+        kt = vt = None
+        tsb = tsh = 0
+    lib.ss_sparse_attention(B, Hkv, G, T, D, q.data_ptr(), k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+                            v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), index.data_ptr(),
+                            index.stride(0), index.stride(1), nv.data_ptr(), kt, vt, tsb, tsh, E, scale,
+                            out.data_ptr(), out.stride(0), out.stride(1), ws.data_ptr(), n_max,
+                            torch.get_num_threads())
+    return out

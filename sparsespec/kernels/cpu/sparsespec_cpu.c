@@ -1,0 +1,725 @@
+/* sparsespec CPU kernels: the decode step's linears, attention and small fused ops, fp32.
+ *
+ * Built at load by sparsespec/kernels/cpu.py with the machine's C compiler (-O3 -march=native
+ * -fopenmp -ffp-contract=off) and called through ctypes; OpenMP is the libgomp that torch has
+ * already loaded (same soname), so these kernels and torch's share one thread pool.
+ *
+ * Numerics: every output element is computed by a fixed sequence of operations that depends only
+ * on its own inputs, never on how many rows share the call or which thread runs it:
+ *   - a dot product over K runs in one 8-lane FMA chain (k = 0, 8, 16, ...), reduced by the tree
+ *     ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)), then the scalar tail in order;
+ *   - attention splits each row's keys into chunks of SS_CHUNK keys at fixed key offsets; the
+ *     row max, the exp-sums and the P.V partials are combined in chunk order.
+ * So a row decoded alone, in a batch, or as one of the k + 1 queries of a verify gets bitwise
+ * the same logits (batch and width invariance): greedy speculation reproduces AR exactly.
+ *
+ * Layouts (all float32, innermost dimension contiguous):
+ *   linear     x [M, K] (row stride ldx), W [N, K] (row stride ldw), y [M, N] (row stride ldy)
+ *   attention  q [B, H_kv * G, T, D] contiguous (query row r = g * T + t of KV head kv);
+ *              k, v: one layer's cache, element (b, kv, s, d) at b * sb + kv * sh + s * D + d;
+ *              out: element (b, h, t, d) at b * ob + t * ot + h * D + d (e.g. [B, T, H * D]).
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <omp.h>
+#include <immintrin.h>
+
+#define SS_API __attribute__((visibility("default")))
+#define SS_INLINE static inline __attribute__((always_inline))
+#define SS_CHUNK 256
+
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "sparsespec_cpu.c needs AVX2 and FMA (the loader falls back to torch without them)"
+#endif
+
+SS_API int ss_abi_version(void) { return 5; }
+
+
+/* ------------------------------------------------------------------ vector helpers (AVX2) */
+/* ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)): the reduction tree every dot product uses. */
+SS_INLINE float hsum8(__m256 v) {
+    __m256 h = _mm256_hadd_ps(v, v);  /* l01 l23 l01 l23 | l45 l67 l45 l67 */
+    h = _mm256_hadd_ps(h, h);         /* l0123 ...        | l4567 ...       */
+    __m128 s = _mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    return _mm_cvtss_f32(s);
+}
+
+/* Eight reductions at once, each with hsum8's tree: out[i] = hsum8(a[i]). */
+SS_INLINE __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
+                         __m256 a7) {
+    __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3);
+    __m256 t2 = _mm256_hadd_ps(a4, a5), t3 = _mm256_hadd_ps(a6, a7);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    __m256 lo = _mm256_permute2f128_ps(u0, u1, 0x20), hi = _mm256_permute2f128_ps(u0, u1, 0x31);
+    return _mm256_add_ps(lo, hi);
+}
+
+/* exp(x) for x <= 0 (softmax) or any x (silu), Cephes' single-precision polynomial (about 1 ulp);
+ * x below -87.3 gives exactly 0 (so masked scores, -inf, give probability 0). */
+SS_INLINE __m256 exp8(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.33654475f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(x, hi);
+    x = _mm256_max_ps(x, lo);
+    __m256 fx = _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f));
+    fx = _mm256_floor_ps(fx);
+    x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f)));
+    x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 z = _mm256_mul_ps(x, x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, z, x);
+    y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+    __m256i n = _mm256_cvttps_epi32(fx);
+    n = _mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+    return _mm256_andnot_ps(under, y);
+}
+
+SS_INLINE float exp1(float x) {
+    float buf[8] = {x, 0, 0, 0, 0, 0, 0, 0};
+    _mm256_storeu_ps(buf, exp8(_mm256_loadu_ps(buf)));
+    return buf[0];
+}
+
+static int ss_threads(int nt) { return nt > 0 ? nt : omp_get_max_threads(); }
+
+/* ------------------------------------------------------------------ linear (AVX2) */
+/* One tile: MR rows of x against NR rows of W; each (m, n) is one 8-lane FMA chain + hsum8 + tail. */
+SS_INLINE void lin_tile8(const int MR, const int NR, int64_t K, const float *x, int64_t ldx, const float *w,
+                         int64_t ldw, float *y, int64_t ldy, const float *bias, int acc) {
+    __m256 a[4][4];
+    for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NR; ++j) a[i][j] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256 wv[4];
+        for (int j = 0; j < NR; ++j) wv[j] = _mm256_loadu_ps(w + j * ldw + k);
+        for (int i = 0; i < MR; ++i) {
+            __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
+            for (int j = 0; j < NR; ++j) a[i][j] = _mm256_fmadd_ps(xv, wv[j], a[i][j]);
+        }
+    }
+    for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NR; ++j) {
+            float s = hsum8(a[i][j]);
+            for (int64_t kk = k; kk < K; ++kk) s += x[i * ldx + kk] * w[j * ldw + kk];
+            if (bias) s += bias[j];
+            if (acc) y[i * ldy + j] += s; else y[i * ldy + j] = s;
+        }
+}
+
+/* The MR x NR kernels as constants (the compiler keeps the accumulators in registers). */
+#define LIN_CASE(MR_, NR_) lin_tile8(MR_, NR_, K, xm, ldx, wn, ldw, ym, ldy, bn, acc)
+static void lin_tile_dispatch(int mr, int nr, int64_t K, const float *xm, int64_t ldx, const float *wn, int64_t ldw,
+                              float *ym, int64_t ldy, const float *bn, int acc) {
+    switch (mr * 8 + nr) {
+        case 4 * 8 + 3: LIN_CASE(4, 3); break;
+        case 4 * 8 + 2: LIN_CASE(4, 2); break;
+        case 4 * 8 + 1: LIN_CASE(4, 1); break;
+        case 3 * 8 + 3: LIN_CASE(3, 3); break;
+        case 3 * 8 + 2: LIN_CASE(3, 2); break;
+        case 3 * 8 + 1: LIN_CASE(3, 1); break;
+        case 2 * 8 + 4: LIN_CASE(2, 4); break;
+        case 2 * 8 + 3: LIN_CASE(2, 3); break;
+        case 2 * 8 + 2: LIN_CASE(2, 2); break;
+        case 2 * 8 + 1: LIN_CASE(2, 1); break;
+        case 1 * 8 + 4: LIN_CASE(1, 4); break;
+        case 1 * 8 + 3: LIN_CASE(1, 3); break;
+        case 1 * 8 + 2: LIN_CASE(1, 2); break;
+        default: LIN_CASE(1, 1); break;
+    }
+}
+
+/* y[M, N] (=|+=) x[M, K] @ W[N, K]^T (+ bias). Threads split N in contiguous ranges; each W tile
+ * (NR rows) is read from memory once and reused from L1 for every row of x. */
+SS_API void ss_linear(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const float *w, int64_t ldw,
+                      const float *bias, float *y, int64_t ldy, int acc, int nthreads) {
+    const int NR = M == 1 ? 4 : (M == 2 ? 4 : 3);
+    const int MR = M == 2 ? 2 : 4;
+    int64_t ntiles = (N + NR - 1) / NR;
+#pragma omp parallel for schedule(static) num_threads(ss_threads(nthreads))
+    for (int64_t t = 0; t < ntiles; ++t) {
+        int64_t n0 = t * NR;
+        int nr = (int)(N - n0 < NR ? N - n0 : NR);
+        const float *wn = w + n0 * ldw;
+        const float *bn = bias ? bias + n0 : NULL;
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            int mr = (int)(M - m0 < MR ? M - m0 : MR);
+            lin_tile_dispatch(mr, nr, K, x + m0 * ldx, ldx, wn, ldw, y + m0 * ldy + n0, ldy, bn, acc);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ packed linear (AVX2)
+ * W packed in panels of 16 output columns: Wp[p][k][c] = W[16 p + c][k] (zero past N), so a panel
+ * streams contiguously. Outer-product micro-kernel (BLIS-style): MR rows of x broadcast one at a
+ * time against the panel's two vectors; y[m, n] is one FMA chain over k = 0 .. K-1 in order, so
+ * again independent of the tile shape, of M and of the threads. */
+#define SS_NB 16
+
+/* one row of 16 outputs (accumulators passed by value: an escaping address would keep them in memory) */
+SS_INLINE void pk_store_row(__m256 c0, __m256 c1, float *yr, const float *bias, int acc, int ncols) {
+    if (ncols == SS_NB && !bias) {
+        if (acc) {
+            c0 = _mm256_add_ps(_mm256_loadu_ps(yr), c0);
+            c1 = _mm256_add_ps(_mm256_loadu_ps(yr + 8), c1);
+        }
+        _mm256_storeu_ps(yr, c0);
+        _mm256_storeu_ps(yr + 8, c1);
+        return;
+    }
+    float v[16];
+    _mm256_storeu_ps(v, c0);
+    _mm256_storeu_ps(v + 8, c1);
+    for (int u = 0; u < ncols; ++u) {
+        float s = v[u];
+        if (bias) s += bias[u];
+        if (acc) yr[u] += s; else yr[u] = s;
+    }
+}
+
+/* MR (1..6) rows x one panel. Named accumulators (not an array: GCC keeps arrays of vectors in
+ * memory here, storing 12 accumulators to the stack on every k). */
+#define PK_ROW(i)                                                      \
+    if (MR > i) {                                                      \
+        __m256 xb = _mm256_broadcast_ss(x + i * ldx + k);              \
+        c##i##0 = _mm256_fmadd_ps(xb, w0, c##i##0);                    \
+        c##i##1 = _mm256_fmadd_ps(xb, w1, c##i##1);                    \
+    }
+#define PK_OUT(i) \
+    if (MR > i) pk_store_row(c##i##0, c##i##1, y + i * ldy, bias, acc, ncols);
+/* y[MR, 16] (=|+=) x[MR, K] . w[K, 16], w's rows ldw apart (SS_NB for a packed weight panel; D for
+ * value rows of the attention); pf: prefetch the w stream 16 rows ahead (weights from memory) */
+SS_INLINE void gemm_tile(const int MR, int64_t K, const float *x, int64_t ldx, const float *wp, int64_t ldw,
+                         float *y, int64_t ldy, const float *bias, int acc, int ncols, const int pf) {
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+    __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+    for (int64_t k = 0; k < K; ++k) {
+        /* 16 lines ahead on the panel stream (measured: 5-15 % at 4-16 rows, nothing at 1-2) */
+        if (pf) _mm_prefetch((const char *)(wp + (k + 16) * ldw), _MM_HINT_T0);
+        __m256 w0 = _mm256_loadu_ps(wp + k * ldw), w1 = _mm256_loadu_ps(wp + k * ldw + 8);
+        PK_ROW(0) PK_ROW(1) PK_ROW(2) PK_ROW(3) PK_ROW(4) PK_ROW(5)
+    }
+    PK_OUT(0) PK_OUT(1) PK_OUT(2) PK_OUT(3) PK_OUT(4) PK_OUT(5)
+}
+
+SS_INLINE void pk_tile(const int MR, int64_t K, const float *x, int64_t ldx, const float *wp, float *y, int64_t ldy,
+                       const float *bias, int acc, int ncols) {
+    gemm_tile(MR, K, x, ldx, wp, SS_NB, y, ldy, bias, acc, ncols, 1);
+}
+
+/* rows 0 .. M-1 of x against one 16-column panel, in blocks of 6 (tails 1..5) */
+static void gemm_rows(int64_t M, int64_t K, const float *x, int64_t ldx, const float *wp, int64_t ldw, float *y,
+                      int64_t ldy, int acc, int ncols) {
+    int64_t m = 0;
+    for (; m + 6 <= M; m += 6) gemm_tile(6, K, x + m * ldx, ldx, wp, ldw, y + m * ldy, ldy, NULL, acc, ncols, 0);
+    switch (M - m) {
+        case 5: gemm_tile(5, K, x + m * ldx, ldx, wp, ldw, y + m * ldy, ldy, NULL, acc, ncols, 0); break;
+        case 4: gemm_tile(4, K, x + m * ldx, ldx, wp, ldw, y + m * ldy, ldy, NULL, acc, ncols, 0); break;
+        case 3: gemm_tile(3, K, x + m * ldx, ldx, wp, ldw, y + m * ldy, ldy, NULL, acc, ncols, 0); break;
+        case 2: gemm_tile(2, K, x + m * ldx, ldx, wp, ldw, y + m * ldy, ldy, NULL, acc, ncols, 0); break;
+        case 1: gemm_tile(1, K, x + m * ldx, ldx, wp, ldw, y + m * ldy, ldy, NULL, acc, ncols, 0); break;
+        default: break;
+    }
+}
+
+/* MR (1..2) rows x two panels: more independent chains and two streams for the narrow cases */
+SS_INLINE void pk_tile2(const int MR, int64_t K, const float *x, int64_t ldx, const float *wp, int64_t panel,
+                        float *y, int64_t ldy, const float *bias, int acc, int ncols2) {
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00;
+    __m256 d00 = c00, d01 = c00, d10 = c00, d11 = c00;
+    const float *wq = wp + panel;
+    for (int64_t k = 0; k < K; ++k) {
+        __m256 w0 = _mm256_loadu_ps(wp + k * SS_NB), w1 = _mm256_loadu_ps(wp + k * SS_NB + 8);
+        __m256 w2 = _mm256_loadu_ps(wq + k * SS_NB), w3 = _mm256_loadu_ps(wq + k * SS_NB + 8);
+        __m256 x0 = _mm256_broadcast_ss(x + k);
+        c00 = _mm256_fmadd_ps(x0, w0, c00); c01 = _mm256_fmadd_ps(x0, w1, c01);
+        d00 = _mm256_fmadd_ps(x0, w2, d00); d01 = _mm256_fmadd_ps(x0, w3, d01);
+        if (MR > 1) {
+            __m256 x1 = _mm256_broadcast_ss(x + ldx + k);
+            c10 = _mm256_fmadd_ps(x1, w0, c10); c11 = _mm256_fmadd_ps(x1, w1, c11);
+            d10 = _mm256_fmadd_ps(x1, w2, d10); d11 = _mm256_fmadd_ps(x1, w3, d11);
+        }
+    }
+    pk_store_row(c00, c01, y, bias, acc, SS_NB);
+    pk_store_row(d00, d01, y + SS_NB, bias ? bias + SS_NB : NULL, acc, ncols2);
+    if (MR > 1) {
+        pk_store_row(c10, c11, y + ldy, bias, acc, SS_NB);
+        pk_store_row(d10, d11, y + ldy + SS_NB, bias ? bias + SS_NB : NULL, acc, ncols2);
+    }
+}
+
+static void pk_rows(int64_t M, int64_t K, const float *x, int64_t ldx, const float *wp, float *y, int64_t ldy,
+                    const float *bias, int acc, int ncols) {
+    int64_t m = 0;
+    for (; m + 6 <= M; m += 6) pk_tile(6, K, x + m * ldx, ldx, wp, y + m * ldy, ldy, bias, acc, ncols);
+    switch (M - m) {
+        case 5: pk_tile(5, K, x + m * ldx, ldx, wp, y + m * ldy, ldy, bias, acc, ncols); break;
+        case 4: pk_tile(4, K, x + m * ldx, ldx, wp, y + m * ldy, ldy, bias, acc, ncols); break;
+        case 3: pk_tile(3, K, x + m * ldx, ldx, wp, y + m * ldy, ldy, bias, acc, ncols); break;
+        case 2: pk_tile(2, K, x + m * ldx, ldx, wp, y + m * ldy, ldy, bias, acc, ncols); break;
+        case 1: pk_tile(1, K, x + m * ldx, ldx, wp, y + m * ldy, ldy, bias, acc, ncols); break;
+        default: break;
+    }
+}
+
+/* y[M, N] (=|+=) x[M, K] @ W^T (+ bias), W as packed panels (ss_pack_weight's layout). Threads take
+ * contiguous ranges of panels; a panel is read from memory once and reused from cache for every
+ * block of rows. */
+SS_API void ss_linear_packed(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const float *wp,
+                             const float *bias, float *y, int64_t ldy, int acc, int nthreads) {
+    const int64_t npanels = (N + SS_NB - 1) / SS_NB, panel = K * SS_NB;
+    if (M <= 2) {  /* pairs of panels */
+        const int64_t npairs = (npanels + 1) / 2;
+#pragma omp parallel for schedule(static) num_threads(ss_threads(nthreads))
+        for (int64_t t = 0; t < npairs; ++t) {
+            int64_t p = 2 * t, n0 = p * SS_NB;
+            const float *bn = bias ? bias + n0 : NULL;
+            if (p + 1 < npanels) {
+                int nc2 = (int)(N - n0 - SS_NB < SS_NB ? N - n0 - SS_NB : SS_NB);
+                if (M == 2) pk_tile2(2, K, x, ldx, wp + p * panel, panel, y + n0, ldy, bn, acc, nc2);
+                else pk_tile2(1, K, x, ldx, wp + p * panel, panel, y + n0, ldy, bn, acc, nc2);
+            } else {
+                pk_rows(M, K, x, ldx, wp + p * panel, y + n0, ldy, bn, acc, (int)(N - n0));
+            }
+        }
+        return;
+    }
+#pragma omp parallel for schedule(static) num_threads(ss_threads(nthreads))
+    for (int64_t p = 0; p < npanels; ++p) {
+        int64_t n0 = p * SS_NB;
+        int nc = (int)(N - n0 < SS_NB ? N - n0 : SS_NB);
+        pk_rows(M, K, x, ldx, wp + p * panel, y + n0, ldy, bias ? bias + n0 : NULL, acc, nc);
+    }
+}
+
+SS_API int64_t ss_pack_numel(int64_t N, int64_t K) { return ((N + SS_NB - 1) / SS_NB) * K * SS_NB; }
+
+/* W [N, K] (row stride ldw) -> panels (ss_linear_packed's layout), zero-padded past N */
+SS_API void ss_pack_weight(int64_t N, int64_t K, const float *w, int64_t ldw, float *wp, int nthreads) {
+    const int64_t npanels = (N + SS_NB - 1) / SS_NB;
+#pragma omp parallel for schedule(static) num_threads(ss_threads(nthreads))
+    for (int64_t p = 0; p < npanels; ++p) {
+        float *dst = wp + p * K * SS_NB;
+        for (int64_t k = 0; k < K; ++k)
+            for (int c = 0; c < SS_NB; ++c) {
+                int64_t n = p * SS_NB + c;
+                dst[k * SS_NB + c] = n < N ? w[n * ldw + k] : 0.0f;
+            }
+    }
+}
+
+/* ------------------------------------------------------------------ small fused ops */
+/* y[m] = w * (x[m] * 1 / sqrt(mean(x[m]^2) + eps)); rows of E floats (E % 8 == 0 on the fast path). */
+SS_API void ss_rms_norm(int64_t M, int64_t E, const float *x, int64_t ldx, const float *w, float eps, float *y,
+                        int64_t ldy, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(ss_threads(nthreads)) if (M > 4)
+    for (int64_t m = 0; m < M; ++m) {
+        const float *xr = x + m * ldx;
+        float *yr = y + m * ldy;
+        __m256 acc = _mm256_setzero_ps();
+        int64_t e = 0;
+        for (; e + 8 <= E; e += 8) {
+            __m256 v = _mm256_loadu_ps(xr + e);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float ss = hsum8(acc);
+        for (int64_t j = e; j < E; ++j) ss += xr[j] * xr[j];
+        float inv = 1.0f / sqrtf(ss / (float)E + eps);
+        __m256 vi = _mm256_set1_ps(inv);
+        for (e = 0; e + 8 <= E; e += 8)
+            _mm256_storeu_ps(yr + e, _mm256_mul_ps(_mm256_loadu_ps(w + e), _mm256_mul_ps(_mm256_loadu_ps(xr + e), vi)));
+        for (int64_t j = e; j < E; ++j) yr[j] = w[j] * (xr[j] * inv);
+    }
+}
+
+/* gu [M, 2I] (gate | up) -> y [M, I] = silu(gate) * up, silu(g) = g / (1 + exp(-g)). */
+SS_API void ss_silu_mul(int64_t M, int64_t I, const float *gu, int64_t ldg, float *y, int64_t ldy, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(ss_threads(nthreads)) if (M * I > 16384)
+    for (int64_t m = 0; m < M; ++m) {
+        const float *g = gu + m * ldg, *u = g + I;
+        float *yr = y + m * ldy;
+        const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= I; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv))));
+            _mm256_storeu_ps(yr + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+        }
+        for (; i < I; ++i) yr[i] = g[i] / (1.0f + exp1(-g[i])) * u[i];
+    }
+}
+
+/* Rotary embedding of the q and k heads of qkv [B*T, (H + 2 H_kv) * D] (row stride ldq), with
+ * cos/sin [B*T, D]: q -> q_out [B, H, T, D]; k -> k_out [B, H_kv, T, D]; v copied to v_out
+ * [B, H_kv, T, D]. rot(x) = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1). */
+SS_API void ss_rope_split(int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D, const float *qkv, int64_t ldq,
+                          const float *cosv, const float *sinv, float *q_out, float *k_out, float *v_out,
+                          int nthreads) {
+    const int64_t half = D / 2, nheads = H + 2 * Hkv;
+#pragma omp parallel for schedule(static) num_threads(ss_threads(nthreads)) if (B * T > 4)
+    for (int64_t bt = 0; bt < B * T; ++bt) {
+        int64_t b = bt / T, t = bt % T;
+        const float *row = qkv + bt * ldq, *c = cosv + bt * D, *s = sinv + bt * D;
+        for (int64_t h = 0; h < nheads; ++h) {
+            const float *x = row + h * D;
+            float *dst;
+            if (h < H) dst = q_out + ((b * H + h) * T + t) * D;
+            else if (h < H + Hkv) dst = k_out + ((b * Hkv + (h - H)) * T + t) * D;
+            else {
+                memcpy(v_out + ((b * Hkv + (h - H - Hkv)) * T + t) * D, x, (size_t)D * sizeof(float));
+                continue;
+            }
+            for (int64_t d = 0; d < half; ++d) {
+                float a = x[d] * c[d], r = -x[d + half] * s[d];
+                dst[d] = a + r;
+            }
+            for (int64_t d = half; d < D; ++d) {
+                float a = x[d] * c[d], r = x[d - half] * s[d];
+                dst[d] = a + r;
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ attention
+ * One (b, kv) pair has R = G * T query rows and n keys. Keys are split in chunks of SS_CHUNK at
+ * fixed offsets; a work item is one (b, kv, chunk) and does, while its scores are in cache:
+ *   scores s[r, j] = (scale * q_r) . k_j (masked: -inf), the chunk's row max m_c, p = exp(s - m_c),
+ *   l_c = sum p and the partial o_c = p . V (flash-decoding's split over keys).
+ * Then per pair: M = max_c m_c, L = sum_c exp(m_c - M) l_c, out = sum_c exp(m_c - M) o_c / L, in
+ * chunk order; and per chunk, the importance rows sum_g p exp(m_c - M) / L of the last W queries.
+ * Dense mode: key j is cache position j; row r = g*T + t sees j <= start_b + t.
+ * Sparse mode (the draft): key j < nv_b is cache position index[b, kv, j]; key nv_b + e is the
+ * draft tail's slot e; row t sees every index key and tail slots e <= E - T + t.
+ */
+typedef struct {
+    int64_t B, Hkv, G, T, D;
+    const float *q;
+    const float *k, *v;
+    int64_t k_sb, k_sh, v_sb, v_sh;
+    const int64_t *starts;       /* dense: [B] */
+    const int32_t *index;        /* sparse: [B, H_kv, N] (strides i_sb, i_sh) */
+    int64_t i_sb, i_sh;
+    const int64_t *n_valid;      /* sparse: [B] */
+    const float *kt, *vt;        /* sparse: draft tail, (b, kv, e, d) at b*t_sb + kv*t_sh + e*D + d */
+    int64_t t_sb, t_sh, E;
+    float *out;
+    int64_t o_sb, o_st;
+    float *rows;                 /* [B, H_kv, W, S_rows] (strides r_sb, r_sh, r_sw) or NULL */
+    int64_t r_sb, r_sh, r_sw, W, S_rows;
+    float scale;
+    int sparse;
+    float *ws;                   /* workspace (ss_attention_workspace floats) */
+    int64_t n_max;               /* max keys of any row */
+} attn_t;
+
+SS_INLINE int64_t att_nkeys(const attn_t *a, int64_t b) {
+    return a->sparse ? a->n_valid[b] + a->E : a->starts[b] + a->T;
+}
+
+SS_INLINE const float *att_key(const attn_t *a, int64_t b, int64_t kv, int64_t j, int64_t nv, const int32_t *idx) {
+    if (!a->sparse) return a->k + b * a->k_sb + kv * a->k_sh + j * a->D;
+    if (j < nv) return a->k + b * a->k_sb + kv * a->k_sh + (int64_t)idx[j] * a->D;
+    return a->kt + b * a->t_sb + kv * a->t_sh + (j - nv) * a->D;
+}
+
+SS_INLINE const float *att_val(const attn_t *a, int64_t b, int64_t kv, int64_t j, int64_t nv, const int32_t *idx) {
+    if (!a->sparse) return a->v + b * a->v_sb + kv * a->v_sh + j * a->D;
+    if (j < nv) return a->v + b * a->v_sb + kv * a->v_sh + (int64_t)idx[j] * a->D;
+    return a->vt + b * a->t_sb + kv * a->t_sh + (j - nv) * a->D;
+}
+
+/* last visible key of query t of row b (inclusive) */
+SS_INLINE int64_t att_limit(const attn_t *a, int64_t b, int64_t t, int64_t nv) {
+    return a->sparse ? nv + a->E - a->T + t : a->starts[b] + t;
+}
+
+SS_INLINE int64_t att_nchunks(const attn_t *a) { return (a->n_max + SS_CHUNK - 1) / SS_CHUNK; }
+SS_INLINE int64_t att_chunks_of(const attn_t *a, int64_t b) { return (att_nkeys(a, b) + SS_CHUNK - 1) / SS_CHUNK; }
+
+/* workspace: scores [pairs, R, n_max]; per item (pair, chunk): m [R], l [R], o [R, D];
+ * per pair: M [R], L [R] */
+SS_INLINE float *att_scores(const attn_t *a, int64_t b, int64_t kv) {
+    return a->ws + ((b * a->Hkv + kv) * a->G * a->T) * a->n_max;
+}
+
+/* floats per item: m, l, o, and in sparse mode room to gather the chunk's value rows */
+SS_INLINE int64_t att_item_size(int64_t R, int64_t D, int sparse) { return R * (2 + D) + (sparse ? SS_CHUNK * D : 0); }
+
+SS_INLINE float *att_item(const attn_t *a, int64_t b, int64_t kv, int64_t c) {
+    const int64_t R = a->G * a->T, per = att_item_size(R, a->D, a->sparse);
+    float *base = a->ws + a->B * a->Hkv * R * a->n_max;
+    return base + ((b * a->Hkv + kv) * att_nchunks(a) + c) * per;
+}
+
+SS_INLINE float *att_pair(const attn_t *a, int64_t b, int64_t kv) {
+    const int64_t R = a->G * a->T;
+    float *base = a->ws + a->B * a->Hkv * R * a->n_max + a->B * a->Hkv * att_nchunks(a) * att_item_size(R, a->D, a->sparse);
+    return base + (b * a->Hkv + kv) * 2 * R;
+}
+
+/* 3 rows x 32 columns of P.V over kn keys (value rows ldv apart): 3 broadcasts + 1 value vector +
+ * 12 accumulators per key, the same chain per element as gemm_tile */
+SS_INLINE void att_pv3x32(const attn_t *a, const float *P, int64_t ldp, int64_t kn, const float *v, int64_t ldv,
+                          float *part, int64_t ldpart) {
+    (void)a;
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00, c12 = c00, c13 = c00;
+    __m256 c20 = c00, c21 = c00, c22 = c00, c23 = c00;
+    for (int64_t j = 0; j < kn; ++j) {
+        const float *vp = v + j * ldv;
+        __m256 p0 = _mm256_broadcast_ss(P + j), p1 = _mm256_broadcast_ss(P + ldp + j), p2 = _mm256_broadcast_ss(P + 2 * ldp + j);
+        __m256 vv = _mm256_loadu_ps(vp);
+        c00 = _mm256_fmadd_ps(p0, vv, c00); c10 = _mm256_fmadd_ps(p1, vv, c10); c20 = _mm256_fmadd_ps(p2, vv, c20);
+        vv = _mm256_loadu_ps(vp + 8);
+        c01 = _mm256_fmadd_ps(p0, vv, c01); c11 = _mm256_fmadd_ps(p1, vv, c11); c21 = _mm256_fmadd_ps(p2, vv, c21);
+        vv = _mm256_loadu_ps(vp + 16);
+        c02 = _mm256_fmadd_ps(p0, vv, c02); c12 = _mm256_fmadd_ps(p1, vv, c12); c22 = _mm256_fmadd_ps(p2, vv, c22);
+        vv = _mm256_loadu_ps(vp + 24);
+        c03 = _mm256_fmadd_ps(p0, vv, c03); c13 = _mm256_fmadd_ps(p1, vv, c13); c23 = _mm256_fmadd_ps(p2, vv, c23);
+    }
+    _mm256_storeu_ps(part, c00); _mm256_storeu_ps(part + 8, c01); _mm256_storeu_ps(part + 16, c02); _mm256_storeu_ps(part + 24, c03);
+    part += ldpart;
+    _mm256_storeu_ps(part, c10); _mm256_storeu_ps(part + 8, c11); _mm256_storeu_ps(part + 16, c12); _mm256_storeu_ps(part + 24, c13);
+    part += ldpart;
+    _mm256_storeu_ps(part, c20); _mm256_storeu_ps(part + 8, c21); _mm256_storeu_ps(part + 16, c22); _mm256_storeu_ps(part + 24, c23);
+}
+
+/* One item: scores, chunk softmax and P.V partial of keys [j0, j1) for every row of (b, kv). */
+static void att_chunk(const attn_t *a, int64_t b, int64_t kv, int64_t c) {
+    const int64_t R = a->G * a->T, D = a->D, T = a->T;
+    const int64_t n = att_nkeys(a, b), j0 = c * SS_CHUNK, j1 = (j0 + SS_CHUNK < n) ? j0 + SS_CHUNK : n;
+    const int64_t nv = a->sparse ? a->n_valid[b] : 0;
+    const int32_t *idx = a->sparse ? a->index + b * a->i_sb + kv * a->i_sh : NULL;
+    const float *q = a->q + ((b * a->Hkv + kv) * R) * D;
+    float *S = att_scores(a, b, kv);
+    float *it = att_item(a, b, kv, c);
+    float *mx = it, *sums = it + R, *part = it + 2 * R;
+    const int64_t ld = a->n_max;
+    float *qs = part;  /* q * scale, in the partials' room until P.V overwrites it (after the scores) */
+    for (int64_t i = 0; i < R * D; ++i) qs[i] = q[i] * a->scale;
+    /* 1. scores: dot products, 2 rows x 4 keys per block (8 FMA chains over d in 8 lanes, then
+     *    hsum8x8's tree), q pre-scaled */
+    for (int64_t j = j0; j < j1; j += 4) {
+        const float *kp[4];
+        const int nk = (int)(j1 - j < 4 ? j1 - j : 4);
+        for (int u = 0; u < 4; ++u) kp[u] = att_key(a, b, kv, u < nk ? j + u : j, nv, idx);
+        int64_t r = 0;
+        for (; r + 2 <= R; r += 2) {
+            const float *q0 = qs + r * D, *q1 = q0 + D;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+            for (int64_t d = 0; d < D; d += 8) {
+                __m256 x0 = _mm256_loadu_ps(q0 + d), x1 = _mm256_loadu_ps(q1 + d);
+                __m256 k0 = _mm256_loadu_ps(kp[0] + d), k1 = _mm256_loadu_ps(kp[1] + d);
+                __m256 k2 = _mm256_loadu_ps(kp[2] + d), k3 = _mm256_loadu_ps(kp[3] + d);
+                a0 = _mm256_fmadd_ps(x0, k0, a0); a1 = _mm256_fmadd_ps(x0, k1, a1);
+                a2 = _mm256_fmadd_ps(x0, k2, a2); a3 = _mm256_fmadd_ps(x0, k3, a3);
+                a4 = _mm256_fmadd_ps(x1, k0, a4); a5 = _mm256_fmadd_ps(x1, k1, a5);
+                a6 = _mm256_fmadd_ps(x1, k2, a6); a7 = _mm256_fmadd_ps(x1, k3, a7);
+            }
+            __m256 s8 = hsum8x8(a0, a1, a2, a3, a4, a5, a6, a7);
+            if (nk == 4) {
+                _mm_storeu_ps(S + r * ld + j, _mm256_castps256_ps128(s8));
+                _mm_storeu_ps(S + (r + 1) * ld + j, _mm256_extractf128_ps(s8, 1));
+            } else {
+                float sv[8];
+                _mm256_storeu_ps(sv, s8);
+                for (int u = 0; u < nk; ++u) { S[r * ld + j + u] = sv[u]; S[(r + 1) * ld + j + u] = sv[4 + u]; }
+            }
+        }
+        for (; r < R; ++r) {
+            const float *q0 = qs + r * D;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t d = 0; d < D; d += 8) {
+                __m256 x0 = _mm256_loadu_ps(q0 + d);
+                a0 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(kp[0] + d), a0);
+                a1 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(kp[1] + d), a1);
+                a2 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(kp[2] + d), a2);
+                a3 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(kp[3] + d), a3);
+            }
+            float sv[8];
+            _mm256_storeu_ps(sv, hsum8x8(a0, a1, a2, a3, a0, a1, a2, a3));
+            for (int u = 0; u < nk; ++u) S[r * ld + j + u] = sv[u];
+        }
+        if (j + nk - 1 > att_limit(a, b, 0, nv))  /* the causal tail */
+            for (int64_t rr = 0; rr < R; ++rr) {
+                const int64_t lim = att_limit(a, b, rr % T, nv);
+                for (int u = 0; u < nk; ++u)
+                    if (j + u > lim) S[rr * ld + j + u] = -INFINITY;
+            }
+    }
+    /* 2. the chunk's softmax numerators: m_c, p = exp(s - m_c) in place, l_c (p = 0 where masked; a
+     *    row that sees none of the chunk gets m_c = -inf, p = l_c = 0) */
+    for (int64_t r = 0; r < R; ++r) {
+        float *row = S + r * ld;
+        __m256 m8 = _mm256_set1_ps(-INFINITY);
+        int64_t j = j0;
+        for (; j + 8 <= j1; j += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(row + j));
+        float m8v[8], m = -INFINITY;
+        _mm256_storeu_ps(m8v, m8);
+        for (int u = 0; u < 8; ++u) m = m8v[u] > m ? m8v[u] : m;
+        for (; j < j1; ++j) m = row[j] > m ? row[j] : m;
+        mx[r] = m;
+        const __m256 mv = _mm256_set1_ps(m == -INFINITY ? 0.0f : m);
+        __m256 acc = _mm256_setzero_ps();
+        for (j = j0; j + 8 <= j1; j += 8) {
+            __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), mv));
+            _mm256_storeu_ps(row + j, p);
+            acc = _mm256_add_ps(acc, p);
+        }
+        if (j < j1) {  /* partial vector: pad with -inf (probability 0) */
+            float buf[8];
+            for (int u = 0; u < 8; ++u) buf[u] = (j + u < j1) ? row[j + u] : -INFINITY;
+            __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(buf), mv));
+            _mm256_storeu_ps(buf, p);
+            for (int u = 0; j + u < j1; ++u) row[j + u] = buf[u];
+            acc = _mm256_add_ps(acc, p);
+        }
+        sums[r] = hsum8(acc);
+    }
+    /* 3. o_c = P.V: for every (row, column) one FMA chain over the chunk's keys in order, whatever
+     *    the block computing it: 6 rows x 16 columns (the GEMM tile), or 3 rows x 32 columns for a
+     *    remainder of 3 rows (a decode step's G = 3 rows: half the broadcasts) */
+    const float *vrows = att_val(a, b, kv, j0, nv, idx);
+    const int64_t kn = j1 - j0;
+    if (a->sparse) {  /* gather the chunk's value rows (index positions, then the draft tail) */
+        float *vt = part + R * D;  /* the item's gather room (sparse mode only) */
+        for (int64_t u = 0; u < kn; ++u) memcpy(vt + u * D, att_val(a, b, kv, j0 + u, nv, idx), (size_t)D * 4);
+        vrows = vt;
+    }
+    const int wide3 = R % 6 == 3 && D % 32 == 0;
+    const int64_t R6 = wide3 ? R - 3 : R;
+    for (int64_t d0 = 0; d0 < D; d0 += SS_NB)
+        gemm_rows(R6, kn, S + j0, ld, vrows + d0, D, part + d0, D, 0, SS_NB);
+    if (wide3)
+        for (int64_t d0 = 0; d0 < D; d0 += 32)
+            att_pv3x32(a, S + R6 * ld + j0, ld, kn, vrows + d0, D, part + R6 * D + d0, D);
+}
+
+/* per pair: M and L of every row, then the output rows */
+static void att_combine(const attn_t *a, int64_t b, int64_t kv) {
+    const int64_t R = a->G * a->T, D = a->D, T = a->T, nc = att_chunks_of(a, b);
+    float *pr = att_pair(a, b, kv), *Mr = pr, *Lr = pr + R;
+    float f[nc];  /* exp(m_c - M) of one row */
+    for (int64_t r = 0; r < R; ++r) {
+        float m = -INFINITY;
+        for (int64_t c = 0; c < nc; ++c) {
+            float v = att_item(a, b, kv, c)[r];
+            m = v > m ? v : m;
+        }
+        float l = 0.0f;
+        for (int64_t c = 0; c < nc; ++c) {
+            const float *it = att_item(a, b, kv, c);
+            f[c] = exp1(it[r] - m);
+            l += f[c] * it[R + r];
+        }
+        Mr[r] = m;
+        Lr[r] = l;
+        const int64_t g = r / T, t = r % T;
+        float *o = a->out + b * a->o_sb + t * a->o_st + (kv * a->G + g) * D;
+        const __m256 inv = _mm256_set1_ps(l);
+        for (int64_t d = 0; d < D; d += 8) {
+            __m256 s = _mm256_setzero_ps();
+            for (int64_t c = 0; c < nc; ++c)
+                s = _mm256_fmadd_ps(_mm256_set1_ps(f[c]), _mm256_loadu_ps(att_item(a, b, kv, c) + 2 * R + r * D + d), s);
+            _mm256_storeu_ps(o + d, _mm256_div_ps(s, inv));
+        }
+    }
+}
+
+/* per item: importance rows of chunk c, rows[w, j] = sum_g p[g, T - W + w, j] exp(m_c - M) / L */
+static void att_rows(const attn_t *a, int64_t b, int64_t kv, int64_t c) {
+    const int64_t R = a->G * a->T, T = a->T, W = a->W;
+    const int64_t n = att_nkeys(a, b), nc = att_chunks_of(a, b);
+    const int64_t j0 = c * SS_CHUNK;
+    int64_t j1 = j0 + SS_CHUNK;
+    if (c == nc - 1 || j1 > a->S_rows) j1 = a->S_rows;  /* the last chunk also zero-fills to S_rows */
+    const int64_t jv = n < j1 ? n : j1;
+    const float *S = att_scores(a, b, kv), *it = att_item(a, b, kv, c), *pr = att_pair(a, b, kv);
+    for (int64_t w = 0; w < W; ++w) {
+        const int64_t t = T - W + w;
+        float *dst = a->rows + b * a->r_sb + kv * a->r_sh + w * a->r_sw;
+        for (int64_t g = 0; g < a->G; ++g) {
+            const int64_t r = g * T + t;
+            const float f = exp1(it[r] - pr[r]) / pr[R + r];
+            const float *p = S + r * a->n_max;
+            if (g == 0)
+                for (int64_t j = j0; j < jv; ++j) dst[j] = p[j] * f;
+            else
+                for (int64_t j = j0; j < jv; ++j) dst[j] += p[j] * f;
+        }
+        for (int64_t j = jv; j < j1; ++j) dst[j] = 0.0f;
+    }
+}
+
+SS_API int64_t ss_attention_workspace(int64_t B, int64_t Hkv, int64_t G, int64_t T, int64_t D, int64_t n_max,
+                                      int sparse) {
+    const int64_t R = G * T, nc = (n_max + SS_CHUNK - 1) / SS_CHUNK;
+    return B * Hkv * R * n_max + B * Hkv * nc * att_item_size(R, D, sparse) + B * Hkv * 2 * R;
+}
+
+static void att_run(attn_t *a, int nthreads) {
+    const int64_t B = a->B, Hkv = a->Hkv, nc = att_nchunks(a);
+    const int64_t pairs = B * Hkv, items = pairs * nc;
+    const int want_rows = a->rows != NULL && a->W > 0;
+#pragma omp parallel num_threads(ss_threads(nthreads))
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < items; ++i) {
+            const int64_t p = i / nc, c = i % nc, b = p / Hkv, kv = p % Hkv;
+            if (c < att_chunks_of(a, b)) att_chunk(a, b, kv, c);
+        }
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < pairs; ++p) att_combine(a, p / Hkv, p % Hkv);
+        if (want_rows) {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < items; ++i) {
+                const int64_t p = i / nc, c = i % nc, b = p / Hkv, kv = p % Hkv;
+                if (c < att_chunks_of(a, b)) att_rows(a, b, kv, c);
+            }
+        }
+    }
+}
+
+/* Dense causal attention of a ragged batch (decode T = 1, verify T = k + 1), optional importance
+ * rows of the last W queries (rows == NULL: none). Needs D % 16 == 0. */
+SS_API void ss_attention(int64_t B, int64_t Hkv, int64_t G, int64_t T, int64_t D, const float *q, const float *k,
+                         int64_t k_sb, int64_t k_sh, const float *v, int64_t v_sb, int64_t v_sh,
+                         const int64_t *starts, float scale, float *out, int64_t o_sb, int64_t o_st, float *rows,
+                         int64_t r_sb, int64_t r_sh, int64_t r_sw, int64_t W, int64_t S_rows, float *ws,
+                         int64_t n_max, int nthreads) {
+    attn_t a;
+    memset(&a, 0, sizeof a);
+    a.B = B; a.Hkv = Hkv; a.G = G; a.T = T; a.D = D; a.q = q;
+    a.k = k; a.k_sb = k_sb; a.k_sh = k_sh; a.v = v; a.v_sb = v_sb; a.v_sh = v_sh;
+    a.starts = starts; a.scale = scale; a.out = out; a.o_sb = o_sb; a.o_st = o_st;
+    a.rows = rows; a.r_sb = r_sb; a.r_sh = r_sh; a.r_sw = r_sw; a.W = W; a.S_rows = S_rows;
+    a.ws = ws; a.n_max = n_max; a.sparse = 0;
+    att_run(&a, nthreads);
+}
+
+/* Sparse draft attention: each row attends to its first n_valid[b] indexed cache positions plus
+ * the E draft-tail slots (causal among the T queries). Needs D % 16 == 0. */
+SS_API void ss_sparse_attention(int64_t B, int64_t Hkv, int64_t G, int64_t T, int64_t D, const float *q,
+                                const float *k, int64_t k_sb, int64_t k_sh, const float *v, int64_t v_sb,
+                                int64_t v_sh, const int32_t *index, int64_t i_sb, int64_t i_sh,
+                                const int64_t *n_valid, const float *kt, const float *vt, int64_t t_sb,
+                                int64_t t_sh, int64_t E, float scale, float *out, int64_t o_sb, int64_t o_st,
+                                float *ws, int64_t n_max, int nthreads) {
+    attn_t a;
+    memset(&a, 0, sizeof a);
+    a.B = B; a.Hkv = Hkv; a.G = G; a.T = T; a.D = D; a.q = q;
+    a.k = k; a.k_sb = k_sb; a.k_sh = k_sh; a.v = v; a.v_sb = v_sb; a.v_sh = v_sh;
+    a.index = index; a.i_sb = i_sb; a.i_sh = i_sh; a.n_valid = n_valid;
+    a.kt = kt; a.vt = vt; a.t_sb = t_sb; a.t_sh = t_sh; a.E = E;
+    a.scale = scale; a.out = out; a.o_sb = o_sb; a.o_st = o_st;
+    a.ws = ws; a.n_max = n_max; a.sparse = 1;
+    att_run(&a, nthreads);
+}

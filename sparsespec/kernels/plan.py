@@ -1,0 +1,364 @@
+"""Which kernel runs each op of a forward, decided on the machine that runs it.
+
+A ``KernelPlan`` names, for one model on one device:
+
+* ``linear``: the matmul backend per range of rows ``M`` (a decode step has ``B``, a verify
+  ``B * (k + 1)``, a prefill chunk hundreds): ``"ss"`` (ours, ``sparsespec.kernels.cpu``: a 6 x 16
+  outer-product kernel over a copy of the weight packed in panels of 16 columns), ``"onednn"``
+  (PyTorch's oneDNN linear over its own prepacked copy) or ``"mkl"`` (``F.linear``);
+* ``attention``: ``"ss"`` (ours: decode/verify with the importance rows, and the sparse draft
+  with the index gathered in the kernel), ``"torch"`` (``sparsespec.kernels.reference``) or
+  ``"triton"`` (CUDA);
+* ``fused``: RMSNorm, RoPE and SiLU-and-multiply through our kernels (one call each instead of
+  four to eight PyTorch ops);
+* ``threads``: the torch threads it was measured with.
+
+Where none of our kernels can run (a GPU, a dtype other than fp32, no compiler) the plan is the
+PyTorch one. On a CPU the default is decided by a short measured trial (``tune``): each linear
+backend over the model's own weights at M = 1, 4, 16, 64 and 256 rows, each attention backend at
+a decode and a verify shape, interleaved, the best of three. A kernel choice that wins on one CPU
+can lose 25-30 % on another, so nothing is assumed: the trial's winner is the default, cached
+per CPU (model and ISA flags), torch version, threads, kernel build and model shape in
+``$SPARSESPEC_CACHE/tuning/``, so a later load on the same machine reads it (``source="cache"``).
+
+User overrides: ``SPARSESPEC_KERNELS=auto`` (default: measured), ``torch`` (PyTorch's ops
+only: the eager reference), ``ss`` (ours wherever they run); ``SPARSESPEC_LINEAR=ss|onednn|mkl``
+forces one linear backend for every M; ``SPARSESPEC_PREPACK=0`` leaves oneDNN out of the trial.
+The chosen plan goes into every run's provenance and every bench row (``KernelPlan.describe``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from sparsespec.kernels import cpu
+from sparsespec.quant import PACKED_ATTR, PANELS_ATTR, Int8Weight, prepack_available
+
+#: linear backends (``KernelPlan.linear``)
+LINEAR_BACKENDS = ("ss", "onednn", "mkl")
+#: rows at which the trial times the linears, and the ranges they stand for (upper bounds)
+TRIAL_ROWS = (1, 4, 16, 64, 256)
+RANGE_UPPER = (1, 8, 32, 128, None)
+_KERNELS_ENV, _LINEAR_ENV = "SPARSESPEC_KERNELS", "SPARSESPEC_LINEAR"
+TUNE_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """See the module docstring. ``linear``: ``((upper_M or None, backend), ...)`` ascending.
+
+    Raises:
+        ValueError: an unknown backend, or ranges not ascending.
+    """
+
+    linear: tuple[tuple[int | None, str], ...] = ((None, "mkl"),)
+    attention: str = "torch"
+    fused: bool = False
+    threads: int = 0
+    #: "default" (no trial: GPU, non-fp32, kernels unavailable), "measured", "cache", "env", "user"
+    source: str = "default"
+    tune_s: float = 0.0
+    #: what the trial measured: ``{"linear": {M: {backend: s}}, "attention": {shape: {backend: s}}}``
+    timings: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        uppers = [u for u, _ in self.linear]
+        if not self.linear or uppers[-1] is not None or any(u is None for u in uppers[:-1]) \
+                or uppers[:-1] != sorted(uppers[:-1]):
+            raise ValueError(f"linear ranges must ascend and end with None, got {self.linear}")
+        for _, be in self.linear:
+            if be not in LINEAR_BACKENDS:
+                raise ValueError(f"linear backend must be one of {LINEAR_BACKENDS}, got {be!r}")
+        if self.attention not in ("ss", "torch", "triton"):
+            raise ValueError(f"attention must be ss, torch or triton, got {self.attention!r}")
+
+    # ------------------------------------------------------------------ queries
+    def linear_backend(self, rows: int) -> str:
+        for upper, be in self.linear:
+            if upper is None or rows <= upper:
+                return be
+        return self.linear[-1][1]  # pragma: no cover - the last range is open
+
+    @property
+    def uses_onednn(self) -> bool:
+        return any(be == "onednn" for _, be in self.linear)
+
+    @property
+    def uses_panels(self) -> bool:
+        return any(be == "ss" for _, be in self.linear)
+
+    @property
+    def batch_invariant(self) -> bool:
+        """True when every decode-width linear (M <= 128) and the attention are our kernels: a row's
+        logits then do not depend on the batch or on the number of queries of the step."""
+        return self.attention == "ss" and {self.linear_backend(m) for m in range(1, 129)} == {"ss"}
+
+    def describe(self) -> dict[str, Any]:
+        """The plan as plain data (provenance, bench rows): backends, where it came from, the CPU."""
+        return {"linear": {("inf" if u is None else str(u)): be for u, be in self.linear},
+                "attention": self.attention, "fused": self.fused, "threads": self.threads,
+                "source": self.source, "tune_s": round(self.tune_s, 3), "batch_invariant": self.batch_invariant,
+                "cpu": cpu.cpu_model(), "isa": cpu.isa_summary(), "kernels_built": cpu.available()
+                if self.attention == "ss" or self.fused else None, "note": self.note}
+
+    def summary(self) -> str:
+        """One line: e.g. ``linear ss<=8 mkl>8, attention ss, fused (measured, 4.2 s)``."""
+        lin = " ".join(f"{be}{'' if u is None else '<=' + str(u)}" for u, be in self.linear)
+        return (f"linear {lin}, attention {self.attention}{', fused' if self.fused else ''}, "
+                f"{self.threads} threads ({self.source}{f', {self.tune_s:.1f} s' if self.tune_s else ''})")
+
+    # ------------------------------------------------------------------ the linear op
+    def apply_linear(self, x: torch.Tensor, w: torch.Tensor | Int8Weight, bias: torch.Tensor | None = None,
+                     residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ w.T (+ bias)``; with ``residual`` (same shape as the output), ``residual += that``
+        in place and returned (the residual add fused into our kernel)."""
+        if isinstance(w, Int8Weight):
+            y = w.linear(x, bias)
+            return y if residual is None else residual.add_(y)
+        be = "mkl"
+        if x.device.type == "cpu" and x.dtype == w.dtype:
+            be = self.linear_backend(x.numel() // x.shape[-1])
+        if be == "ss" and cpu.supports(x):
+            panels = getattr(w, PANELS_ATTR, None)
+            if panels is not None:
+                return cpu.linear_packed(x, panels, w.shape[0], bias, out=residual, accumulate=residual is not None)
+            return cpu.linear(x, w, bias, out=residual, accumulate=residual is not None)
+        packed = getattr(w, PACKED_ATTR, None) if be == "onednn" else None
+        if packed is not None:
+            y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        else:
+            y = F.linear(x, w, bias)
+        return y if residual is None else residual.add_(y)
+
+
+def torch_plan(note: str = "", source: str = "default", device: str = "cpu") -> KernelPlan:
+    """PyTorch's ops only (the eager reference); Triton attention on CUDA where it runs."""
+    from sparsespec import kernels
+
+    att = "triton" if kernels.use_triton(device) else "torch"
+    return KernelPlan(((None, "mkl"),), att, False, torch.get_num_threads(), source, note=note)
+
+
+def ours_plan(source: str = "default", note: str = "") -> KernelPlan:
+    """Our kernels wherever they run (decode widths), MKL for prefill chunks."""
+    return KernelPlan(((128, "ss"), (None, "mkl")), "ss", True, torch.get_num_threads(), source, note=note)
+
+
+def _eligible(model) -> str | None:
+    """None when our CPU kernels can run this model, else why not."""
+    if model.device.type != "cpu":
+        return f"device {model.device.type}"
+    if model.dtype != torch.float32:
+        return f"dtype {str(model.dtype).replace('torch.', '')} (our CPU kernels are fp32)"
+    if not cpu.available():
+        return f"CPU kernels unavailable: {cpu.unavailable_reason()}"
+    if model.cfg.hidden_size % 8 or not cpu.attention_supported(model.cfg.head_dim):
+        return f"shape (hidden {model.cfg.hidden_size}, head_dim {model.cfg.head_dim}) not supported"
+    return None
+
+
+def choose(model, tune: bool = True, *, progress: Callable[[str], None] | None = None) -> KernelPlan:
+    """The plan for ``model`` (see the module docstring): the environment's override, else the
+    cached trial for this machine, else a new trial (``tune``) or, with ``tune=False``, ours
+    wherever they run.
+
+    Raises:
+        ValueError: an unknown ``SPARSESPEC_KERNELS`` or ``SPARSESPEC_LINEAR`` value.
+    """
+    mode = os.environ.get(_KERNELS_ENV, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "torch", "ss"):
+        raise ValueError(f"{_KERNELS_ENV} must be auto, torch or ss, got {mode!r}")
+    forced = os.environ.get(_LINEAR_ENV, "").strip().lower()
+    if forced and forced not in LINEAR_BACKENDS:
+        raise ValueError(f"{_LINEAR_ENV} must be one of {LINEAR_BACKENDS}, got {forced!r}")
+    why = _eligible(model)
+    if mode == "torch" or why is not None:
+        plan = torch_plan(why or f"{_KERNELS_ENV}=torch", "env" if mode == "torch" else "default", model.device)
+    elif mode == "ss":
+        plan = ours_plan("env", f"{_KERNELS_ENV}=ss")
+    elif not tune:
+        plan = ours_plan()
+    else:
+        plan = tune_plan(model, progress=progress)
+    if forced:
+        if forced == "ss" and why is not None:
+            raise ValueError(f"{_LINEAR_ENV}={forced}: {why}")
+        plan = dataclasses.replace(plan, linear=((None, forced),), source="env", note=f"{_LINEAR_ENV}={forced}")
+    return plan
+
+
+# --------------------------------------------------------------------------- the trial
+def _cache_path(model, threads: int) -> Path:
+    cfg = model.cfg
+    shape = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers, cfg.num_heads,
+             cfg.num_kv_heads, cfg.head_dim, cfg.tie_word_embeddings, cfg.attention_bias, str(model.dtype))
+    key = json.dumps([TUNE_VERSION, cpu.cpu_model(), " ".join(cpu.cpu_flags()), torch.__version__, threads,
+                      Path(cpu.library_path() or "").name, prepack_available(), shape])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cpu.cache_dir().parent / "tuning" / f"plan-{digest}.json"
+
+
+def _weights(model) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    out = []
+    for layer in model.layers:
+        out += [(layer.wqkv, layer.bqkv), (layer.wo, None), (layer.w_gate_up, None), (layer.w_down, None)]
+    out.append((model.lm_head, None))
+    return [(w, b) for w, b in out if not isinstance(w, Int8Weight)]
+
+
+def _best_of(fns: Mapping[str, Callable[[], Any]], reps: int) -> dict[str, float]:
+    """Min seconds of each function, the functions interleaved (drift hits all alike)."""
+    best = {k: float("inf") for k in fns}
+    for f in fns.values():
+        f()  # warm-up: first-touch pages, one-off setup
+    for _ in range(reps):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            best[k] = min(best[k], time.perf_counter() - t0)
+    return best
+
+
+def _linear_trial(model, backends: list[str], reps: int) -> dict[int, dict[str, float]]:
+    weights = _weights(model)
+    total = sum(w.numel() for w, _ in weights)
+    packed = {}
+    if "onednn" in backends:
+        packed = {id(w): w.detach().contiguous().to_mkldnn() for w, _ in weights}
+    panels = {id(w): cpu.pack_weight(w) for w, _ in weights} if "ss" in backends else {}
+    res: dict[int, dict[str, float]] = {}
+    for m in TRIAL_ROWS:
+        # at most ~2 GFLOP per timed pass: all the weights at decode widths (they must come from
+        # memory, as in a step), a prefix of them for wide rows (compute-bound: cache-resident is fine)
+        budget = max(1, int(1e9 / (m * 1.0)))
+        sel, acc = [], 0
+        for w, b in weights:
+            if sel and acc + w.numel() > budget and acc > total // 8:
+                break
+            sel.append((w, b))
+            acc += w.numel()
+        xs = {k: torch.randn(m, k, dtype=model.dtype) for k in {w.shape[1] for w, _ in sel}}
+
+        def run(be: str, sel=sel, xs=xs):
+            for w, b in sel:
+                x = xs[w.shape[1]]
+                if be == "ss":
+                    cpu.linear_packed(x, panels[id(w)], w.shape[0], b)
+                elif be == "onednn":
+                    torch.ops.mkldnn._linear_pointwise(x, packed[id(w)], b, "none", [], "")
+                else:
+                    F.linear(x, w, b)
+
+        with torch.inference_mode():
+            res[m] = _best_of({be: (lambda be=be: run(be)) for be in backends}, reps)
+    return res
+
+
+def _attention_trial(model, reps: int, context: int = 2048, k: int = 8) -> dict[str, dict[str, float]]:
+    """Our attention against the PyTorch path at batch 1, a decode (T = 1) and a verify (T = k + 1,
+    with its importance rows), over every layer's cache of ``context`` keys."""
+    from sparsespec.kernels.reference import grouped_attention
+
+    cfg = model.cfg
+    L, Hkv, H, D = cfg.num_layers, cfg.num_kv_heads, cfg.num_heads, cfg.head_dim
+    g = torch.Generator().manual_seed(0)
+    kc = torch.randn(L, 1, Hkv, context + k + 1, D, generator=g, dtype=model.dtype)
+    vc = torch.randn(L, 1, Hkv, context + k + 1, D, generator=g, dtype=model.dtype)
+    starts = torch.tensor([context])
+    res = {}
+    with torch.inference_mode():
+        for T in (1, k + 1):
+            q = torch.randn(1, H, T, D, generator=g, dtype=model.dtype)
+            W = 0 if T == 1 else T
+            rows = torch.empty(1, Hkv, W, context + T) if W else None
+            mask = None if T == 1 else torch.arange(context + T)[None, None, context:] <= (context + torch.arange(T))[None, :, None]
+
+            def ours(q=q, rows=rows, T=T):
+                for i in range(L):
+                    cpu.attention(q, kc[i], vc[i], starts, context, model.scale, rows)
+
+            def ref(q=q, mask=mask, W=W, T=T):
+                for i in range(L):
+                    out, _ = grouped_attention(q, kc[i, :, :, : context + T], vc[i, :, :, : context + T], mask, W,
+                                               model.scale, mask_from=context)
+                    out.transpose(1, 2).reshape(1, T, -1)
+
+            res[f"T{T}"] = _best_of({"ss": ours, "torch": ref}, reps)
+    return res
+
+
+def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = None) -> KernelPlan:
+    """Measure (or read this machine's cached measurements) and return the fastest plan."""
+    threads = torch.get_num_threads()
+    path = _cache_path(model, threads)
+    if path.exists():
+        try:
+            data = json.loads(path.read_text())
+            return KernelPlan(tuple((u, be) for u, be in data["linear"]), data["attention"], data["fused"],
+                              threads, "cache", data.get("tune_s", 0.0), data.get("timings", {}), data.get("note", ""))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # a corrupt cache entry: measure again
+    if progress:
+        progress(f"measuring kernel choices for this CPU ({cpu.cpu_model()}, {threads} threads)")
+    t0 = time.perf_counter()
+    backends = ["ss"] + (["onednn"] if prepack_available() else []) + ["mkl"]
+    lin = _linear_trial(model, backends, reps)
+    att = _attention_trial(model, reps)
+    ranges = []
+    for m, upper in zip(TRIAL_ROWS, RANGE_UPPER):
+        be = min(lin[m], key=lin[m].get)
+        if ranges and ranges[-1][1] == be:
+            ranges[-1] = (upper, be)
+        else:
+            ranges.append((upper, be))
+    att_total = {be: sum(att[s][be] for s in att) for be in ("ss", "torch")}
+    attention = min(att_total, key=att_total.get)
+    timings = {"linear": {str(m): v for m, v in lin.items()}, "attention": att,
+               "read_bytes_per_s": _read_bandwidth()}
+    tune_s = time.perf_counter() - t0
+    plan = KernelPlan(tuple(ranges), attention, True, threads, "measured", tune_s, timings)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"linear": [list(r) for r in plan.linear], "attention": plan.attention,
+                                   "fused": plan.fused, "tune_s": tune_s, "timings": timings,
+                                   "cpu": cpu.cpu_model(), "isa": cpu.isa_summary(), "threads": threads,
+                                   "torch": torch.__version__}, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # an unwritable cache: the plan still holds for this process
+    return plan
+
+
+def _read_bandwidth(nbytes: int = 256 << 20, reps: int = 5) -> float:
+    x = torch.ones(nbytes // 4)
+    return nbytes / min(_best_of({"sum": lambda: x.sum()}, reps).values())
+
+
+def pack_weights(weights, plan: KernelPlan) -> int:
+    """Give each dense fp32/bf16 CPU weight the copies ``plan`` reads (our panels for ``"ss"``,
+    oneDNN's for ``"onednn"``) and drop the others. Returns the bytes the copies hold. The
+    copies are snapshots: after changing a weight in place, call it again."""
+    from sparsespec.quant import prepack_
+
+    total = prepack_(weights, plan.uses_onednn)
+    for w in weights:
+        if isinstance(w, Int8Weight) or w is None:
+            continue
+        if plan.uses_panels and cpu.supports(w) and w.dim() == 2 and cpu.available():
+            wp = cpu.pack_weight(w.detach())
+            setattr(w, PANELS_ATTR, wp)
+            total += wp.numel() * wp.element_size()
+        elif hasattr(w, PANELS_ATTR):
+            delattr(w, PANELS_ATTR)
+    return total

@@ -1,0 +1,256 @@
+"""Our CPU kernels (``sparsespec.kernels.cpu``) and the kernel plan, against independent oracles:
+float64 matmuls, the PyTorch reference attention and a plain masked softmax, the eager model.
+
+Also the property the kernels are built for: a row's result does not depend on its batch, on the
+number of queries of the step or on the threads, bit for bit, so a verify's logits equal the AR
+step's and greedy speculation reproduces AR exactly.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sparsespec.kernels import cpu
+from sparsespec.kernels.plan import KernelPlan, choose, ours_plan, torch_plan, tune_plan
+from sparsespec.kernels.reference import sparse_attention_ref, verify_attention_ref
+from sparsespec.kv.cache import KVCache
+from sparsespec.shapes import random_transformer
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"CPU kernels unavailable: {cpu.unavailable_reason()}")
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+# ------------------------------------------------------------------ linear
+@pytest.mark.parametrize("N", [16, 17, 33, 300])
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 6, 7, 13])
+def test_linear_packed_matches_float64_and_is_row_invariant(N, M):
+    g = _gen(N * 100 + M)
+    K = 72
+    x, w, b = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+    ref = F.linear(x.double(), w.double(), b.double()).float()
+    wp = cpu.pack_weight(w)
+    assert wp.shape == ((N + 15) // 16, K, 16)
+    y = cpu.linear_packed(x, wp, N, b)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(cpu.linear(x, w, b), ref, rtol=1e-5, atol=1e-4)  # the unpacked kernel
+    for m in range(M):  # each row alone: bitwise the same
+        assert torch.equal(cpu.linear_packed(x[m : m + 1], wp, N, b)[0], y[m])
+    acc = torch.randn(M, N, generator=g)
+    out = acc.clone()
+    assert cpu.linear_packed(x, wp, N, None, out=out, accumulate=True) is out
+    torch.testing.assert_close(out, acc + (x.double() @ w.double().T).float(), rtol=1e-5, atol=1e-4)
+
+
+def test_linear_results_do_not_depend_on_the_threads():
+    g = _gen(1)
+    x, w = torch.randn(9, 64, generator=g), torch.randn(200, 64, generator=g)
+    wp = cpu.pack_weight(w)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu.linear_packed(x, wp, 200)
+        torch.set_num_threads(2)
+        assert torch.equal(cpu.linear_packed(x, wp, 200), one)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_accumulate_needs_out():
+    with pytest.raises(ValueError, match="accumulate needs out"):
+        cpu.linear(torch.zeros(1, 8), torch.zeros(4, 8), accumulate=True)
+
+
+# ------------------------------------------------------------------ small fused ops
+def test_rms_norm_silu_mul_and_rope_split_against_torch():
+    g = _gen(2)
+    x, w = torch.randn(5, 40, generator=g), torch.randn(40, generator=g)
+    want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(cpu.rms_norm(x, w, 1e-5), want, rtol=1e-5, atol=1e-6)
+    gu = torch.randn(3, 2, 2 * 36, generator=g) * 5
+    gate, up = gu.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu.silu_mul(gu), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    B, T, H, Hkv, D = 2, 3, 6, 2, 16
+    qkv = torch.randn(B, T, (H + 2 * Hkv) * D, generator=g)
+    cos, sin = torch.randn(B, T, D, generator=g), torch.randn(B, T, D, generator=g)
+    q, k, v = cpu.rope_split(qkv, cos, sin, H, Hkv, D)
+    qq, kk, vv = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+
+    def rope(t, heads):
+        t = t.view(B, T, heads, D).transpose(1, 2)
+        rot = torch.cat([-t[..., D // 2 :], t[..., : D // 2]], dim=-1)
+        return t * cos[:, None] + rot * sin[:, None]
+
+    assert torch.equal(q, rope(qq, H)) and torch.equal(k, rope(kk, Hkv))  # the same three roundings
+    assert torch.equal(v, vv.view(B, T, Hkv, D).transpose(1, 2))
+
+
+# ------------------------------------------------------------------ attention
+SHAPES = [(3, 3, 64), (2, 2, 16), (2, 7, 64), (1, 4, 128), (2, 3, 32)]  # (H_kv, G, D)
+BATCHES = [(1, [700], 0), (5, [300, 1000], 5), (9, [513, 255, 1], 4), (17, [256, 3], 17), (2, [0], 2)]  # (T, starts, W)
+
+
+@pytest.mark.parametrize("Hkv,G,D", SHAPES)
+@pytest.mark.parametrize("T,starts,W", BATCHES)
+def test_attention_matches_the_reference_and_is_batch_and_width_invariant(Hkv, G, D, T, starts, W):
+    g = _gen(Hkv * 1000 + G * 100 + D + T)
+    B, H = len(starts), Hkv * G
+    S_max = max(starts) + T + 5
+    kc, vc = torch.randn(B, Hkv, S_max, D, generator=g), torch.randn(B, Hkv, S_max, D, generator=g)
+    q = torch.randn(B, H, T, D, generator=g)
+    st = torch.tensor(starts)
+    ref, ref_rows = verify_attention_ref(q, kc, vc, st, W, D ** -0.5)
+    rows = torch.full((B, Hkv, W, max(starts) + T), 7.0) if W else None  # garbage to be overwritten
+    out = cpu.attention(q, kc, vc, st, max(starts), D ** -0.5, rows)
+    torch.testing.assert_close(out, ref.transpose(1, 2).reshape(B, T, H * D), rtol=1e-5, atol=1e-5)
+    if W:
+        torch.testing.assert_close(rows, ref_rows, rtol=1e-5, atol=1e-6)
+    for b in range(B):  # row b's query t alone, as an AR step at that position: bitwise equal
+        for t in range(T):
+            alone = cpu.attention(q[b : b + 1, :, t : t + 1].contiguous(), kc[b : b + 1], vc[b : b + 1],
+                                  st[b : b + 1] + t, starts[b] + t, D ** -0.5)
+            assert torch.equal(alone[0, 0], out[b, t])
+
+
+def test_attention_against_a_plain_masked_softmax_over_many_chunks():
+    g = _gen(5)
+    B, Hkv, G, D, T = 2, 2, 3, 32, 3
+    starts = [1300, 777]  # several 256-key chunks, ragged
+    S_max = max(starts) + T
+    kc, vc = torch.randn(B, Hkv, S_max, D, generator=g), torch.randn(B, Hkv, S_max, D, generator=g)
+    q = torch.randn(B, Hkv * G, T, D, generator=g)
+    rows = torch.empty(B, Hkv, T, S_max)
+    out = cpu.attention(q, kc, vc, torch.tensor(starts), max(starts), 0.2, rows).view(B, T, Hkv * G, D)
+    for b in range(B):
+        for h in range(Hkv * G):
+            sc = (q[b, h].double() @ kc[b, h // G].double().T) * 0.2  # [T, S]
+            vis = torch.arange(S_max)[None, :] <= (starts[b] + torch.arange(T))[:, None]
+            p = torch.softmax(sc.masked_fill(~vis, float("-inf")), dim=-1)
+            torch.testing.assert_close(out[b, :, h].double(), p @ vc[b, h // G].double(), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(rows.sum(-1), torch.full((B, Hkv, T), float(G)), atol=1e-5)
+    assert float(rows[1, :, :, starts[1] + T :].abs().sum()) == 0.0  # zero past the row's keys
+
+
+@pytest.mark.parametrize("Hkv,G,D", SHAPES)
+def test_sparse_attention_matches_the_reference(Hkv, G, D):
+    g = _gen(G * 10 + D)
+    B, N, E, S_max = 3, 300, 3, 900
+    kc, vc = torch.randn(B, Hkv, S_max, D, generator=g), torch.randn(B, Hkv, S_max, D, generator=g)
+    idx = torch.randint(0, S_max, (B, Hkv, N), generator=g, dtype=torch.int32)
+    nv = torch.tensor([N, 17, 260])
+    kt, vt = torch.randn(B, Hkv, E, D, generator=g), torch.randn(B, Hkv, E, D, generator=g)
+    q = torch.randn(B, Hkv * G, 1, D, generator=g)
+    ref = sparse_attention_ref(q, kc, vc, idx, nv, kt, vt, 0.3)
+    out = cpu.sparse_attention(q, kc, vc, idx, nv, kt, vt, 0.3)
+    torch.testing.assert_close(out, ref.transpose(1, 2).reshape(B, 1, -1), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------ the plan
+def test_plan_validation_and_queries():
+    p = KernelPlan(((1, "ss"), (32, "onednn"), (None, "mkl")), "ss", True)
+    assert [p.linear_backend(m) for m in (1, 2, 32, 33, 1000)] == ["ss", "onednn", "onednn", "mkl", "mkl"]
+    assert p.uses_onednn and p.uses_panels and not p.batch_invariant
+    assert ours_plan().batch_invariant  # decode widths (<= 128 rows) on ours; prefill chunks on MKL do not matter
+    assert KernelPlan(((None, "ss"),), "ss", True).batch_invariant
+    assert "linear ss<=1 onednn<=32 mkl" in p.summary()
+    d = p.describe()
+    assert d["linear"] == {"1": "ss", "32": "onednn", "inf": "mkl"} and d["cpu"] and "isa" in d
+    for bad in [((1, "ss"),), ((None, "ss"), (None, "mkl")), ((32, "ss"), (1, "mkl"), (None, "mkl"))]:
+        with pytest.raises(ValueError, match="ascend"):
+            KernelPlan(bad)
+    with pytest.raises(ValueError, match="linear backend"):
+        KernelPlan(((None, "cublas"),))
+    with pytest.raises(ValueError, match="attention"):
+        KernelPlan(attention="flash")
+
+
+def test_choose_follows_the_environment(monkeypatch):
+    model = random_transformer("tiny")
+    monkeypatch.setenv("SPARSESPEC_KERNELS", "torch")
+    assert choose(model).attention == "torch" and not choose(model).fused
+    monkeypatch.setenv("SPARSESPEC_KERNELS", "ss")
+    assert choose(model).attention == "ss" and choose(model).fused and choose(model).source == "env"
+    monkeypatch.setenv("SPARSESPEC_LINEAR", "onednn")
+    assert choose(model).linear == ((None, "onednn"),)
+    monkeypatch.setenv("SPARSESPEC_KERNELS", "fast")
+    with pytest.raises(ValueError, match="SPARSESPEC_KERNELS"):
+        choose(model)
+    monkeypatch.setenv("SPARSESPEC_KERNELS", "auto")
+    monkeypatch.setenv("SPARSESPEC_LINEAR", "cublas")
+    with pytest.raises(ValueError, match="SPARSESPEC_LINEAR"):
+        choose(model)
+
+
+def test_non_fp32_models_get_the_torch_plan():
+    model = random_transformer("tiny", dtype=torch.bfloat16)
+    assert model.kernel_plan.attention == "torch" and "dtype" in model.kernel_plan.note
+    with pytest.raises(ValueError, match="cannot run"):
+        model.use_kernels("ss")
+
+
+def test_tune_measures_caches_and_reads_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARSESPEC_CACHE", str(tmp_path))
+    model = random_transformer("tiny")
+    plan = tune_plan(model, reps=1)
+    assert plan.source == "measured" and plan.tune_s > 0
+    lin = plan.timings["linear"]
+    assert set(lin) == {"1", "4", "16", "64", "256"} and all("ss" in v and "mkl" in v for v in lin.values())
+    for m, upper in zip((1, 4, 16, 64, 256), (1, 8, 32, 128, None)):  # each range: its measured winner
+        assert plan.linear_backend(upper or 10**6) == min(lin[str(m)], key=lin[str(m)].get)
+    files = list((tmp_path / "tuning").glob("plan-*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["cpu"] == cpu.cpu_model()
+    again = tune_plan(model)
+    assert again.source == "cache" and again.linear == plan.linear and again.attention == plan.attention
+    files[0].write_text("{not json")  # a corrupt entry is measured again, not an error
+    assert tune_plan(model, reps=1).source == "measured"
+
+
+# ------------------------------------------------------------------ the model
+def _fill(cache, P, g):
+    cache.k[:, :, :, :P].normal_(generator=g)
+    cache.v[:, :, :, :P].normal_(generator=g)
+
+
+@pytest.mark.parametrize("shape", ["tiny", "smollm2-135m"])
+def test_model_with_our_kernels_matches_the_eager_model(shape):
+    cfg_layers = 2 if shape != "tiny" else None
+    model = random_transformer(shape, seed=3)
+    if cfg_layers:  # two layers of the real shape: the real head dims, vocabulary and widths
+        model.layers = model.layers[:cfg_layers]
+        model.cfg = type(model.cfg)(**{**model.cfg.__dict__, "num_layers": cfg_layers})
+    g = _gen(4)
+    B, P, T = 2, 300, 5
+    ids = torch.randint(0, model.cfg.vocab_size, (B, T), generator=g)
+    outs = {}
+    for kind in ("torch", "ss"):
+        model.use_kernels(kind)
+        cache = KVCache(model.cfg, B, P + T, model.dtype, "cpu")
+        _fill(cache, P, _gen(9))
+        cache.lengths = [P, P - 40]
+        outs[kind] = model.forward_dense(ids, cache, want_rows=T)
+    torch.testing.assert_close(outs["ss"][0], outs["torch"][0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(outs["ss"][1], outs["torch"][1], rtol=1e-4, atol=1e-5)
+
+
+def test_verify_logits_equal_the_ar_steps_bit_for_bit():
+    """With our kernels (one backend for every decode width), the k + 1 queries of a verify give
+    exactly the logits that k + 1 AR steps give, row by row, whatever else is in the batch."""
+    model = random_transformer("tiny", seed=1).use_kernels(KernelPlan(((None, "ss"),), "ss", True))
+    assert model.kernel_plan.batch_invariant
+    g = _gen(7)
+    B, P, T = 3, 200, 4
+    ids = torch.randint(0, model.cfg.vocab_size, (B, T), generator=g)
+    cache = KVCache(model.cfg, B, P + T, model.dtype, "cpu")
+    _fill(cache, P, _gen(8))
+    cache.lengths = [P, P - 7, P - 100]
+    verify, _ = model.forward_dense(ids, cache)  # [B, T, V]
+    for b in range(B):
+        row = KVCache._wrap(cache.k[:, b : b + 1].clone(), cache.v[:, b : b + 1].clone(), [cache.lengths[b] - T])
+        for t in range(T):
+            step, _ = model.forward_dense(ids[b : b + 1, t : t + 1], row)
+            assert torch.equal(step[0, 0], verify[b, t]), (b, t)
