@@ -382,8 +382,11 @@ class EngineCore:
         draft = st.draft
         inp = torch.cat([pending, draft.token_ids], dim=1)  # [B, K + 1]
         want = self.drafter.want_rows and inp.shape[1]
+        target = None  # the drafter's importance window takes the rows in place where it can
+        if want and hasattr(self.drafter, "importance_target"):
+            target = self.drafter.importance_target(len(st.rows), want, max(st.cache.lengths) + inp.shape[1])
         logits, st.importance, st.hidden = self.model.forward_dense_features(
-            inp, st.cache, self.want_hidden, want_rows=want)  # [B, K+1, V], rows, [B, K+1, n E] or None
+            inp, st.cache, self.want_hidden, want_rows=want, rows_into=target)  # [B, K+1, V], rows or None, features
         logits = _min_tokens_mask(logits, st.rows, [len(r.out) for r in st.rows])
         n_draft = torch.tensor(draft.num_draft, device=inp.device)  # [B]
         if st.sampling.all_greedy:

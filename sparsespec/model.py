@@ -45,6 +45,7 @@ from sparsespec.config import ModelConfig
 from sparsespec.kernels import cpu
 from sparsespec.kernels.plan import KernelPlan, choose, ours_plan, pack_weights, torch_plan
 from sparsespec.kv.cache import KVCache
+from sparsespec.kv.index import RowsTarget
 from sparsespec.quant import DRAFT_WEIGHTS, DraftWeights, linear_weights, prepack_, quantize_int8, quantize_target_
 
 
@@ -345,13 +346,23 @@ class Transformer(torch.nn.Module):
             raise ValueError(f"kernels must be 'auto', 'ss', 'torch' or a KernelPlan, got {plan!r}")
         return self.prepack_()
 
+    def attention_backend(self) -> str:
+        """``"triton"``, ``"ss"`` (our CPU kernel) or ``"torch"``: ``SPARSESPEC_ATTENTION=torch|triton``
+        when set (``sparsespec.kernels.backend``), else Triton on CUDA, else the kernel plan's choice
+        where our kernel runs (fp32 CPU tensors, head_dim a multiple of 16)."""
+        if kernels.use_triton(self.device):
+            return "triton"
+        if kernels.forced_backend() == "torch":
+            return "torch"
+        if self.kernel_plan.attention == "ss" and cpu.supports(self.embed) and cpu.attention_supported(self.cfg.head_dim):
+            return "ss"
+        return "torch"
+
     @property
     def attention_in_kernel(self) -> bool:
         """True when attention runs in a kernel that reads the dense cache in place (ours on the
         CPU, Triton on CUDA): the sparse drafters then hand it the index instead of a gathered copy."""
-        if self.kernel_plan.attention == "ss":
-            return cpu.supports(self.embed) and cpu.attention_supported(self.cfg.head_dim)
-        return kernels.use_triton(self.device)
+        return self.attention_backend() != "torch"
 
     def draft_weights(self, kind: str) -> DraftWeights | None:
         """The weights a draft forward reads for ``draft_weights=kind`` (``sparsespec.quant``):
@@ -378,7 +389,7 @@ class Transformer(torch.nn.Module):
 
     @torch.inference_mode()
     def forward_dense_features(self, input_ids: torch.Tensor, cache: KVCache, hidden_layers: tuple[int, ...] = (),
-                               want_rows: int = 0, logits_for: str = "all"):
+                               want_rows: int = 0, logits_for: str = "all", rows_into: RowsTarget | None = None):
         """Append ``input_ids`` ``[B, T]`` at each row's length with full causal attention.
 
         Rows may have different lengths (ragged batch): row ``b``'s tokens take positions
@@ -388,12 +399,21 @@ class Transformer(torch.nn.Module):
         ``want_rows`` queries of each row (S = the longest new row length). Advances every
         row's length by T.
 
+        ``rows_into``: write those rows into an importance window's ring instead
+        (``sparsespec.kv.index.RowsTarget``: query w of row b to slot ``slots[b, w]``, columns
+        ``[0, S)``; ``want_rows`` is then the slots' width); our CPU attention kernel writes them
+        there directly (no buffer, no copy), the other paths copy them. Returns None for the rows.
+
         Also returns ``features`` ``[B, T, len(hidden_layers) * E]`` (the model's dtype): the output
         hidden states of the layers ``hidden_layers`` at every new position, concatenated in that
         order (what an EAGLE-3 head reads), or None when ``hidden_layers`` is empty.
         """
         B, T = input_ids.shape
         hidden_layers = self.check_hidden_layers(hidden_layers)
+        if rows_into is not None:
+            want_rows = rows_into.slots.shape[1]
+            if tuple(rows_into.slots.shape) != (B, want_rows) or want_rows > T:
+                raise ValueError(f"rows_into.slots {tuple(rows_into.slots.shape)} does not fit a [{B}, <= {T}] step")
         feats: list[torch.Tensor] = []
         starts = list(cache.lengths)
         cache.reserve(T)
@@ -403,8 +423,9 @@ class Transformer(torch.nn.Module):
         start_t = torch.tensor(starts, device=dev)[:, None]  # [B, 1]
         positions = start_t + torch.arange(T, device=dev)  # [B, T]
         key_pos = torch.arange(S, device=dev)
-        fused = kernels.use_triton(dev)  # Triton decode/verify attention (reads the cache in place)
-        ours = self.kernel_plan.attention == "ss" and self.attention_in_kernel  # our CPU attention kernel
+        backend = self.attention_backend()
+        fused = backend == "triton"  # Triton decode/verify attention (reads the cache in place)
+        ours = backend == "ss"  # our CPU attention kernel (reads the cache in place)
         # Causal + ragged visibility. Every key before min(starts) is visible to every query, so
         # the torch path masks only the tail columns from there (``[B, T, S - m0]``, a few columns
         # for a decode/verify step), never a dense [B, T, S] mask; the kernels mask themselves.
@@ -414,13 +435,22 @@ class Transformer(torch.nn.Module):
             mask = key_pos[None, None, m0:] <= positions[:, :, None]  # [B, T, S - m0]
         rows_mask = mask[:, T - want_rows :] if (mask is not None and want_rows) else None
         batch_idx = torch.arange(B, device=dev)[:, None].expand(B, T)  # [B, T]
-        # each layer's importance rows are written in place into one buffer (no stack copy)
+        # each layer's importance rows are written in place: into the caller's ring (our kernel),
+        # else into one buffer (no stack copy afterwards)
+        direct = rows_into is not None and ours
         rows_buf = torch.empty(self.cfg.num_layers, B, self.cfg.num_kv_heads, want_rows, S,
-                               dtype=torch.float32, device=dev) if want_rows else None  # [L, B, H_kv, W, S]
+                               dtype=torch.float32, device=dev) if want_rows and not direct else None  # [L, B, H_kv, W, S]
         if fused:
             starts_i32 = torch.tensor(starts, dtype=torch.int32, device=dev)  # [B]
         if ours:
             starts_i64 = torch.tensor(starts, dtype=torch.int64)  # [B]
+
+        def rows_arg(i):  # where our kernel writes layer i's importance rows
+            if not want_rows:
+                return {}
+            if direct:
+                return {"rows_out": rows_into.ring[i], "slots": rows_into.slots}
+            return {"rows_out": rows_buf[i]}
 
         def attend(i, q, k, v):
             if uniform:
@@ -441,7 +471,7 @@ class Transformer(torch.nn.Module):
                                              max(starts) + T - want_rows, use=True, rows_out=rows_buf[i])
                 elif want_rows and ours:
                     cpu.attention(q[:, :, T - want_rows :], cache.k[i], cache.v[i], starts_i64 + (T - want_rows),
-                                  max(starts) + T - want_rows, self.scale, rows_out=rows_buf[i])
+                                  max(starts) + T - want_rows, self.scale, **rows_arg(i))
                 elif want_rows:
                     kernels.grouped_attention(q[:, :, T - want_rows :], keys, vals, rows_mask, want_rows, self.scale,
                                               mask_from=m0, rows_out=rows_buf[i])
@@ -452,14 +482,18 @@ class Transformer(torch.nn.Module):
                                                   rows_out=rows_buf[i] if want_rows else None)
                 return out
             if ours:  # [B, T, H D]
-                return cpu.attention(q, cache.k[i], cache.v[i], starts_i64, max(starts), self.scale,
-                                     rows_out=rows_buf[i] if want_rows else None)
+                return cpu.attention(q, cache.k[i], cache.v[i], starts_i64, max(starts), self.scale, **rows_arg(i))
             out, _ = kernels.grouped_attention(q, keys, vals, mask, want_rows, self.scale, mask_from=m0,
                                                rows_out=rows_buf[i] if want_rows else None)
             return out
 
         logits = self._run(input_ids, positions, attend, logits_for, hidden_layers=hidden_layers, features=feats)
         cache.lengths = [s + T for s in starts]
+        if rows_into is not None:
+            if rows_buf is not None:  # the other attention paths: copy into the ring's slots
+                for b in range(B):
+                    rows_into.ring[:, b, :, rows_into.slots[b], :S] = rows_buf[:, b]
+            rows_buf = None
         features = torch.cat(feats, dim=-1) if hidden_layers else None  # [B, T, n * E]
         return logits, rows_buf, features
 
@@ -505,8 +539,8 @@ class Transformer(torch.nn.Module):
         B = input_ids.shape[0]
         if dkv.index is not None:  # gather-in-kernel layout: index into the dense cache + draft tail
             src, e = dkv.source, slot - dkv.n_index
-            use = kernels.use_triton(self.device)
-            ours = not use and self.kernel_plan.attention == "ss"
+            backend = self.attention_backend()
+            use, ours = backend == "triton", backend == "ss"
             n_valid = dkv.n_valid
             if ours and n_valid is None:
                 n_valid = torch.full((B,), dkv.index.shape[-1], dtype=torch.int64)

@@ -91,6 +91,66 @@ def test_running_sum_window_equals_the_sum_of_the_last_w_rows():
     check()
 
 
+def test_window_ring_targets_commit_in_place_like_pushes():
+    """A verify writes its T rows into the spare slots (``target``) and commits the accepted ones
+    without a copy; interleaved with pushes, the running sum is always the last W committed rows,
+    and rejected rows in spare slots never count. (A slot is rewritten only by a later query, whose
+    keys cover the old row's non-zero columns, so the stale tail of a narrower write is zero.)"""
+    L, B, H, W, cap, spare = 2, 2, 2, 4, 60, 5
+    win = ImportanceWindow(L, B, H, W, cap, "cpu", spare=spare)
+    win.exact_every = 9
+    g = torch.Generator().manual_seed(5)
+    hist: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+    lengths = [6, 11]
+
+    def full(row, S):
+        out = torch.zeros(L, H, cap)
+        out[..., :S] = row
+        return out
+
+    def causal(rows, start):  # query t sees keys <= start + t: zero past them, as the kernels write rows
+        T, S = rows.shape[2], rows.shape[3]
+        return rows * (torch.arange(S)[None, :] <= start + torch.arange(T)[:, None])
+
+    def verify(T, accepted):  # accepted[b]: rows committed of the T written
+        width = max(lengths) + T
+        tgt = win.target(B, T)
+        assert tgt.slots.shape == (B, T)
+        for b in range(B):
+            rows = causal(torch.rand(L, H, T, width, generator=g), lengths[b])
+            for t in range(T):
+                tgt.ring[:, b, :, int(tgt.slots[b, t]), :width] = rows[:, :, t]
+            hist[b] += [full(rows[:, :, t], width) for t in range(accepted[b])]
+            lengths[b] += accepted[b]
+        for b in range(B):
+            win.commit_row(b, accepted[b], width)
+
+    def push(b, T):
+        S = lengths[b] + T
+        rows = causal(torch.rand(L, H, T, S, generator=g), lengths[b])
+        win.push_row(b, rows)
+        hist[b] += [full(rows[:, :, t], S) for t in range(T)]
+        lengths[b] = S
+
+    def check():
+        for b in range(B):
+            want = torch.stack(hist[b][-W:]).double().sum(0)
+            torch.testing.assert_close(win.scores(cap, b)[:, 0], want, rtol=1e-6, atol=1e-6)
+
+    push(0, 3)
+    push(1, 2)
+    check()
+    for T, acc in [(5, [1, 5]), (3, [3, 0]), (5, [2, 2]), (1, [1, 1]), (4, [4, 3]), (5, [5, 5]), (2, [0, 1])]:
+        verify(T, acc)
+        check()
+    push(0, 6)  # more than W at once
+    check()
+    verify(5, [2, 4])
+    check()
+    with pytest.raises(ValueError, match="spare"):
+        win.target(B, spare + 1)
+
+
 # ------------------------------------------------------------------ prepacked linears
 @pytest.mark.skipif(not prepack_available(), reason="oneDNN prepacked linear unavailable")
 def test_prepacked_linear_matches_f_linear_and_is_dropped_on_request():

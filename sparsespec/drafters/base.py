@@ -74,7 +74,12 @@ class Drafter(Protocol):
 
     def commit(self, cache: KVCache, rows: torch.Tensor | None, counts: Sequence[int]) -> None:
         """After verification; ``rows`` ``[L, B, H_kv, T, S]``, of which the first ``counts[b]``
-        are committed query positions of row b."""
+        are committed query positions of row b (None: none asked, or the verify wrote them where
+        ``importance_target`` said).
+
+        A drafter with ``want_rows`` may also offer ``importance_target(batch, num_rows, width)
+        -> sparsespec.kv.index.RowsTarget``: the engine then has the verify forward write its rows
+        there (e.g. an importance window's spare ring slots) and passes ``rows=None`` here."""
 
     def move(self, src: int, dst: int) -> None:
         """Copy slot ``src``'s state into slot ``dst`` (pool compaction when a row leaves)."""

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from sparsespec.config import SpecConfig
 from sparsespec.drafters.base import Draft, self_draft_loop
 from sparsespec.kv.cache import KVCache
-from sparsespec.kv.index import ImportanceWindow, build_index
+from sparsespec.kv.index import ImportanceWindow, RowsTarget, build_index
 from sparsespec.sampling import BatchSampling
 from sparsespec.model import DraftKV, Transformer
 from sparsespec.registry import DRAFTERS
@@ -135,7 +135,10 @@ class SparseSelfDrafter(_IndexedSelfDrafter):
         super().__init__(model, spec, capacity, batch_size, max_k)
         cfg = model.cfg
         self.want_rows = self.want_rows_prefill = spec.window
-        self.window = ImportanceWindow(cfg.num_layers, batch_size, cfg.num_kv_heads, spec.window, capacity, model.device)
+        # spare slots for a verify's k + 1 rows: the forward writes them into the ring directly
+        self.window = ImportanceWindow(cfg.num_layers, batch_size, cfg.num_kv_heads, spec.window, capacity, model.device,
+                                       spare=max_k + 1)
+        self._target: tuple[RowsTarget, int] | None = None  # the pending verify's rows (ring slots, width)
 
         self.stale: list[int | None] = [None] * batch_size  # per slot: the length to rebuild at (None: fresh)
 
@@ -151,11 +154,25 @@ class SparseSelfDrafter(_IndexedSelfDrafter):
             self.window.push_row(b, rows[:, 0])
         self._rebuild(cache, b)
 
+    def importance_target(self, batch: int, num_rows: int, width: int) -> RowsTarget:
+        """Where the next verify forward writes its ``num_rows`` query rows (``width`` columns):
+        the window's spare slots of running rows ``0 .. batch-1``; ``commit`` then commits the
+        accepted ones in place (no rows buffer, no copy)."""
+        target = self.window.target(batch, num_rows)
+        self._target = (target, width)
+        return target
+
     def commit(self, cache: KVCache, rows: torch.Tensor | None, counts: Sequence[int]) -> None:
-        """Push the committed rows into the window now; the top-K rebuild waits for the next
-        draft phase (``flush``), so a step that drafts nothing (``k = 0``) pays no rebuild."""
+        """Commit the verified rows into the window now (those ``importance_target`` placed, or
+        ``rows`` pushed); the top-K rebuild waits for the next draft phase (``flush``), so a step
+        that drafts nothing (``k = 0``) pays no rebuild."""
         if rows is not None:
             self.window.push(rows, list(counts))
+        elif self._target is not None:
+            _, width = self._target
+            for b, n in enumerate(counts):
+                self.window.commit_row(b, n, width)
+        self._target = None
         for b in range(cache.batch_size):
             self.stale[b] = cache.lengths[b]
 

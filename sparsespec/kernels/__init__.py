@@ -13,7 +13,9 @@ kernel (``_triton.py``, imported lazily):
 
 Backend choice (``backend()``): ``SPARSESPEC_ATTENTION=torch|triton|auto`` (default auto = Triton
 iff the tensors are on CUDA and triton imports). ``triton`` on a CPU device needs
-``TRITON_INTERPRET=1`` set before triton is first imported (the parity tests do this).
+``TRITON_INTERPRET=1`` set before triton is first imported (the parity tests do this). On the CPU,
+auto means the model's kernel plan (``sparsespec.kernels.plan``: our C kernels in ``cpu.py``,
+where measured faster); ``torch`` forces the PyTorch references there too.
 """
 from __future__ import annotations
 
@@ -77,6 +79,12 @@ def backend(device: torch.device | str) -> str:
             raise RuntimeError(f"{_ENV}=triton on device {dev}: set TRITON_INTERPRET=1 before importing triton")
         return "triton"
     raise ValueError(f"{_ENV} must be torch, triton or auto, got {choice!r}")
+
+
+def forced_backend() -> str | None:
+    """``"torch"`` or ``"triton"`` when ``SPARSESPEC_ATTENTION`` forces one, else None (auto)."""
+    choice = os.environ.get(_ENV, "auto").strip().lower() or "auto"
+    return None if choice == "auto" else choice
 
 
 def use_triton(device: torch.device | str) -> bool:

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu") / "sparsespec_cpu.c"
-ABI_VERSION = 5
+ABI_VERSION = 6
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
 #: keys per attention chunk in the C kernels (SS_CHUNK)
 CHUNK = 256
@@ -150,7 +150,7 @@ _SIGNATURES = {
     "ss_rope_split": ([_I64, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _INT], None),
     "ss_attention_workspace": ([_I64] * 6 + [_INT], _I64),
     "ss_attention": ([_I64] * 5 + [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _F32, _PTR, _I64, _I64, _PTR,
-                                   _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _INT], None),
+                                   _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _INT], None),
     "ss_sparse_attention": ([_I64] * 5 + [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR,
                                           _PTR, _I64, _I64, _I64, _F32, _PTR, _I64, _I64, _PTR, _I64, _INT], None),
 }
@@ -316,7 +316,7 @@ def attention_supported(head_dim: int) -> bool:
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, starts: torch.Tensor, max_start: int,
-              scale: float, rows_out: torch.Tensor | None = None) -> torch.Tensor:
+              scale: float, rows_out: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a ragged batch: returns out ``[B, T, H * D]``.
 
     Args:
@@ -326,9 +326,12 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
         starts: ``[B]`` int64 (CPU), each row's length before this forward.
         max_start: ``max(starts)`` (host int).
         scale: softmax scale.
-        rows_out: ``[B, H_kv, W, max_start + T]`` float32 (last dim contiguous) or None: the
+        rows_out: ``[B, H_kv, W, >= max_start + T]`` float32 (last dim contiguous) or None: the
             attention probabilities of the last W queries, summed over each KV group's query heads,
-            zero past each row's keys.
+            zero past each row's keys, in columns ``[0, max_start + T)``.
+        slots: ``[B, W]`` int64 or None: query w of row b goes to ``rows_out[b, :, slots[b, w]]``
+            (then ``rows_out`` is ``[B, H_kv, R, S]`` with R any number of slots: an importance
+            window's ring, ``sparsespec.kv.index.RowsTarget``); None: slot w.
     """
     B, H, T, D = q.shape
     Hkv = k_cache.shape[1]
@@ -339,15 +342,27 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
     lib = library()
     ws = workspace(lib.ss_attention_workspace(B, Hkv, G, T, D, n_max, 0))
     out = torch.empty(B, T, H * D, dtype=q.dtype)
+    sp = None
     if rows_out is not None:
-        W, S_rows = rows_out.shape[2], rows_out.shape[3]
+        if rows_out.stride(-1) != 1 or rows_out.dtype != torch.float32:
+            raise ValueError("rows_out must be float32 with a contiguous last dimension")
+        if slots is None:
+            W = rows_out.shape[2]
+        else:
+            W = slots.shape[1]
+            if slots.dtype != torch.int64 or not slots.is_contiguous() or tuple(slots.shape) != (B, W):
+                raise ValueError(f"slots must be a contiguous int64 [B, W] tensor, got {tuple(slots.shape)} {slots.dtype}")
+            sp = slots.data_ptr()
+        S_rows = n_max
+        if rows_out.shape[3] < S_rows or W > T:
+            raise ValueError(f"rows_out {tuple(rows_out.shape)} cannot hold {W} rows of {S_rows} keys")
         rp, rs = rows_out.data_ptr(), rows_out.stride()
     else:
         W, S_rows, rp, rs = 0, 0, None, (0, 0, 0, 0)
     st = starts if starts.dtype == torch.int64 else starts.long()
     lib.ss_attention(B, Hkv, G, T, D, q.data_ptr(), k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
                      v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), st.data_ptr(), scale,
-                     out.data_ptr(), out.stride(0), out.stride(1), rp, rs[0], rs[1], rs[2], W, S_rows,
+                     out.data_ptr(), out.stride(0), out.stride(1), rp, rs[0], rs[1], rs[2], W, S_rows, sp,
                      ws.data_ptr(), n_max, torch.get_num_threads())
     return out
 

@@ -34,7 +34,7 @@
 #error "sparsespec_cpu.c needs AVX2 and FMA (the loader falls back to torch without them)"
 #endif
 
-SS_API int ss_abi_version(void) { return 5; }
+SS_API int ss_abi_version(void) { return 6; }
 
 
 /* ------------------------------------------------------------------ vector helpers (AVX2) */
@@ -413,8 +413,9 @@ typedef struct {
     int64_t t_sb, t_sh, E;
     float *out;
     int64_t o_sb, o_st;
-    float *rows;                 /* [B, H_kv, W, S_rows] (strides r_sb, r_sh, r_sw) or NULL */
+    float *rows;                 /* [B, H_kv, *, S_rows] (strides r_sb, r_sh, r_sw) or NULL */
     int64_t r_sb, r_sh, r_sw, W, S_rows;
+    const int64_t *slots;        /* [B, W]: query w of row b goes to row slot slots[b, w] (NULL: slot w) */
     float scale;
     int sparse;
     float *ws;                   /* workspace (ss_attention_workspace floats) */
@@ -645,7 +646,8 @@ static void att_rows(const attn_t *a, int64_t b, int64_t kv, int64_t c) {
     const float *S = att_scores(a, b, kv), *it = att_item(a, b, kv, c), *pr = att_pair(a, b, kv);
     for (int64_t w = 0; w < W; ++w) {
         const int64_t t = T - W + w;
-        float *dst = a->rows + b * a->r_sb + kv * a->r_sh + w * a->r_sw;
+        const int64_t slot = a->slots ? a->slots[b * W + w] : w;
+        float *dst = a->rows + b * a->r_sb + kv * a->r_sh + slot * a->r_sw;
         for (int64_t g = 0; g < a->G; ++g) {
             const int64_t r = g * T + t;
             const float f = exp1(it[r] - pr[r]) / pr[R + r];
@@ -689,18 +691,19 @@ static void att_run(attn_t *a, int nthreads) {
 }
 
 /* Dense causal attention of a ragged batch (decode T = 1, verify T = k + 1), optional importance
- * rows of the last W queries (rows == NULL: none). Needs D % 16 == 0. */
+ * rows of the last W queries (rows == NULL: none), written to row slots[b, w] of the rows buffer
+ * (an importance window's ring: no copy afterwards), [0, S_rows) of each, zero past the row's keys. Needs D % 16 == 0. */
 SS_API void ss_attention(int64_t B, int64_t Hkv, int64_t G, int64_t T, int64_t D, const float *q, const float *k,
                          int64_t k_sb, int64_t k_sh, const float *v, int64_t v_sb, int64_t v_sh,
                          const int64_t *starts, float scale, float *out, int64_t o_sb, int64_t o_st, float *rows,
-                         int64_t r_sb, int64_t r_sh, int64_t r_sw, int64_t W, int64_t S_rows, float *ws,
-                         int64_t n_max, int nthreads) {
+                         int64_t r_sb, int64_t r_sh, int64_t r_sw, int64_t W, int64_t S_rows,
+                         const int64_t *slots, float *ws, int64_t n_max, int nthreads) {
     attn_t a;
     memset(&a, 0, sizeof a);
     a.B = B; a.Hkv = Hkv; a.G = G; a.T = T; a.D = D; a.q = q;
     a.k = k; a.k_sb = k_sb; a.k_sh = k_sh; a.v = v; a.v_sb = v_sb; a.v_sh = v_sh;
     a.starts = starts; a.scale = scale; a.out = out; a.o_sb = o_sb; a.o_st = o_st;
-    a.rows = rows; a.r_sb = r_sb; a.r_sh = r_sh; a.r_sw = r_sw; a.W = W; a.S_rows = S_rows;
+    a.rows = rows; a.r_sb = r_sb; a.r_sh = r_sh; a.r_sw = r_sw; a.W = W; a.S_rows = S_rows; a.slots = slots;
     a.ws = ws; a.n_max = n_max; a.sparse = 0;
     att_run(&a, nthreads);
 }
