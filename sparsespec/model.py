@@ -284,10 +284,39 @@ class Transformer(torch.nn.Module):
         if hidden_layers:  # reorder to the requested order
             order = sorted(set(hidden_layers))
             features[:] = [features[order.index(j)] for j in hidden_layers]
+        return self._head(h, logits_for, weights)
+
+    def _fused_layers(self, rows: int, weights: DraftWeights | None, hidden_layers: tuple[int, ...]):
+        """The per-layer pointers of ``cpu.forward_layers`` when a forward of ``rows`` tokens can run
+        every layer in one call of our kernels (our attention and linear for that width, panels for
+        every projection, no int8 weights, no hidden-state features), else None."""
+        plan = self.kernel_plan
+        if (weights is not None or hidden_layers or not plan.fused or plan.linear_backend(rows) != "ss"
+                or self.attention_backend() != "ss" or self.quantize != "none"):
+            return None
+        ptrs = self.__dict__.get("_layer_ptrs")
+        if ptrs is None:
+            try:
+                ptrs = cpu.LayerPointers(self)
+            except ValueError:  # a projection without panels (weights changed without prepack_)
+                return None
+            self.__dict__["_layer_ptrs"] = ptrs
+        return ptrs
+
+    def _head(self, h: torch.Tensor, logits_for: str, weights: DraftWeights | None = None) -> torch.Tensor:
+        """Final norm and LM head of the last layer's output ``h`` ``[B, T, E]``: logits float32."""
         if logits_for == "last":
             h = h[:, -1:]
         h = self._rms(h, self.norm)
         return self._linear(h, self.lm_head if weights is None else weights.lm_head).float()  # [B, T or 1, V]
+
+    def _embed_rope(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        """Embeddings ``[B, T, E]`` (a new tensor: the layers update it in place) and cos, sin
+        ``[B*T, D]`` contiguous for the fused layers."""
+        B, T = input_ids.shape
+        cos, sin = self._rope(positions)  # [B, 1, T, D]
+        D = self.cfg.head_dim
+        return F.embedding(input_ids, self.embed), cos.reshape(B * T, D), sin.reshape(B * T, D)
 
     def check_hidden_layers(self, hidden_layers) -> tuple[int, ...]:
         """``hidden_layers`` as a tuple of layer ids in ``[0, L)`` (``ValueError`` otherwise; a
@@ -304,6 +333,7 @@ class Transformer(torch.nn.Module):
         quantize_target_(self, kind)
         if kind != "none":
             self.prepacked_bytes = 0  # the int8 weights replaced the dense ones and their copies
+            self.__dict__.pop("_layer_ptrs", None)
         return self
 
     def prepack_(self, enable: bool | None = None) -> Transformer:
@@ -312,6 +342,7 @@ class Transformer(torch.nn.Module):
         ``"onednn"``; the dense weights stay) and drop the others; ``enable`` True/False forces
         oneDNN copies on/off (``sparsespec.quant.prepack_``). No-op elsewhere and for int8 weights.
         Call it again after changing a weight in place. Returns self."""
+        self.__dict__.pop("_layer_ptrs", None)  # the fused layers' pointers into the old copies
         if enable is None:
             self.prepacked_bytes = pack_weights(linear_weights(self), self.kernel_plan)
         else:
@@ -487,7 +518,16 @@ class Transformer(torch.nn.Module):
                                                rows_out=rows_buf[i] if want_rows else None)
             return out
 
-        logits = self._run(input_ids, positions, attend, logits_for, hidden_layers=hidden_layers, features=feats)
+        ptrs = self._fused_layers(B * T, None, hidden_layers) if (ours and T <= 32) else None
+        if ptrs is not None:  # every layer in one call of our kernels (the same kernels, the same bits)
+            h, cos, sin = self._embed_rope(input_ids, positions)
+            rows_arg = None
+            if want_rows:
+                rows_arg = (rows_into.ring, rows_into.slots) if direct else (rows_buf, None)
+            cpu.forward_layers(self, ptrs, h, cos, sin, k=cache.k, v=cache.v, starts=starts, rows=rows_arg)
+            logits = self._head(h, logits_for)
+        else:
+            logits = self._run(input_ids, positions, attend, logits_for, hidden_layers=hidden_layers, features=feats)
         cache.lengths = [s + T for s in starts]
         if rows_into is not None:
             if rows_buf is not None:  # the other attention paths: copy into the ring's slots
@@ -554,7 +594,14 @@ class Transformer(torch.nn.Module):
                 return kernels.sparse_attention(q, src.k[i], src.v[i], dkv.index[i], dkv.n_valid,
                                                 dkv.k[i, :, :, : e + 1], dkv.v[i, :, :, : e + 1], self.scale, use=use)
 
-            logits = self._run(input_ids, positions.view(B, 1), attend_indexed, "all", weights)
+            ptrs = self._fused_layers(B, weights, ()) if ours else None
+            if ptrs is not None:  # every layer in one call: k, v of the new token to tail slot e
+                h, cos, sin = self._embed_rope(input_ids, positions.view(B, 1))
+                cpu.forward_layers(self, ptrs, h, cos, sin, k=src.k, v=src.v,
+                                   draft=(dkv.index, n_valid, e, dkv.k, dkv.v))
+                logits = self._head(h, "all")
+            else:
+                logits = self._run(input_ids, positions.view(B, 1), attend_indexed, "all", weights)
             dkv.length = slot + 1
             return logits[:, -1]
         mask = None

@@ -254,3 +254,38 @@ def test_verify_logits_equal_the_ar_steps_bit_for_bit():
         for t in range(T):
             step, _ = model.forward_dense(ids[b : b + 1, t : t + 1], row)
             assert torch.equal(step[0, 0], verify[b, t]), (b, t)
+
+
+def test_one_call_layers_equal_the_per_op_path_bit_for_bit(monkeypatch):
+    """``cpu.forward_layers`` (every layer in one call) runs the same kernels as the per-op layer
+    loop: the same logits and importance rows for a verify into a ring target, and the same draft
+    logits through the index, bit for bit."""
+    from sparsespec.kv.index import ImportanceWindow
+    from sparsespec.model import DraftKV, Transformer
+
+    model = random_transformer("tiny", seed=2).use_kernels(KernelPlan(((None, "ss"),), "ss", True))
+    cfg = model.cfg
+    g = _gen(11)
+    B, P, T = 2, 150, 4
+    ids = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
+    results = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(Transformer, "_fused_layers", lambda self, *a: None)
+        assert (model._fused_layers(B * T, None, ()) is not None) == fused
+        cache = KVCache(cfg, B, P + T + 1, model.dtype, "cpu")
+        _fill(cache, P, _gen(12))
+        cache.lengths = [P, P - 9]
+        win = ImportanceWindow(cfg.num_layers, B, cfg.num_kv_heads, 4, P + T + 1, "cpu", spare=T)
+        logits, _, _ = model.forward_dense_features(ids, cache, rows_into=win.target(B, T))
+        # a draft step over an index of the cache (gather in the kernel) with a 2-slot tail
+        N = 40
+        index = torch.randint(0, P - 9, (cfg.num_layers, B, cfg.num_kv_heads, N), generator=_gen(13), dtype=torch.int32)
+        tail = torch.zeros(cfg.num_layers, B, cfg.num_kv_heads, 3, cfg.head_dim)
+        dkv = DraftKV(tail.clone(), tail.clone(), N + 1, N, torch.tensor([N, 25], dtype=torch.int32), index, cache)
+        dkv.k[:, :, :, 0].normal_(generator=_gen(14))
+        dkv.v[:, :, :, 0].normal_(generator=_gen(15))
+        draft = model.forward_draft(ids[:, :1], torch.tensor([P + T, P + T - 9]), dkv)
+        results[fused] = (logits, win.rows.clone(), cache.k.clone(), draft, dkv.k.clone())
+    for a, b in zip(results[True], results[False]):
+        assert torch.equal(a, b)

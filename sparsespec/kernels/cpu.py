@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu") / "sparsespec_cpu.c"
-ABI_VERSION = 6
+ABI_VERSION = 7
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
 #: keys per attention chunk in the C kernels (SS_CHUNK)
 CHUNK = 256
@@ -151,6 +151,8 @@ _SIGNATURES = {
     "ss_attention_workspace": ([_I64] * 6 + [_INT], _I64),
     "ss_attention": ([_I64] * 5 + [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _F32, _PTR, _I64, _I64, _PTR,
                                    _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _INT], None),
+    "ss_forward_struct_size": ([], _I64),
+    "ss_forward_layers": ([_PTR], None),
     "ss_sparse_attention": ([_I64] * 5 + [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR,
                                           _PTR, _I64, _I64, _I64, _F32, _PTR, _I64, _I64, _PTR, _I64, _INT], None),
 }
@@ -407,3 +409,125 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                             out.data_ptr(), out.stride(0), out.stride(1), ws.data_ptr(), n_max,
                             torch.get_num_threads())
     return out
+
+
+# --------------------------------------------------------------------------- every layer in one call
+class ForwardArgs(ctypes.Structure):
+    """``fwd_t`` of the C file (every field 8 bytes, in order): one decode / verify / draft forward's
+    decoder layers (``forward_layers``)."""
+
+    _fields_ = [(n, ctypes.c_int64) for n in ("B", "T", "L", "E", "H", "Hkv", "D", "I")] + [
+        ("eps", ctypes.c_double), ("scale", ctypes.c_double), ("nthreads", ctypes.c_int64),
+        ("h", _PTR), ("cosv", _PTR), ("sinv", _PTR), ("ln_attn", _PTR), ("ln_mlp", _PTR), ("wqkv", _PTR),
+        ("bqkv", _PTR), ("wo", _PTR), ("wgu", _PTR), ("wdown", _PTR), ("k", _PTR), ("v", _PTR)] + [
+        (n, ctypes.c_int64) for n in ("k_sl", "k_sb", "k_sh", "v_sl", "v_sb", "v_sh")] + [
+        ("starts", _PTR), ("kv_pos", _PTR), ("rows", _PTR)] + [
+        (n, ctypes.c_int64) for n in ("r_sl", "r_sb", "r_sh", "r_sw", "W")] + [
+        ("slots", _PTR), ("sparse", ctypes.c_int64), ("index", _PTR)] + [
+        (n, ctypes.c_int64) for n in ("i_sl", "i_sb", "i_sh")] + [
+        ("n_valid", _PTR), ("kt", _PTR), ("vt", _PTR)] + [
+        (n, ctypes.c_int64) for n in ("t_sl", "t_sb", "t_sh", "E_tail")] + [
+        (n, _PTR) for n in ("x", "qkv", "q", "att", "gu", "act", "ws")] + [("n_max", ctypes.c_int64)]
+
+
+class LayerPointers:
+    """The per-layer weight pointer arrays ``forward_layers`` reads (panels of every projection, the
+    norms, the qkv bias), built once per model and kept alive with the tensors they point into.
+
+    Raises:
+        ValueError: a projection without its panel copy (the plan's linear backend is not ours).
+    """
+
+    def __init__(self, model):
+        from sparsespec.quant import PANELS_ATTR
+
+        L = len(model.layers)
+        arr = ctypes.c_void_p * L
+
+        def panels(name):
+            out = []
+            for i, layer in enumerate(model.layers):
+                wp = getattr(getattr(layer, name), PANELS_ATTR, None)
+                if wp is None:
+                    raise ValueError(f"layer {i}: {name} has no panel copy")
+                out.append(wp)
+            return out
+
+        self._keep = {n: panels(n) for n in ("wqkv", "wo", "w_gate_up", "w_down")}
+        self.wqkv = arr(*[t.data_ptr() for t in self._keep["wqkv"]])
+        self.wo = arr(*[t.data_ptr() for t in self._keep["wo"]])
+        self.wgu = arr(*[t.data_ptr() for t in self._keep["w_gate_up"]])
+        self.wdown = arr(*[t.data_ptr() for t in self._keep["w_down"]])
+        self.ln_attn = arr(*[layer.ln_attn.data_ptr() for layer in model.layers])
+        self.ln_mlp = arr(*[layer.ln_mlp.data_ptr() for layer in model.layers])
+        biased = model.layers[0].bqkv is not None
+        self.bqkv = arr(*[layer.bqkv.data_ptr() for layer in model.layers]) if biased else None
+
+
+def _addr(arr) -> int | None:
+    return None if arr is None else ctypes.addressof(arr)
+
+
+def forward_layers(model, ptrs: LayerPointers, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                   k: torch.Tensor, v: torch.Tensor, starts: list[int] | None = None, rows=None,
+                   draft=None) -> torch.Tensor:
+    """Every decoder layer of one forward in one call; ``h`` ``[B, T, E]`` (the embeddings) is
+    updated in place into the last layer's output and returned.
+
+    Dense (decode, verify): ``k``, ``v`` the cache ``[L, B, H_kv, S_max, D]`` (row b's T tokens
+    written at ``starts[b] ..``); ``rows``: None, ``(buffer [L, B, H_kv, W, S], None)`` or a ring
+    target ``(ring [L, B, H_kv, R, S_max], slots [B, W])``.
+    Draft (``draft=(index [L, B, H_kv, N] int32, n_valid [B] int64, e)``, T = 1): ``k``, ``v`` the
+    dense cache read through the index, the new token's k, v going to tail slot ``e`` of
+    ``draft_kv=(kt, vt)`` ``[L, B, H_kv, E_max, D]``... passed as ``draft[3]``, ``draft[4]``.
+    """
+    cfg = model.cfg
+    B, T, E = h.shape
+    H, Hkv, D, I = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    f = ForwardArgs()
+    f.B, f.T, f.L, f.E, f.H, f.Hkv, f.D, f.I = B, T, len(model.layers), E, H, Hkv, D, I
+    f.eps, f.scale, f.nthreads = cfg.rms_norm_eps, model.scale, torch.get_num_threads()
+    f.h, f.cosv, f.sinv = h.data_ptr(), cos.data_ptr(), sin.data_ptr()
+    f.ln_attn, f.ln_mlp = _addr(ptrs.ln_attn), _addr(ptrs.ln_mlp)
+    f.wqkv, f.bqkv, f.wo, f.wgu, f.wdown = (_addr(ptrs.wqkv), _addr(ptrs.bqkv), _addr(ptrs.wo), _addr(ptrs.wgu),
+                                           _addr(ptrs.wdown))
+    f.k, f.v = k.data_ptr(), v.data_ptr()
+    f.k_sl, f.k_sb, f.k_sh = k.stride(0), k.stride(1), k.stride(2)
+    f.v_sl, f.v_sb, f.v_sh = v.stride(0), v.stride(1), v.stride(2)
+    keep = []
+    scratch = [torch.empty(B * T, E), torch.empty(B * T, (H + 2 * Hkv) * D), torch.empty(B, H, T, D),
+               torch.empty(B * T, H * D), torch.empty(B * T, 2 * I), torch.empty(B * T, I)]
+    f.x, f.qkv, f.q, f.att, f.gu, f.act = [t.data_ptr() for t in scratch]
+    lib = library()
+    if draft is None:
+        st = torch.tensor(starts, dtype=torch.int64)
+        keep.append(st)
+        f.starts = f.kv_pos = st.data_ptr()
+        f.n_max = max(starts) + T
+        if rows is not None:
+            buf, slots = rows
+            f.rows = buf.data_ptr()
+            f.r_sl, f.r_sb, f.r_sh, f.r_sw = buf.stride(0), buf.stride(1), buf.stride(2), buf.stride(3)
+            if slots is not None:
+                keep.append(slots)
+                f.slots, f.W = slots.data_ptr(), slots.shape[1]
+            else:
+                f.W = buf.shape[3]
+        ws_n = lib.ss_attention_workspace(B, Hkv, H // Hkv, T, D, f.n_max, 0)
+    else:
+        index, n_valid, e, kt, vt = draft
+        if T != 1 or kt.stride() != vt.stride():
+            raise ValueError("the draft forward takes one token per row and a tail with k, v alike")
+        nv = n_valid if n_valid.dtype == torch.int64 else n_valid.long()
+        pos = torch.full((B,), e, dtype=torch.int64)
+        keep += [nv, pos, index]
+        f.sparse, f.index = 1, index.data_ptr()
+        f.i_sl, f.i_sb, f.i_sh = index.stride(0), index.stride(1), index.stride(2)
+        f.n_valid, f.kv_pos = nv.data_ptr(), pos.data_ptr()
+        f.kt, f.vt = kt.data_ptr(), vt.data_ptr()
+        f.t_sl, f.t_sb, f.t_sh, f.E_tail = kt.stride(0), kt.stride(1), kt.stride(2), e + 1
+        f.n_max = index.shape[-1] + e + 1
+        ws_n = lib.ss_attention_workspace(B, Hkv, H // Hkv, T, D, f.n_max, 1)
+    f.ws = workspace(ws_n).data_ptr()
+    lib.ss_forward_layers(ctypes.byref(f))
+    return h

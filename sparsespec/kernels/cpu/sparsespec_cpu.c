@@ -34,7 +34,7 @@
 #error "sparsespec_cpu.c needs AVX2 and FMA (the loader falls back to torch without them)"
 #endif
 
-SS_API int ss_abi_version(void) { return 6; }
+SS_API int ss_abi_version(void) { return 7; }
 
 
 /* ------------------------------------------------------------------ vector helpers (AVX2) */
@@ -256,29 +256,42 @@ SS_INLINE void pk_tile2(const int MR, int64_t K, const float *x, int64_t ldx, co
     }
 }
 
+/* rows 0 .. M-1 against one panel, in balanced tiles of at most 6 rows (9 = 5 + 4, not 6 + 3: a
+ * tile of 3 has too few independent FMA chains to hide the FMA latency) */
+SS_INLINE void pk_tile_n(int mr, int64_t K, const float *x, int64_t ldx, const float *wp, float *y, int64_t ldy,
+                         const float *bias, int acc, int ncols) {
+    switch (mr) {
+        case 6: pk_tile(6, K, x, ldx, wp, y, ldy, bias, acc, ncols); break;
+        case 5: pk_tile(5, K, x, ldx, wp, y, ldy, bias, acc, ncols); break;
+        case 4: pk_tile(4, K, x, ldx, wp, y, ldy, bias, acc, ncols); break;
+        case 3: pk_tile(3, K, x, ldx, wp, y, ldy, bias, acc, ncols); break;
+        case 2: pk_tile(2, K, x, ldx, wp, y, ldy, bias, acc, ncols); break;
+        default: pk_tile(1, K, x, ldx, wp, y, ldy, bias, acc, ncols); break;
+    }
+}
+
 static void pk_rows(int64_t M, int64_t K, const float *x, int64_t ldx, const float *wp, float *y, int64_t ldy,
                     const float *bias, int acc, int ncols) {
+    const int64_t tiles = (M + 5) / 6;
     int64_t m = 0;
-    for (; m + 6 <= M; m += 6) pk_tile(6, K, x + m * ldx, ldx, wp, y + m * ldy, ldy, bias, acc, ncols);
-    switch (M - m) {
-        case 5: pk_tile(5, K, x + m * ldx, ldx, wp, y + m * ldy, ldy, bias, acc, ncols); break;
-        case 4: pk_tile(4, K, x + m * ldx, ldx, wp, y + m * ldy, ldy, bias, acc, ncols); break;
-        case 3: pk_tile(3, K, x + m * ldx, ldx, wp, y + m * ldy, ldy, bias, acc, ncols); break;
-        case 2: pk_tile(2, K, x + m * ldx, ldx, wp, y + m * ldy, ldy, bias, acc, ncols); break;
-        case 1: pk_tile(1, K, x + m * ldx, ldx, wp, y + m * ldy, ldy, bias, acc, ncols); break;
-        default: break;
+    for (int64_t t = 0; t < tiles; ++t) {
+        const int mr = (int)((M - m) / (tiles - t) + ((M - m) % (tiles - t) ? 1 : 0));
+        pk_tile_n(mr, K, x + m * ldx, ldx, wp, y + m * ldy, ldy, bias, acc, ncols);
+        m += mr;
     }
 }
 
 /* y[M, N] (=|+=) x[M, K] @ W^T (+ bias), W as packed panels (ss_pack_weight's layout). Threads take
  * contiguous ranges of panels; a panel is read from memory once and reused from cache for every
  * block of rows. */
-SS_API void ss_linear_packed(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const float *wp,
-                             const float *bias, float *y, int64_t ldy, int acc, int nthreads) {
+/* The work-sharing body (an orphaned "omp for": called inside a parallel region, every thread
+ * takes its share; the standalone ss_* entry points open the region). */
+static void lin_packed_body(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const float *wp,
+                            const float *bias, float *y, int64_t ldy, int acc) {
     const int64_t npanels = (N + SS_NB - 1) / SS_NB, panel = K * SS_NB;
     if (M <= 2) {  /* pairs of panels */
         const int64_t npairs = (npanels + 1) / 2;
-#pragma omp parallel for schedule(static) num_threads(ss_threads(nthreads))
+#pragma omp for schedule(static)
         for (int64_t t = 0; t < npairs; ++t) {
             int64_t p = 2 * t, n0 = p * SS_NB;
             const float *bn = bias ? bias + n0 : NULL;
@@ -292,12 +305,18 @@ SS_API void ss_linear_packed(int64_t M, int64_t N, int64_t K, const float *x, in
         }
         return;
     }
-#pragma omp parallel for schedule(static) num_threads(ss_threads(nthreads))
+#pragma omp for schedule(static)
     for (int64_t p = 0; p < npanels; ++p) {
         int64_t n0 = p * SS_NB;
         int nc = (int)(N - n0 < SS_NB ? N - n0 : SS_NB);
         pk_rows(M, K, x, ldx, wp + p * panel, y + n0, ldy, bias ? bias + n0 : NULL, acc, nc);
     }
+}
+
+SS_API void ss_linear_packed(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const float *wp,
+                             const float *bias, float *y, int64_t ldy, int acc, int nthreads) {
+#pragma omp parallel num_threads(ss_threads(nthreads))
+    lin_packed_body(M, N, K, x, ldx, wp, bias, y, ldy, acc);
 }
 
 SS_API int64_t ss_pack_numel(int64_t N, int64_t K) { return ((N + SS_NB - 1) / SS_NB) * K * SS_NB; }
@@ -318,9 +337,9 @@ SS_API void ss_pack_weight(int64_t N, int64_t K, const float *w, int64_t ldw, fl
 
 /* ------------------------------------------------------------------ small fused ops */
 /* y[m] = w * (x[m] * 1 / sqrt(mean(x[m]^2) + eps)); rows of E floats (E % 8 == 0 on the fast path). */
-SS_API void ss_rms_norm(int64_t M, int64_t E, const float *x, int64_t ldx, const float *w, float eps, float *y,
-                        int64_t ldy, int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(ss_threads(nthreads)) if (M > 4)
+static void rms_body(int64_t M, int64_t E, const float *x, int64_t ldx, const float *w, float eps, float *y,
+                     int64_t ldy) {
+#pragma omp for schedule(static)
     for (int64_t m = 0; m < M; ++m) {
         const float *xr = x + m * ldx;
         float *yr = y + m * ldy;
@@ -340,41 +359,59 @@ SS_API void ss_rms_norm(int64_t M, int64_t E, const float *x, int64_t ldx, const
     }
 }
 
+SS_API void ss_rms_norm(int64_t M, int64_t E, const float *x, int64_t ldx, const float *w, float eps, float *y,
+                        int64_t ldy, int nthreads) {
+#pragma omp parallel num_threads(ss_threads(nthreads)) if (M > 4)
+    rms_body(M, E, x, ldx, w, eps, y, ldy);
+}
+
 /* gu [M, 2I] (gate | up) -> y [M, I] = silu(gate) * up, silu(g) = g / (1 + exp(-g)). */
-SS_API void ss_silu_mul(int64_t M, int64_t I, const float *gu, int64_t ldg, float *y, int64_t ldy, int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(ss_threads(nthreads)) if (M * I > 16384)
-    for (int64_t m = 0; m < M; ++m) {
+/* (blocks of 64 columns, so even one row splits over the threads; the same ops per element) */
+static void silu_body(int64_t M, int64_t I, const float *gu, int64_t ldg, float *y, int64_t ldy) {
+    const int64_t nb = (I + 63) / 64;
+#pragma omp for schedule(static)
+    for (int64_t mb = 0; mb < M * nb; ++mb) {
+        const int64_t m = mb / nb, i0 = (mb % nb) * 64, i1 = i0 + 64 < I ? i0 + 64 : I;
         const float *g = gu + m * ldg, *u = g + I;
         float *yr = y + m * ldy;
         const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-        int64_t i = 0;
-        for (; i + 8 <= I; i += 8) {
+        int64_t i = i0;
+        for (; i + 8 <= i1; i += 8) {
             __m256 gv = _mm256_loadu_ps(g + i);
             __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv))));
             _mm256_storeu_ps(yr + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
         }
-        for (; i < I; ++i) yr[i] = g[i] / (1.0f + exp1(-g[i])) * u[i];
+        for (; i < i1; ++i) yr[i] = g[i] / (1.0f + exp1(-g[i])) * u[i];
     }
+}
+
+SS_API void ss_silu_mul(int64_t M, int64_t I, const float *gu, int64_t ldg, float *y, int64_t ldy, int nthreads) {
+#pragma omp parallel num_threads(ss_threads(nthreads)) if (M * I > 16384)
+    silu_body(M, I, gu, ldg, y, ldy);
 }
 
 /* Rotary embedding of the q and k heads of qkv [B*T, (H + 2 H_kv) * D] (row stride ldq), with
  * cos/sin [B*T, D]: q -> q_out [B, H, T, D]; k -> k_out [B, H_kv, T, D]; v copied to v_out
  * [B, H_kv, T, D]. rot(x) = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1). */
-SS_API void ss_rope_split(int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D, const float *qkv, int64_t ldq,
-                          const float *cosv, const float *sinv, float *q_out, float *k_out, float *v_out,
-                          int nthreads) {
+/* The body also writes k and v where the attention will read them: k of token t of row b, KV
+ * head kv, goes to k_dst + b * k_sb + kv * k_sh + (pos[b] + t) * D (pos NULL: 0), v likewise: the
+ * dense cache at each row's length (decode, verify) or the draft's tail slot. */
+static void rope_body(int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D, const float *qkv, int64_t ldq,
+                      const float *cosv, const float *sinv, float *q_out, float *k_dst, int64_t k_sb, int64_t k_sh,
+                      float *v_dst, int64_t v_sb, int64_t v_sh, const int64_t *pos) {
     const int64_t half = D / 2, nheads = H + 2 * Hkv;
-#pragma omp parallel for schedule(static) num_threads(ss_threads(nthreads)) if (B * T > 4)
-    for (int64_t bt = 0; bt < B * T; ++bt) {
-        int64_t b = bt / T, t = bt % T;
-        const float *row = qkv + bt * ldq, *c = cosv + bt * D, *s = sinv + bt * D;
-        for (int64_t h = 0; h < nheads; ++h) {
-            const float *x = row + h * D;
+#pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < B * T * nheads; ++bh) {
+        const int64_t bt = bh / nheads, h = bh % nheads, b = bt / T, t = bt % T;
+        const int64_t slot = (pos ? pos[b] : 0) + t;
+        const float *c = cosv + bt * D, *s = sinv + bt * D;
+        {
+            const float *x = qkv + bt * ldq + h * D;
             float *dst;
             if (h < H) dst = q_out + ((b * H + h) * T + t) * D;
-            else if (h < H + Hkv) dst = k_out + ((b * Hkv + (h - H)) * T + t) * D;
+            else if (h < H + Hkv) dst = k_dst + b * k_sb + (h - H) * k_sh + slot * D;
             else {
-                memcpy(v_out + ((b * Hkv + (h - H - Hkv)) * T + t) * D, x, (size_t)D * sizeof(float));
+                memcpy(v_dst + b * v_sb + (h - H - Hkv) * v_sh + slot * D, x, (size_t)D * sizeof(float));
                 continue;
             }
             for (int64_t d = 0; d < half; ++d) {
@@ -387,6 +424,14 @@ SS_API void ss_rope_split(int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t 
             }
         }
     }
+}
+
+SS_API void ss_rope_split(int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D, const float *qkv, int64_t ldq,
+                          const float *cosv, const float *sinv, float *q_out, float *k_out, float *v_out,
+                          int nthreads) {
+#pragma omp parallel num_threads(ss_threads(nthreads)) if (B * T > 4)
+    rope_body(B, T, H, Hkv, D, qkv, ldq, cosv, sinv, q_out, k_out, Hkv * T * D, T * D, v_out, Hkv * T * D, T * D,
+              NULL);
 }
 
 /* ------------------------------------------------------------------ attention
@@ -667,27 +712,29 @@ SS_API int64_t ss_attention_workspace(int64_t B, int64_t Hkv, int64_t G, int64_t
     return B * Hkv * R * n_max + B * Hkv * nc * att_item_size(R, D, sparse) + B * Hkv * 2 * R;
 }
 
-static void att_run(attn_t *a, int nthreads) {
+static void att_body(const attn_t *a) {
     const int64_t B = a->B, Hkv = a->Hkv, nc = att_nchunks(a);
     const int64_t pairs = B * Hkv, items = pairs * nc;
     const int want_rows = a->rows != NULL && a->W > 0;
-#pragma omp parallel num_threads(ss_threads(nthreads))
-    {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < items; ++i) {
+        const int64_t p = i / nc, c = i % nc, b = p / Hkv, kv = p % Hkv;
+        if (c < att_chunks_of(a, b)) att_chunk(a, b, kv, c);
+    }
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < pairs; ++p) att_combine(a, p / Hkv, p % Hkv);
+    if (want_rows) {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < items; ++i) {
             const int64_t p = i / nc, c = i % nc, b = p / Hkv, kv = p % Hkv;
-            if (c < att_chunks_of(a, b)) att_chunk(a, b, kv, c);
-        }
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < pairs; ++p) att_combine(a, p / Hkv, p % Hkv);
-        if (want_rows) {
-#pragma omp for schedule(static)
-            for (int64_t i = 0; i < items; ++i) {
-                const int64_t p = i / nc, c = i % nc, b = p / Hkv, kv = p % Hkv;
-                if (c < att_chunks_of(a, b)) att_rows(a, b, kv, c);
-            }
+            if (c < att_chunks_of(a, b)) att_rows(a, b, kv, c);
         }
     }
+}
+
+static void att_run(attn_t *a, int nthreads) {
+#pragma omp parallel num_threads(ss_threads(nthreads))
+    att_body(a);
 }
 
 /* Dense causal attention of a ragged batch (decode T = 1, verify T = k + 1), optional importance
@@ -725,4 +772,79 @@ SS_API void ss_sparse_attention(int64_t B, int64_t Hkv, int64_t G, int64_t T, in
     a.scale = scale; a.out = out; a.o_sb = o_sb; a.o_st = o_st;
     a.ws = ws; a.n_max = n_max; a.sparse = 1;
     att_run(&a, nthreads);
+}
+
+/* ------------------------------------------------------------------ every layer in one call
+ * A decode / verify / draft forward's decoder layers in one parallel region (one call from Python
+ * instead of ten per layer, one fork instead of ten): per layer, on the residual stream h [B*T, E],
+ *   x = rms(h, ln_attn); qkv = x Wqkv^T (+ b); q, k, v = rope(qkv), k and v written where the
+ *   attention reads them; a = attention; h += a Wo^T; x = rms(h, ln_mlp); gu = x Wgu^T;
+ *   h += silu_mul(gu) Wdown^T
+ * with the same kernels (so the same bits) as the separate calls. Every field is 8 bytes. */
+typedef struct {
+    int64_t B, T, L, E, H, Hkv, D, I;
+    double eps, scale;
+    int64_t nthreads;
+    float *h;                                   /* [B*T, E] in: embeddings; out: the last layer's output */
+    const float *cosv, *sinv;                   /* [B*T, D] */
+    const float *const *ln_attn, *const *ln_mlp; /* [L] pointers to [E] */
+    const float *const *wqkv, *const *bqkv;     /* [L] pointers: panels of Wqkv; its bias or NULL (bqkv NULL: none) */
+    const float *const *wo, *const *wgu, *const *wdown;  /* [L] pointers to panels */
+    float *k, *v;                               /* dense cache base; layer l at + l * k_sl */
+    int64_t k_sl, k_sb, k_sh, v_sl, v_sb, v_sh;
+    const int64_t *starts;                      /* [B] each row's length before the forward (dense) */
+    const int64_t *kv_pos;                      /* [B] where token 0's k, v go: starts (dense), E_tail - T (draft tail) */
+    float *rows;                                /* importance rows base or NULL; layer l at + l * r_sl */
+    int64_t r_sl, r_sb, r_sh, r_sw, W;
+    const int64_t *slots;                       /* [B, W] or NULL (slot w) */
+    int64_t sparse;                             /* 1: the draft (index + tail), T == 1 */
+    const int32_t *index;                       /* [L, B, H_kv, N] base, strides i_sl, i_sb, i_sh */
+    int64_t i_sl, i_sb, i_sh;
+    const int64_t *n_valid;                     /* [B] */
+    float *kt, *vt;                             /* the draft's tail base; layer l at + l * t_sl */
+    int64_t t_sl, t_sb, t_sh, E_tail;           /* tail slots 0 .. E_tail - 1 attended; the new token at E_tail - 1 */
+    float *x, *qkv, *q, *att, *gu, *act, *ws;   /* scratch: [BT, E], [BT, (H+2Hkv)D], [B,H,T,D], [BT, HD], [BT, 2I], [BT, I], attention */
+    int64_t n_max;                              /* keys of the longest row */
+} fwd_t;
+
+SS_API int64_t ss_forward_struct_size(void) { return (int64_t)sizeof(fwd_t); }
+
+SS_API void ss_forward_layers(const fwd_t *f) {
+    const int64_t BT = f->B * f->T, E = f->E, H = f->H, Hkv = f->Hkv, D = f->D, I = f->I;
+    const int64_t Nqkv = (H + 2 * Hkv) * D;
+#pragma omp parallel num_threads(ss_threads((int)f->nthreads))
+    {
+        for (int64_t l = 0; l < f->L; ++l) {
+            rms_body(BT, E, f->h, E, f->ln_attn[l], (float)f->eps, f->x, E);
+            lin_packed_body(BT, Nqkv, E, f->x, E, f->wqkv[l], f->bqkv ? f->bqkv[l] : NULL, f->qkv, Nqkv, 0);
+            attn_t a;
+            memset(&a, 0, sizeof a);
+            a.B = f->B; a.Hkv = Hkv; a.G = H / Hkv; a.T = f->T; a.D = D; a.q = f->q;
+            a.k = f->k + l * f->k_sl; a.k_sb = f->k_sb; a.k_sh = f->k_sh;
+            a.v = f->v + l * f->v_sl; a.v_sb = f->v_sb; a.v_sh = f->v_sh;
+            a.scale = (float)f->scale; a.out = f->att; a.o_sb = f->T * H * D; a.o_st = H * D;
+            a.ws = f->ws; a.n_max = f->n_max;
+            if (f->sparse) {
+                float *kt = f->kt + l * f->t_sl, *vt = f->vt + l * f->t_sl;
+                rope_body(f->B, f->T, H, Hkv, D, f->qkv, Nqkv, f->cosv, f->sinv, f->q, kt, f->t_sb, f->t_sh, vt,
+                          f->t_sb, f->t_sh, f->kv_pos);
+                a.sparse = 1; a.index = f->index + l * f->i_sl; a.i_sb = f->i_sb; a.i_sh = f->i_sh;
+                a.n_valid = f->n_valid; a.kt = kt; a.vt = vt; a.t_sb = f->t_sb; a.t_sh = f->t_sh; a.E = f->E_tail;
+            } else {
+                rope_body(f->B, f->T, H, Hkv, D, f->qkv, Nqkv, f->cosv, f->sinv, f->q, (float *)a.k, a.k_sb, a.k_sh,
+                          (float *)a.v, a.v_sb, a.v_sh, f->kv_pos);
+                a.starts = f->starts;
+                if (f->rows) {
+                    a.rows = f->rows + l * f->r_sl; a.r_sb = f->r_sb; a.r_sh = f->r_sh; a.r_sw = f->r_sw;
+                    a.W = f->W; a.S_rows = f->n_max; a.slots = f->slots;
+                }
+            }
+            att_body(&a);
+            lin_packed_body(BT, E, H * D, f->att, H * D, f->wo[l], NULL, f->h, E, 1);
+            rms_body(BT, E, f->h, E, f->ln_mlp[l], (float)f->eps, f->x, E);
+            lin_packed_body(BT, 2 * I, E, f->x, E, f->wgu[l], NULL, f->gu, 2 * I, 0);
+            silu_body(BT, I, f->gu, 2 * I, f->act, I);
+            lin_packed_body(BT, E, I, f->act, I, f->wdown[l], NULL, f->h, E, 1);
+        }
+    }
 }
