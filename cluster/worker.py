@@ -123,6 +123,10 @@ class EngineWorker:
             "torch_interop_threads": torch.get_num_interop_threads(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         }
+        plan = getattr(getattr(self.engine, "model", None), "kernel_plan", None)
+        if plan is not None:  # which kernel runs each op, chosen on this machine (sparsespec.kernels.plan)
+            info["kernels"] = plan.describe()
+            info["kernels_summary"] = plan.summary()
         if torch.cuda.is_available():
             info["cuda_device_count"] = torch.cuda.device_count()
             info["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]

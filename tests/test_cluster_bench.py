@@ -172,11 +172,35 @@ def test_random_weights_measure_every_step_and_store_them_without_an_e2e_run(tmp
         assert r["roofline_max_speedup"] == pytest.approx(max_speedup(
             3, r["ar_step_roofline_s"], r["draft_step_roofline_s"], r["verify_roofline_s"]))
     assert steps[0]["prefill_s"] > 0 and steps[1]["prefill_s"] is None
+    for r in result["rows"]:  # every row says where it ran and with which kernels
+        assert r["cpu"] and "read_bytes_per_s" in r and "gemm_flops_per_s" in r and r["kernels"].startswith("linear ")
+        assert r["kernels_source"] in ("measured", "cache", "default", "env")
+    for r in steps:  # the decomposition: the parts alone, the rest is the difference
+        for step in ("ar", "verify"):
+            assert r[f"{step}_linears_s"] > 0 and r[f"{step}_attention_s"] > 0
+            key = "ar_step_s" if step == "ar" else "verify_importance_s"
+            assert r[f"{step}_rest_s"] == pytest.approx(r[key] - r[f"{step}_linears_s"] - r[f"{step}_attention_s"])
+    assert result["meta"]["kernel_plan"]["linear"] and result["meta"]["isa"] is not None
+    assert "kernels:" in printed and "AR linears / attention / rest ms" in printed
     with open_store(db, create=False) as store:
         stored = store.bench_rows()
         runs = store.runs()
     assert len(stored) == len(result["rows"])
     assert [(r["benchmark"], r["status"]) for r in runs] == [("bench", "finished")]
+
+
+def test_profile_prints_the_op_table_of_one_step(capsys, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="cluster.bench")
+    rc = bench.main(["--shape", "tiny", "--random-weights", "--context-lengths", "128", "--batch-sizes", "2",
+                     "--k", "3", "--reps", "1", "--warmup", "0", "--gen-tokens", "6", "--db", "", "--threads", "1",
+                     "--profile", "verify"])
+    assert rc == 0
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "profile of the verify step" in logged and "Self CPU" in logged
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--profile", "prefill"])
 
 
 def test_the_e2e_part_is_a_speed_sweep_spec_per_batch_size(tmp_path):

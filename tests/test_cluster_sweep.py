@@ -381,3 +381,16 @@ def test_sampled_outputs_do_not_depend_on_the_batching(tiny, tmp_path):
                  for r in w.run_shard(sh)["rows"]]) for B in (2, 1)]
     assert runs[0] == runs[1]
     assert len({tuple(v) for (s, m), v in runs[0].items() if m == "ar"}) > 1  # rows got different streams
+
+
+def test_worker_provenance_carries_the_kernel_plan():
+    from cluster import provenance
+    from cluster.worker import EngineWorker
+    from sparsespec.engine import Engine
+    from sparsespec.shapes import IdTokenizer, random_transformer
+
+    w = EngineWorker("tiny", engine_factory=lambda m, d, dev: Engine(random_transformer("tiny"), IdTokenizer()))
+    ping = w.ping()
+    assert ping["kernels"]["cpu"] and "linear" in ping["kernels"] and ping["kernels_summary"].startswith("linear ")
+    summary = provenance.summarize_workers([ping, dict(ping, hostname="other")])
+    assert summary["kernels"] == [ping["kernels_summary"]] and len(summary["cpus"]) == 1

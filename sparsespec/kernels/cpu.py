@@ -37,6 +37,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -168,7 +169,9 @@ def library() -> ctypes.CDLL | None:
             reason = f"{_ENV}=0"
         else:
             try:
+                t0 = time.perf_counter()
                 path = _build()
+                _state["build_s"] = time.perf_counter() - t0  # ~0 when this machine built it before
                 lib = ctypes.CDLL(str(path))
                 for name, (args, res) in _SIGNATURES.items():
                     fn = getattr(lib, name)
@@ -192,6 +195,12 @@ def unavailable_reason() -> str | None:
     return _state.get("reason")  # type: ignore[return-value]
 
 
+def build_seconds() -> float | None:
+    """Seconds the first ``library()`` call spent building (or finding) the library."""
+    library()
+    return _state.get("build_s")  # type: ignore[return-value]
+
+
 def library_path() -> str | None:
     library()
     return _state.get("path")  # type: ignore[return-value]
@@ -203,6 +212,20 @@ def _reset_for_tests() -> None:
 
 
 # --------------------------------------------------------------------------- wrappers
+def _profiled(name: str):
+    """Mark a wrapper's calls as ``ss::<name>`` ranges in ``torch.profiler`` tables (the C calls
+    are otherwise invisible to it); a no-op check when no profiler runs."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            if torch.autograd._profiler_enabled():
+                with torch.profiler.record_function(f"ss::{name}"):
+                    return fn(*args, **kwargs)
+            return fn(*args, **kwargs)
+        return inner
+    return wrap
+
+
 def supports(t: torch.Tensor) -> bool:
     """Whether ``t`` can go through these kernels (fp32 on the CPU)."""
     return t.dtype == torch.float32 and t.device.type == "cpu"
@@ -237,6 +260,7 @@ def _rows_out(x: torch.Tensor, N: int, out: torch.Tensor | None, accumulate: boo
     return x2, out, out.view(x2.shape[0], N)
 
 
+@_profiled("linear")
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
            accumulate: bool = False) -> torch.Tensor:
     """``x @ w.T (+ bias)`` for fp32 ``x`` ``[..., K]`` and ``w`` ``[N, K]`` (rows contiguous).
@@ -264,6 +288,7 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
     return wp
 
 
+@_profiled("linear_packed")
 def linear_packed(x: torch.Tensor, wp: torch.Tensor, N: int, bias: torch.Tensor | None = None, *,
                   out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
     """``x @ W.T (+ bias)`` with W ``[N, K]`` given as ``pack_weight(W)``; ``out``/``accumulate``
@@ -274,6 +299,7 @@ def linear_packed(x: torch.Tensor, wp: torch.Tensor, N: int, bias: torch.Tensor 
     return out
 
 
+@_profiled("rms_norm")
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """``w * x / sqrt(mean(x^2) + eps)`` over the last dim of fp32 ``x`` ``[..., E]``."""
     E = x.shape[-1]
@@ -286,6 +312,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return y
 
 
+@_profiled("silu_mul")
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gu`` ``[..., 2I]`` = ``(gate | up)``: ``[..., I]``."""
     I2 = gu.shape[-1]
@@ -298,6 +325,7 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     return y
 
 
+@_profiled("rope_split")
 def rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, H: int, Hkv: int, D: int):
     """Split ``qkv`` ``[B, T, (H + 2 H_kv) D]`` and rotate q and k: q ``[B, H, T, D]``, k and v
     ``[B, H_kv, T, D]``; ``cos``/``sin`` ``[B, T, D]`` (contiguous)."""
@@ -317,6 +345,7 @@ def attention_supported(head_dim: int) -> bool:
     return head_dim % 16 == 0
 
 
+@_profiled("attention")
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, starts: torch.Tensor, max_start: int,
               scale: float, rows_out: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a ragged batch: returns out ``[B, T, H * D]``.
@@ -369,6 +398,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
     return out
 
 
+@_profiled("sparse_attention")
 def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor,
                      n_valid: torch.Tensor, k_tail: torch.Tensor | None, v_tail: torch.Tensor | None,
                      scale: float) -> torch.Tensor:
@@ -468,6 +498,7 @@ def _addr(arr) -> int | None:
     return None if arr is None else ctypes.addressof(arr)
 
 
+@_profiled("forward_layers")
 def forward_layers(model, ptrs: LayerPointers, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
                    k: torch.Tensor, v: torch.Tensor, starts: list[int] | None = None, rows=None,
                    draft=None) -> torch.Tensor:

@@ -108,8 +108,9 @@ class KernelPlan:
         return {"linear": {("inf" if u is None else str(u)): be for u, be in self.linear},
                 "attention": self.attention, "fused": self.fused, "threads": self.threads,
                 "source": self.source, "tune_s": round(self.tune_s, 3), "batch_invariant": self.batch_invariant,
-                "cpu": cpu.cpu_model(), "isa": cpu.isa_summary(), "kernels_built": cpu.available()
-                if self.attention == "ss" or self.fused else None, "note": self.note}
+                "cpu": cpu.cpu_model(), "isa": cpu.isa_summary(),
+                "kernels_build_s": cpu.build_seconds() if (self.attention == "ss" or self.fused) else None,
+                "read_bytes_per_s": self.timings.get("read_bytes_per_s"), "note": self.note}
 
     def summary(self) -> str:
         """One line: e.g. ``linear ss<=8 mkl>8, attention ss, fused (measured, 4.2 s)``."""
