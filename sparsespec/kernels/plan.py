@@ -49,7 +49,7 @@ LINEAR_BACKENDS = ("ss", "onednn", "mkl")
 TRIAL_ROWS = (1, 4, 16, 64, 256)
 RANGE_UPPER = (1, 8, 32, 128, None)
 _KERNELS_ENV, _LINEAR_ENV = "SPARSESPEC_KERNELS", "SPARSESPEC_LINEAR"
-TUNE_VERSION = 1
+TUNE_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,15 +239,16 @@ def _linear_trial(model, backends: list[str], reps: int) -> dict[int, dict[str, 
     panels = {id(w): cpu.pack_weight(w) for w, _ in weights} if "ss" in backends else {}
     res: dict[int, dict[str, float]] = {}
     for m in TRIAL_ROWS:
-        # at most ~2 GFLOP per timed pass: all the weights at decode widths (they must come from
-        # memory, as in a step), a prefix of them for wide rows (compute-bound: cache-resident is fine)
-        budget = max(1, int(1e9 / (m * 1.0)))
-        sel, acc = [], 0
-        for w, b in weights:
-            if sel and acc + w.numel() > budget and acc > total // 8:
-                break
-            sel.append((w, b))
-            acc += w.numel()
+        # decode widths (memory-bound): every weight, so they come from memory as in a step; wide
+        # rows (compute-bound, cache residency does not matter): whole layers up to ~1 GFLOP
+        sel = weights
+        if 2 * m * total > 2e9:
+            sel, acc = [], 0
+            for i in range(0, len(weights) - 1, 4):  # a layer's four projections at a time
+                sel += weights[i : i + 4]
+                acc += sum(w.numel() for w, _ in weights[i : i + 4])
+                if 2 * m * acc >= 1e9:
+                    break
         xs = {k: torch.randn(m, k, dtype=model.dtype) for k in {w.shape[1] for w, _ in sel}}
 
         def run(be: str, sel=sel, xs=xs):
