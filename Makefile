@@ -38,7 +38,8 @@ $(PEERS_STAMP): peers-requirements.txt
 	$(PEERS)/bin/pip install -q --upgrade pip
 	# torch first and alone: the local CPU wheel (an unpinned torch pulls a CUDA build)
 	$(PEERS)/bin/pip install -q torch==2.13.0
-	$(PEERS)/bin/pip install -q -r peers-requirements.txt
+	# exact pins, no resolver: see the file for the packages left out on purpose (torchvision ...)
+	$(PEERS)/bin/pip install -q --no-deps -r peers-requirements.txt
 	touch $(PEERS_STAMP)
 
 peers: $(PEERS_STAMP)

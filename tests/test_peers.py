@@ -1,0 +1,195 @@
+"""The peer-engine launcher (cluster.peers), without vLLM: a fake peers python stands in for
+.venv-peers, so these run (never skip) whether or not `make peers` was run."""
+
+import ast
+import importlib.util
+import json
+import os
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import cluster.peers as peers
+
+REQUEST = {"model": "/nowhere", "prompts": [[1, 2, 3]], "max_tokens": 4, "method": "ar"}
+
+
+def fake_venv(tmp_path: Path, monkeypatch, body: str) -> Path:
+    """A venv folder whose bin/python is a Python script (argv: runner, request, result)."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    python.write_text(
+        f"#!{sys.executable}\nimport json, os, sys, time\n"
+        "runner, req_path, out_path = sys.argv[1:4]\n" + textwrap.dedent(body)
+    )
+    python.chmod(0o755)
+    monkeypatch.setenv(peers.VENV_ENV, str(venv))
+    return python
+
+
+def test_missing_venv_is_an_error_row(tmp_path, monkeypatch):
+    monkeypatch.setenv(peers.VENV_ENV, str(tmp_path / "absent"))
+    assert peers.peers_python() is None
+    row = peers.run_vllm(REQUEST, timeout_s=5)
+    assert list(row) == ["error"]
+    assert "make peers" in row["error"]
+
+
+def test_default_venv_is_the_repo_root_one(monkeypatch):
+    monkeypatch.delenv(peers.VENV_ENV, raising=False)
+    assert peers.peers_venv() == peers.REPO_ROOT / ".venv-peers"
+    python = peers.peers_python()
+    assert python is None or python == peers.REPO_ROOT / ".venv-peers" / "bin" / "python"
+
+
+def test_canned_result_is_parsed_and_gets_the_request(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/should/not/leak")
+    python = fake_venv(tmp_path, monkeypatch, """
+        req = json.load(open(req_path))
+        out = {"engine": "fake", "request": req, "runner": runner,
+               "pythonpath": os.environ.get("PYTHONPATH"), "token_ids": [[5, 6, 7, 8]]}
+        json.dump(out, open(out_path, "w"))
+    """)
+    assert peers.peers_python() == python
+    row = peers.run_vllm(REQUEST, timeout_s=30)
+    assert row["engine"] == "fake"
+    assert row["request"] == REQUEST
+    assert row["runner"] == str(peers.RUNNER)
+    assert row["pythonpath"] is None
+    assert row["token_ids"] == [[5, 6, 7, 8]]
+
+
+def test_runner_error_row_is_passed_on(tmp_path, monkeypatch):
+    fake_venv(tmp_path, monkeypatch, """
+        json.dump({"error": "RuntimeError: no CPU left\\nsecond line"}, open(out_path, "w"))
+        sys.exit(1)
+    """)
+    assert peers.run_vllm(REQUEST, timeout_s=30) == {"error": "RuntimeError: no CPU left"}
+
+
+def test_crash_without_result_quotes_the_last_log_line(tmp_path, monkeypatch):
+    fake_venv(tmp_path, monkeypatch, """
+        print("starting", flush=True)
+        print("ImportError: libfoo.so missing", file=sys.stderr)
+        sys.exit(3)
+    """)
+    log = tmp_path / "runner.log"
+    row = peers.run_vllm(REQUEST, timeout_s=30, log_path=log)
+    assert list(row) == ["error"]
+    assert "status 3" in row["error"] and "ImportError: libfoo.so missing" in row["error"]
+    assert "starting" in log.read_text()
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", ""])
+def test_malformed_output_is_an_error_row(tmp_path, monkeypatch, text):
+    fake_venv(tmp_path, monkeypatch, f"open(out_path, 'w').write({text!r})\n")
+    row = peers.run_vllm(REQUEST, timeout_s=30)
+    assert list(row) == ["error"]
+    assert row["error"].startswith("malformed output")
+
+
+def test_result_with_nonzero_status_is_an_error_row(tmp_path, monkeypatch):
+    fake_venv(tmp_path, monkeypatch, """
+        json.dump({"engine": "fake"}, open(out_path, "w"))
+        sys.exit(2)
+    """)
+    row = peers.run_vllm(REQUEST, timeout_s=30)
+    assert list(row) == ["error"] and "status 2" in row["error"]
+
+
+def test_timeout_kills_the_runner_and_its_children(tmp_path, monkeypatch):
+    pid_file = tmp_path / "child.pid"
+    fake_venv(tmp_path, monkeypatch, f"""
+        import subprocess
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        open({str(pid_file)!r}, "w").write(str(child.pid))
+        time.sleep(60)
+    """)
+    t0 = time.monotonic()
+    row = peers.run_vllm(REQUEST, timeout_s=1.5)
+    assert time.monotonic() - t0 < 20
+    assert list(row) == ["error"] and "timed out" in row["error"]
+    child = int(pid_file.read_text())
+    for _ in range(50):  # SIGKILLed; gone once its parent (init) reaps it
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"child {child} of the runner survived the timeout")
+
+
+def test_unserialisable_request_is_an_error_row(tmp_path, monkeypatch):
+    fake_venv(tmp_path, monkeypatch, "raise SystemExit('must not run')\n")
+    row = peers.run_vllm({"model": object()}, timeout_s=5)
+    assert list(row) == ["error"] and "JSON" in row["error"]
+
+
+# --- the runner itself, as far as it goes without vLLM ----------------------------------------
+
+
+def load_runner():
+    spec = importlib.util.spec_from_file_location("vllm_runner_under_test", peers.RUNNER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_runner_imports_only_stdlib_and_the_peer_packages():
+    tree = ast.parse(peers.RUNNER.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "no relative imports: the runner runs as a script"
+            names.add(node.module.split(".")[0])
+    foreign = names - set(sys.stdlib_module_names) - {"__future__", "vllm", "torch", "transformers"}
+    assert not foreign, foreign
+    top_level = {
+        alias.name.split(".")[0]
+        for node in tree.body
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module)])
+    }
+    assert top_level <= set(sys.stdlib_module_names) | {"__future__"}, "heavy imports only inside run()"
+
+
+def test_runner_rejects_bad_requests_with_an_error_row(tmp_path):
+    runner = load_runner()
+    cases = [
+        ({"prompts": [[1]], "max_tokens": 4}, "lacks model"),
+        ({**REQUEST, "model": str(tmp_path), "method": "eagle"}, "method must be"),
+        ({**REQUEST, "model": str(tmp_path), "max_tokens": 1}, "max_tokens must be"),
+        ({**REQUEST, "model": str(tmp_path), "prompts": [[]]}, "prompts must be"),
+        ({**REQUEST, "model": str(tmp_path), "temperature": 0.7}, "unknown request fields: temperature"),
+        (REQUEST, "model must be a local folder"),
+    ]
+    for i, (request, expected) in enumerate(cases):
+        req_path, out_path = tmp_path / f"req{i}.json", tmp_path / f"out{i}.json"
+        req_path.write_text(json.dumps(request))
+        assert runner.main(["runner", str(req_path), str(out_path)]) == 1
+        row = json.loads(out_path.read_text())
+        assert list(row) == ["error"] and expected in row["error"], (request, row)
+        assert "\n" not in row["error"]
+
+
+def test_runner_thread_env_binds_the_first_allowed_cpus(tmp_path):
+    runner = load_runner()
+    req = runner.parse_request({**REQUEST, "model": str(tmp_path), "threads": 1})
+    env = runner.thread_env(req)
+    first = min(os.sched_getaffinity(0))
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == str(first)
+    assert env["OMP_NUM_THREADS"] == "1"  # frontend and engine core; vLLM sets the worker's
+    assert env["HF_HUB_OFFLINE"] == env["TRANSFORMERS_OFFLINE"] == "1"
+    every = runner.thread_env(runner.parse_request({**REQUEST, "model": str(tmp_path)}))
+    assert runner.cpu_ids(every["VLLM_CPU_OMP_THREADS_BIND"]) == sorted(os.sched_getaffinity(0))
+    assert runner.cpu_ids("0-2,5") == [0, 1, 2, 5]
+    too_many = runner.parse_request({**REQUEST, "model": str(tmp_path), "threads": 4096})
+    with pytest.raises(runner.RequestError, match="may use only"):
+        runner.thread_env(too_many)
