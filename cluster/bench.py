@@ -26,12 +26,13 @@ hold ``L - --gen-tokens`` tokens), it measures, after warm-up:
   and ``sparsespec.roofline.roofline_speedup`` at the measured acceptance, from the step floors
   (roofline S) and from the measured step times (step-predicted S). Rerunning the same command
   resumes the sweep (finished shards are skipped, no result is written twice);
-* ``transformers``' own ``generate`` on the same model and prompt (batch 1) as an outside AR
-  reference: its per-token decode time (the gaps between successive logits-processor calls),
-  and whether its greedy tokens equal our AR's in the sweep.
+* peers (``cluster.peers.compare``): our ``ar`` and ``ngram`` beside transformers' ``generate`` and
+  prompt lookup and vLLM's CPU build (``make peers``) ``ar`` and ``ngram``, on the same prompts,
+  model, dtype and threads, every cell's decode milliseconds per step measured the same way for
+  every engine, and whether each one's greedy tokens equal our ``ar``'s.
 
 Results go to the store (``--db``: the sweep's runs and results, and the ``bench`` table with
-the step, reference and end-to-end rows), to ``--json-out`` and to stdout as Markdown tables
+the step, peer and end-to-end rows), to ``--json-out`` and to stdout as Markdown tables
 (paste them into ``benchmarks/RESULTS.md`` with the date and command).
 
     python -m cluster.bench --model smollm2-135m --context-lengths 1024,2048,4096,8192 --batch-sizes 1,4,8
@@ -148,10 +149,15 @@ class BenchConfig:
     e2e_samples: int | None = None
     warmup: int = 2
     steps_only: bool = False
-    hf: bool = True
-    hf_tokens: int = 32
-    #: transformers' prompt lookup (``prompt_lookup_num_tokens``) against our ``ngram`` (same k); 0 = skip
-    hf_prompt_lookup_tokens: int = 10
+    #: external engines timed beside ours on the same prompts (``cluster.peers.compare``): our ``ar``
+    #: and ``ngram`` always, then ``transformers`` (generate, prompt lookup) and ``vllm`` (its CPU
+    #: build from ``make peers``: ar and its ngram); () = no peer table
+    peers: tuple[str, ...] = ("transformers", "vllm")
+    #: tokens generated per peer timing (decode ms/step from N- and 1-token generates)
+    peer_tokens: int = 32
+    #: the drafts of every engine's prompt lookup / ngram (ours, transformers', vLLM's)
+    peer_ngram_k: int = 4
+    peer_reps: int = 3
     seed: int = 0
     text: str | None = None
     #: end-to-end cells only where batch x context <= this (each batch prefills every row; on a
@@ -183,10 +189,15 @@ class BenchConfig:
             raise ValueError(f"k must be >= 1, got {self.k}")
         if not 0 < self.budget_frac <= 1:
             raise ValueError(f"budget_frac must be in (0, 1], got {self.budget_frac}")
-        if self.hf_tokens < 2:
-            raise ValueError(f"hf_tokens must be >= 2, got {self.hf_tokens}")
-        if self.hf_prompt_lookup_tokens < 0:
-            raise ValueError(f"hf_prompt_lookup_tokens must be >= 0, got {self.hf_prompt_lookup_tokens}")
+        if self.peer_tokens < 2:
+            raise ValueError(f"peer_tokens must be >= 2, got {self.peer_tokens}")
+        if self.peer_ngram_k < 1 or self.peer_reps < 1:
+            raise ValueError(f"peer_ngram_k and peer_reps must be >= 1, got {self.peer_ngram_k}, {self.peer_reps}")
+        from cluster.peers.compare import PEERS
+
+        unknown = [p for p in self.peers if p not in PEERS]
+        if unknown:
+            raise ValueError(f"unknown peer(s) {unknown}; known: {list(PEERS)}")
         if self.e2e_samples is not None and self.e2e_samples < 1:
             raise ValueError(f"e2e_samples must be >= 1, got {self.e2e_samples}")
         if self.device not in ("cpu", "cuda"):
@@ -493,6 +504,30 @@ def profile_step(model, prompts: list[list[int]], cfg: BenchConfig, step: str, r
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
+def peer_rows(model, tokenizer, cells: Mapping[tuple[int, int], list[list[int]]], cfg: BenchConfig,
+              progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    """The peer table (``cluster.peers.compare``): our ``ar`` and ``ngram``, then each of
+    ``cfg.peers``, one engine after the other (never two at once), on the same cells."""
+    import torch
+
+    from cluster.peers import compare
+    from sparsespec.engine import Engine
+
+    n, reps, k = cfg.peer_tokens, cfg.peer_reps, cfg.peer_ngram_k
+    rows = compare.ours(Engine(model, tokenizer, name=cfg.model), cells, n, reps, k)
+    if "transformers" in cfg.peers:
+        rows += compare.transformers_peer(model.source_folder, cfg.dtype, cells, n, reps, k)
+    if "vllm" in cfg.peers:
+        progress("peers: vLLM (one engine start per method, ~100 s each)")
+        rows += compare.vllm_peer(model.source_folder, cfg.dtype, torch.get_num_threads(), cells, n, reps, k)
+    compare.compare_tokens(rows, n)
+    for r in rows:
+        ms = r.get("decode_ms_per_step")
+        progress(f"peer {r['method']} ctx {r['context_len']} B {r['batch_size']}: "
+                 + (f"{ms:.1f} ms/step, same tokens {r.get('same_tokens_as_ours')}" if ms else f"- ({r.get('error')})"))
+    return rows
+
+
 def run_stamp(model, machine: Mapping[str, float]) -> dict[str, Any]:
     """What every bench row records about where it ran: the CPU (model, ISA flags), the kernel
     plan (one line, how it was chosen, its tuning and build seconds) and the bandwidth and GEMM
@@ -523,94 +558,6 @@ def time_prefill(model, prompt: list[int], cfg: BenchConfig) -> float:
     model.prefill(ids, cache)
     _sync(dev)
     return time.perf_counter() - t0
-
-
-# --------------------------------------------------------------------------- transformers reference
-def bench_hf(folder: Path, prompt: list[int], cfg: BenchConfig) -> dict[str, Any]:
-    """``transformers`` ``generate`` (greedy, SDPA attention, same dtype) on one prompt: per-token
-    decode time = median gap between successive logits-processor calls (the first call follows
-    the prefill)."""
-    import torch
-    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
-
-    from sparsespec.engine import _DTYPES
-
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=_DTYPES[cfg.dtype], attn_implementation="sdpa").to(cfg.device)
-    hf.eval()
-    stamps: list[float] = []
-
-    class Stamp(LogitsProcessor):
-        def __call__(self, input_ids, scores):
-            _sync(cfg.device)
-            stamps.append(time.perf_counter())
-            return scores
-
-    ids = torch.tensor([prompt], device=cfg.device)
-    with torch.inference_mode():
-        hf.generate(ids[:, -256:], max_new_tokens=4, min_new_tokens=4, do_sample=False)  # warm-up
-        stamps.clear()
-        t0 = time.perf_counter()
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=cfg.hf_tokens,
-                          min_new_tokens=cfg.hf_tokens, do_sample=False, logits_processor=LogitsProcessorList([Stamp()]))
-        total = time.perf_counter() - t0
-    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-    # prompt lookup decoding (transformers' ``prompt_lookup_num_tokens``), greedy, same prompt:
-    # its decode time = total - the plain run's time to first token (the same prefill)
-    pl = None
-    if cfg.hf_prompt_lookup_tokens:
-        with torch.inference_mode():
-            t1 = time.perf_counter()
-            out_pl = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=cfg.hf_tokens,
-                                 min_new_tokens=cfg.hf_tokens, do_sample=False,
-                                 prompt_lookup_num_tokens=cfg.hf_prompt_lookup_tokens)
-            _sync(cfg.device)
-            total_pl = time.perf_counter() - t1
-        ttft = stamps[0] - t0 if stamps else 0.0
-        n_pl = out_pl.shape[1] - len(prompt)
-        pl = {"hf_pl_total_s": total_pl, "hf_pl_step_s": (total_pl - ttft) / max(1, n_pl - 1),
-              "hf_pl_token_ids": out_pl[0, len(prompt):].tolist()}
-    res = {
-        "kind": "hf", "method": "transformers-generate", "context_len": len(prompt) + cfg.gen_tokens,
-        "prompt_len": len(prompt), "batch_size": 1,
-        "gen_tokens": cfg.hf_tokens, "hf_step_s": statistics.median(gaps) if gaps else None,
-        "hf_ttft_s": stamps[0] - t0 if stamps else None, "hf_total_s": total,
-        "hf_token_ids": out[0, len(prompt):].tolist(),
-        **(pl or {}),
-    }
-    del hf
-    return res
-
-
-def bench_ours_reference(model, tokenizer, prompt: list[int], cfg: BenchConfig, hf_row: dict[str, Any]) -> list[dict[str, Any]]:
-    """Our ``ar`` and ``ngram`` on ``bench_hf``'s prompt in this process (batch 1, greedy,
-    ``hf_tokens`` tokens), beside transformers' ``generate`` and its prompt lookup: rows of kind
-    ``"reference"`` with both per-token decode times (ours: ``sparsespec.stats.batch_tpot``), their
-    ratio (``ours_over_hf`` < 1: ours faster) and whether the greedy tokens are the same."""
-    from sparsespec.engine import Engine
-    from sparsespec.stats import batch_tpot
-
-    eng = Engine(model, tokenizer, name=cfg.model)
-    rows = []
-    pairs = [("transformers-generate", "ar", None, "hf_step_s", "hf_token_ids")]
-    if "hf_pl_step_s" in hf_row:
-        pairs.append(("transformers-prompt-lookup", "ngram", {"k": cfg.hf_prompt_lookup_tokens},
-                      "hf_pl_step_s", "hf_pl_token_ids"))
-    eng.generate([prompt[:256]], method="ar", max_new_tokens=4, ignore_eos=True)  # warm-up
-    for hf_name, ours, opts, step_key, tok_key in pairs:
-        # EOS masked as transformers' min_new_tokens does (our min_new_tokens must stay below the
-        # cap, so the last token is left out of the comparison)
-        out = eng.generate([prompt], method=ours, method_options=opts, max_new_tokens=cfg.hf_tokens,
-                           min_new_tokens=cfg.hf_tokens - 1)[0]
-        mine = batch_tpot([out.stats])
-        theirs = hf_row.get(step_key)
-        ref = hf_row.get(tok_key) or []
-        n = min(len(ref), len(out.token_ids), cfg.hf_tokens - 1)
-        rows.append({"kind": "reference", "method": hf_name, "context_len": hf_row["context_len"],
-                     "prompt_len": len(prompt), "batch_size": 1, "gen_tokens": cfg.hf_tokens,
-                     "hf_step_s": theirs, "ours_method": ours, "ours_step_s": mine,
-                     "ours_over_hf": mine / theirs if (mine and theirs) else None,
-                     "same_tokens": n > 0 and list(out.token_ids[:n]) == list(ref[:n])})
-    return rows
 
 
 # --------------------------------------------------------------------------- steps driver
@@ -644,32 +591,24 @@ def measure_steps(cfg: BenchConfig, *, progress: Callable[[str], None] = log.inf
              f"GEMM {machine['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s ({cfg.dtype})")
     stamp = run_stamp(model, machine)
     rows: list[dict[str, Any]] = []
+    cells: dict[tuple[int, int], list[list[int]]] = {}
     for L in cfg.context_lengths:
         base_prompts = make_prompts(tokenizer, model.cfg.vocab_size, window, max(cfg.batch_sizes), L, cfg)
         prefill_s = time_prefill(model, base_prompts[0], cfg)
         progress(f"ctx {L}: prefill of {len(base_prompts[0])} tokens {prefill_s:.2f} s")
-        hf_row = None
-        # (transformers runs the full-precision model: no reference for an int8 target)
-        if cfg.hf and cfg.quantize == "none" and tokenizer is not None and 1 in cfg.batch_sizes:
-            hf_row = bench_hf(model.source_folder, base_prompts[0], cfg)
-            rows.append(hf_row)
-            progress(f"ctx {L}: transformers generate {hf_row['hf_step_s'] * 1e3:.1f} ms/token")
-            for ref in bench_ours_reference(model, tokenizer, base_prompts[0], cfg, hf_row):
-                rows.append(ref)
-                progress(f"ctx {L}: {ref['method']} {_f(ref['hf_step_s'] and ref['hf_step_s'] * 1e3, '.1f')} ms/token, "
-                         f"ours ({ref['ours_method']}) {_f(ref['ours_step_s'] and ref['ours_step_s'] * 1e3, '.1f')}, "
-                         f"same tokens {ref['same_tokens']}")
+        for B in cfg.batch_sizes:  # the peer table's cells (prompt = context - gen_tokens, as the steps')
+            cells[(L, B)] = base_prompts[:B]
         for B in cfg.batch_sizes:
             steps = bench_steps(model, base_prompts[:B], cfg, machine, prefill_s if B == 1 else None, L)
-            if hf_row is not None and B == 1:
-                steps["hf_step_s"] = hf_row["hf_step_s"]
-                steps["hf_over_ar_step"] = hf_row["hf_step_s"] / steps["ar_step_s"]
             rows.append(steps)
             progress(f"ctx {L} B {B}: AR {steps['ar_step_s'] * 1e3:.1f} ms ({steps['ar_step_x_roofline']:.2f}x roofline), "
                      f"verify {steps['verify_importance_s'] * 1e3:.1f} ms, draft {steps['draft_step_s'] * 1e3:.1f} ms, "
                      f"gamma {steps['gamma']:.3f} (roofline {steps['gamma_roofline']:.3f})")
             if torch.device(cfg.device).type == "cuda":
                 torch.cuda.empty_cache()
+    # (peers run the full-precision model from its folder: none for an int8 target or random weights)
+    if cfg.peers and cfg.quantize == "none" and tokenizer is not None:
+        rows += peer_rows(model, tokenizer, cells, cfg, progress)
     if cfg.profile:
         progress(f"profile of the {cfg.profile} step at ctx {cfg.context_lengths[0]}, B {cfg.batch_sizes[0]}:\n"
                  + profile_step(model, make_prompts(tokenizer, model.cfg.vocab_size, window, cfg.batch_sizes[0],
@@ -756,7 +695,6 @@ def e2e_rows(results: Sequence[Mapping[str, Any]], steps: Sequence[Mapping[str, 
     for r in results:
         by_group[(r["context_length"], int(r.get("batch_size") or 1), r["method"])].append(r)
     step_at = {(s["context_len"], s["batch_size"]): s for s in steps if s.get("kind") == "steps"}
-    hf_at = {s["context_len"]: s for s in steps if s.get("kind") == "hf" and not s.get("ours_method")}
     out = []
     for rep in compute_report(results):
         L, B, method = rep["context_length"], rep["batch_size"], rep["method"]
@@ -800,14 +738,6 @@ def e2e_rows(results: Sequence[Mapping[str, Any]], steps: Sequence[Mapping[str, 
                 row["step_predicted_speedup"] = roofline_speedup(tau, mean_k, st["ar_step_s"], st["draft_step_s"],
                                                                  st["verify_importance_s"])
                 row["ledger_speedup_roofline_gamma"] = ledger_speedup(rep["alpha"], mean_k, st["gamma_roofline"])
-        elif B == 1 and L in hf_at and hf_at[L].get("hf_step_s"):
-            hf = hf_at[L]
-            row["hf_step_s"] = hf["hf_step_s"]
-            row["hf_over_ar_tpot"] = hf["hf_step_s"] / ext["tpot_s"] if ext["tpot_s"] else None
-            first = next((r for r in mine if r["sample_id"] == f"L{L}-0"), None)
-            if first is not None and hf.get("hf_token_ids") is not None:
-                n = min(len(hf["hf_token_ids"]), len(first["token_ids"]))
-                row["hf_same_tokens"] = list(hf["hf_token_ids"][:n]) == list(first["token_ids"][:n])
         out.append(row)
     return out
 
@@ -946,8 +876,8 @@ def markdown(result: dict[str, Any]) -> str:
         "| ctx (prompt) | B | N | prefill s (x roof) | AR ms (x roof) | AR linears / attention / rest ms "
         "| verify K+1 ms | +importance (x roof) | verify linears / attention / rest ms | index update ms (of verify) "
         "| rebuild ms | gather ms | draft ms (x roof) | int8 draft ms (x roof) | gamma / roofline "
-        "| int8 gamma / roofline | max S roofline / steps | transformers ms/token (x ours) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| int8 gamma / roofline | max S roofline / steps |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         if r["kind"] != "steps":
@@ -965,18 +895,21 @@ def markdown(result: dict[str, Any]) -> str:
             f"({_f(r.get('draft_step_int8_x_roofline'), '.2f')}x) "
             f"| {r['gamma']:.3f} / {r['gamma_roofline']:.3f} "
             f"| {_f(r.get('gamma_int8'))} / {_f(r.get('gamma_int8_roofline'))} "
-            f"| {_f(r.get('roofline_max_speedup'), '.2f')} / {_f(r.get('step_max_speedup'), '.2f')} "
-            f"| {_f(r.get('hf_step_s') and r['hf_step_s'] * 1e3, '.1f')} ({_f(r.get('hf_over_ar_step'), '.2f')}x) |"
+            f"| {_f(r.get('roofline_max_speedup'), '.2f')} / {_f(r.get('step_max_speedup'), '.2f')} |"
         )
-    refs = [r for r in result["rows"] if r["kind"] == "reference"]
-    if refs:
-        lines += ["", "outside references (batch 1, greedy, same prompt, same process):", "",
-                  "| ctx | transformers | ms/token | ours | ms/token | ours / transformers | same tokens |",
+    peers = [r for r in result["rows"] if r["kind"] == "peer"]
+    if peers:
+        lines += ["", f"peers: the same prompts, model, dtype and threads; decode ms per step = (wall of "
+                      f"{meta['config'].get('peer_tokens', 'N')} tokens - wall of 1) / (N - 1), best of interleaved "
+                      "reps; tokens compared with our ar's (first N - 1)", "",
+                  "| ctx | B | engine:method | decode ms/step | x our ar | same tokens as our ar | note |",
                   "|---|---|---|---|---|---|---|"]
-        for r in refs:
-            lines.append(f"| {r['context_len']} | {r['method']} | {_f(r['hf_step_s'] and r['hf_step_s'] * 1e3, '.1f')} "
-                         f"| {r['ours_method']} | {_f(r['ours_step_s'] and r['ours_step_s'] * 1e3, '.1f')} "
-                         f"| {_f(r['ours_over_hf'], '.2f')} | {_f(r['same_tokens'])} |")
+        for r in peers:
+            spec = r.get("spec_decode") or {}
+            note = r.get("error") or (f"accept rate {spec['acceptance_rate']:.2f}" if spec.get("acceptance_rate") else "")
+            lines.append(f"| {r['context_len']} | {r['batch_size']} | {r['method']} "
+                         f"| {_f(r.get('decode_ms_per_step'), '.1f')} | {_f(r.get('over_ours_ar'), '.2f')} "
+                         f"| {_f(r.get('same_tokens_as_ours'))} | {note} |")
     e2e = [r for r in result["rows"] if r["kind"] == "e2e"]
     if e2e:
         info = meta.get("e2e") or {}
@@ -1079,10 +1012,11 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, argparse
     p.add_argument("--steps-only", action="store_true", help="skip the end-to-end sweep")
     p.add_argument("--e2e-max-tokens", type=int, default=None,
                    help="end-to-end cells only where batch x context <= this (prefill of every row is slow on CPU)")
-    p.add_argument("--no-hf", action="store_true", help="skip the transformers generate reference")
-    p.add_argument("--hf-tokens", type=int, default=32)
-    p.add_argument("--hf-prompt-lookup-tokens", type=int, default=10,
-                   help="transformers prompt lookup (prompt_lookup_num_tokens) vs our ngram with this k; 0 = skip")
+    p.add_argument("--peers", default="transformers,vllm",
+                   help="external engines timed beside our ar and ngram: comma list of transformers, vllm; 'none'")
+    p.add_argument("--peer-tokens", type=int, default=32, help="tokens per peer timing (N of the N- and 1-token walls)")
+    p.add_argument("--peer-ngram-k", type=int, default=4, help="drafts of every engine's prompt lookup / ngram")
+    p.add_argument("--peer-reps", type=int, default=3, help="interleaved repetitions of every peer timing (best of)")
     p.add_argument("--text", default=None,
                    help="plain-text file the prompts are cut from (default: the speed benchmark's public-domain book)")
     p.add_argument("--seed", type=int, default=0)
@@ -1111,8 +1045,10 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, argparse
                           dtype=a.dtype, context_lengths=a.context_lengths, batch_sizes=a.batch_sizes,
                           methods=methods, k=a.k, method_k=a.k if a.method_k is None else a.method_k,
                           budget_frac=a.budget_frac, gen_tokens=a.gen_tokens, reps=a.reps, e2e_reps=a.e2e_reps,
-                          e2e_samples=a.e2e_samples, warmup=a.warmup, steps_only=a.steps_only, hf=not a.no_hf,
-                          hf_tokens=a.hf_tokens, hf_prompt_lookup_tokens=a.hf_prompt_lookup_tokens, seed=a.seed, text=a.text, e2e_max_tokens=a.e2e_max_tokens,
+                          e2e_samples=a.e2e_samples, warmup=a.warmup, steps_only=a.steps_only,
+                          peers=tuple(x.strip() for x in a.peers.split(",") if x.strip() and x.strip() != "none"),
+                          peer_tokens=a.peer_tokens, peer_ngram_k=a.peer_ngram_k, peer_reps=a.peer_reps,
+                          seed=a.seed, text=a.text, e2e_max_tokens=a.e2e_max_tokens,
                           draft_weights=a.draft_weights, quantize=a.quantize, profile=a.profile)
     except ValueError as e:
         p.error(str(e))
@@ -1148,9 +1084,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (WorkerStartError, StoreError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    for r in result["rows"]:  # token ids are for the comparison with transformers, not the report
-        r.pop("hf_token_ids", None)
-        r.pop("hf_pl_token_ids", None)
     md = markdown(result)
     print(md)
     if a.json_out:

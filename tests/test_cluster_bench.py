@@ -88,9 +88,11 @@ def test_markdown_has_the_physics_and_reference_columns():
     result = {"meta": {"date": "d", "machine_desc": "m", "torch": "t", "threads": 2, "model": "x",
                        "config": {"dtype": "float32"}, "e2e": {"run_ids": ["r"], "done": 1}},
               "machine": {"read_bytes_per_s": 1e10, "gemm_flops_per_s": 1e11},
-              "rows": [{"kind": "reference", "method": "transformers-prompt-lookup", "context_len": 256,
-                        "hf_step_s": 0.02, "ours_method": "ngram", "ours_step_s": 0.01, "ours_over_hf": 0.5,
-                        "same_tokens": True},
+              "rows": [{"kind": "peer", "engine": "vllm", "method": "vllm:ngram", "context_len": 256, "batch_size": 4,
+                        "decode_ms_per_step": 20.0, "over_ours_ar": 1.25, "same_tokens_as_ours": True,
+                        "spec_decode": {"acceptance_rate": 0.5}},
+                       {"kind": "peer", "engine": "vllm", "method": "vllm:ar", "context_len": 256, "batch_size": 4,
+                        "error": "no .venv-peers: run make peers"},
                        {"kind": "e2e", "method": "sparsespec-l", "context_len": 256, "batch_size": 1, "n": 1,
                         "decode_tokens_per_s": 10.0, "speedup": 0.9, "speedup_runs": [0.9], "alpha": 0.8,
                         "tau": 2.0, "mean_k": 2.0, "gamma": 0.3, "roofline_speedup": 1.2,
@@ -98,7 +100,8 @@ def test_markdown_has_the_physics_and_reference_columns():
                         "lossless_rate": 1.0}]}
     md = bench.markdown(result)
     assert "| measured / roofline | roofline k (S) |" in md and "| 0.75 | 3 (1.31) |" in md
-    assert "| 256 | transformers-prompt-lookup | 20.0 | ngram | 10.0 | 0.50 | yes |" in md
+    assert "| 256 | 4 | vllm:ngram | 20.0 | 1.25 | yes | accept rate 0.50 |" in md
+    assert "| 256 | 4 | vllm:ar | - | - | - | no .venv-peers: run make peers |" in md
 
 
 def test_the_roofline_module_needs_no_ray_or_sql():
@@ -125,8 +128,9 @@ def test_the_roofline_module_needs_no_ray_or_sql():
     ({"e2e_samples": 0}, "e2e_samples"),
     ({"device": "tpu"}, "device"),
     ({"quantize": "int4"}, "quantize must be one of"),
-    ({"hf_tokens": 1}, "hf_tokens must be >= 2"),
-    ({"hf_prompt_lookup_tokens": -1}, "hf_prompt_lookup_tokens"),
+    ({"peer_tokens": 1}, "peer_tokens must be >= 2"),
+    ({"peer_ngram_k": 0}, "peer_ngram_k"),
+    ({"peers": ("sglang",)}, "unknown peer"),
 ])
 def test_config_rejects_bad_values(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
@@ -276,8 +280,8 @@ def test_contexts_that_do_not_fit_the_window_fail_before_measuring():
 
 # --------------------------------------------------------------------------- end to end, on local Ray
 TINY_ARGS = ["--context-lengths", "256", "--batch-sizes", "1,2", "--methods", "sparsespec-l,magicdec-streaming",
-             "--k", "3", "--reps", "1", "--warmup", "0", "--gen-tokens", "6", "--e2e-reps", "1", "--hf-tokens", "4",
-             "--threads", "1", "--num-workers", "1", "--no-progress"]
+             "--k", "3", "--reps", "1", "--warmup", "0", "--gen-tokens", "6", "--e2e-reps", "1", "--peers", "transformers",
+             "--peer-tokens", "4", "--peer-reps", "1", "--threads", "1", "--num-workers", "1", "--no-progress"]
 
 
 @pytest.fixture(scope="module")
@@ -307,8 +311,6 @@ def test_tiny_bench_times_the_steps_and_runs_the_e2e_part_as_a_sweep(tiny_bench)
     result, db = tiny_bench["result"], tiny_bench["db"]
     steps = [r for r in result["rows"] if r["kind"] == "steps"]
     assert [(r["context_len"], r["prompt_len"], r["batch_size"]) for r in steps] == [(256, 250, 1), (256, 250, 2)]
-    hf = [r for r in result["rows"] if r["kind"] == "hf"]
-    assert len(hf) == 1 and hf[0]["hf_step_s"] > 0 and steps[0]["hf_over_ar_step"] > 0
     e2e = _e2e(result)
     assert set(e2e) == {(256, b, m) for b in (1, 2) for m in ("ar", "sparsespec-l", "magicdec-streaming")}
     for (_, B, m), r in e2e.items():
@@ -321,15 +323,16 @@ def test_tiny_bench_times_the_steps_and_runs_the_e2e_part_as_a_sweep(tiny_bench)
             assert r["speedup"] > 0 and r["speedup_runs"] == [pytest.approx(r["speedup"])]
             assert r["roofline_speedup"] > 0 and r["step_predicted_speedup"] > 0
             assert r["cycle_predicted_speedup"] > 0
-    assert isinstance(e2e[(256, 1, "ar")]["hf_same_tokens"], bool)
-    refs = {r["method"]: r for r in result["rows"] if r["kind"] == "reference"}
-    assert set(refs) == {"transformers-generate", "transformers-prompt-lookup"}
-    assert all(r["ours_step_s"] > 0 and r["hf_step_s"] > 0 for r in refs.values())
+    peers = {(r["method"], r["batch_size"]): r for r in result["rows"] if r["kind"] == "peer"}
+    assert {m for m, _ in peers} == {"sparsespec:ar", "sparsespec:ngram", "transformers:ar", "transformers:prompt-lookup"}
+    assert peers[("sparsespec:ar", 1)]["same_tokens_as_ours"] is True
+    assert "batch size 1 only" in peers[("transformers:prompt-lookup", 2)]["error"]
+    assert peers[("transformers:prompt-lookup", 1)]["decode_ms_per_step"] > 0
     for (_, B, m), r in e2e.items():
         if m != "ar":  # the physics columns: measured vs the roofline at the measured alpha and mean k
             assert r["measured_over_roofline"] == pytest.approx(r["speedup"] / r["roofline_speedup"])
             assert 0 <= r["roofline_best_k"] <= 16 and r["roofline_best_speedup"] >= 1.0
-    assert "outside references" in tiny_bench["md"] and "measured / roofline" in tiny_bench["md"]
+    assert "peers: the same prompts" in tiny_bench["md"] and "measured / roofline" in tiny_bench["md"]
     info = result["meta"]["e2e"]
     assert len(info["run_ids"]) == 2 and info["shards"] == info["done"] == 2 and not info["failed"]
     assert all(rid.startswith("speed-") for rid in info["run_ids"])
@@ -377,26 +380,21 @@ def test_rerunning_the_same_bench_resumes_and_writes_nothing_twice(tiny_bench):
 
 
 @pytest.mark.slow
-def test_real_model_with_transformers_reference(ray_session, tmp_path):
-    """SmolLM2 at a short context: the transformers reference runs on the same prompt as the
-    sweep's first sample and the greedy tokens of our AR match transformers' (fp32)."""
+def test_real_model_with_transformers_peer(ray_session, tmp_path, monkeypatch):
+    """SmolLM2 at a short context: transformers' generate and prompt lookup on the same prompt give
+    our AR's greedy tokens (fp32), and so does our ngram; a missing vLLM venv is a row saying why."""
+    monkeypatch.setenv("SPARSESPEC_PEERS_VENV", str(tmp_path / "no-peers-venv"))
     cfg = BenchConfig(context_lengths=(256,), batch_sizes=(1,), reps=1, warmup=0, gen_tokens=8, e2e_reps=1,
-                      hf_tokens=8, k=4, method_k=4)
+                      peer_tokens=8, peer_reps=1, k=4, method_k=4)
     torch.set_num_threads(2)
     result = bench.run_bench(cfg, progress=lambda _: None, db=f"sqlite:///{tmp_path}/r.db", threads=2)
-    hf = next(r for r in result["rows"] if r["kind"] == "hf")
-    ar = next(r for r in result["rows"] if r["kind"] == "e2e" and r["method"] == "ar")
-    assert hf["hf_step_s"] > 0 and ar["hf_over_ar_tpot"] > 0
-    assert ar["hf_same_tokens"] is True  # same greedy tokens as transformers on the same prompt
-    steps = next(r for r in result["rows"] if r["kind"] == "steps")
-    assert steps["hf_over_ar_step"] > 0
     spec = next(r for r in result["rows"] if r["kind"] == "e2e" and r["method"] == "sparsespec-l")
     assert spec["lossless"] is True
-    # our ar and ngram beside transformers' generate and prompt lookup: the same greedy tokens
-    refs = {r["method"]: r for r in result["rows"] if r["kind"] == "reference"}
-    assert refs["transformers-generate"]["ours_method"] == "ar"
-    assert refs["transformers-prompt-lookup"]["ours_method"] == "ngram"
-    assert all(r["same_tokens"] is True and r["ours_over_hf"] > 0 for r in refs.values())
+    peers = {r["method"]: r for r in result["rows"] if r["kind"] == "peer"}
+    for m in ("sparsespec:ar", "sparsespec:ngram", "transformers:ar", "transformers:prompt-lookup"):
+        assert peers[m]["same_tokens_as_ours"] is True and peers[m]["decode_ms_per_step"] > 0, m
+    for m in ("vllm:ar", "vllm:ngram"):  # without `make peers`: a row that says so
+        assert "make peers" in peers[m]["error"] and "decode_ms_per_step" not in peers[m]
 
 
 @pytest.mark.slow

@@ -169,6 +169,11 @@ def test_runner_rejects_bad_requests_with_an_error_row(tmp_path):
         ({**REQUEST, "model": str(tmp_path), "prompts": [[]]}, "prompts must be"),
         ({**REQUEST, "model": str(tmp_path), "temperature": 0.7}, "unknown request fields: temperature"),
         (REQUEST, "model must be a local folder"),
+        ({"model": str(tmp_path), "max_tokens": 4}, "exactly one of prompts and cases"),
+        ({**REQUEST, "model": str(tmp_path), "cases": [{"prompts": [[1]]}]}, "exactly one of prompts and cases"),
+        ({"model": str(tmp_path), "max_tokens": 4, "cases": []}, "cases must be a non-empty list"),
+        ({"model": str(tmp_path), "max_tokens": 4, "cases": [{"label": "x"}]}, "cases[0] must be an object"),
+        ({"model": str(tmp_path), "max_tokens": 4, "cases": [{"prompts": [[]]}]}, "cases[0].prompts must be"),
     ]
     for i, (request, expected) in enumerate(cases):
         req_path, out_path = tmp_path / f"req{i}.json", tmp_path / f"out{i}.json"
@@ -193,3 +198,49 @@ def test_runner_thread_env_binds_the_first_allowed_cpus(tmp_path):
     too_many = runner.parse_request({**REQUEST, "model": str(tmp_path), "threads": 4096})
     with pytest.raises(runner.RequestError, match="may use only"):
         runner.thread_env(too_many)
+
+
+# ---------------------------------------------------------------- the comparison (cluster.peers.compare)
+def test_decode_timing_is_the_wall_difference_per_step():
+    import time
+
+    from cluster.peers.compare import decode_timing
+
+    calls = []
+
+    def run(m):  # 50 ms of "prefill" + 10 ms per further token
+        calls.append(m)
+        time.sleep(0.05 + 0.01 * (m - 1))
+        return [[7] * m]
+
+    t = decode_timing(run, 6, reps=2)
+    assert calls == [6, 1, 6, 6, 1]  # a warm-up, then interleaved pairs, alternating which goes first
+    assert 9.0 < t["decode_ms_per_step"] < 15.0 and 0.05 <= t["ttft_s"] < 0.08 and t["token_ids"] == [[7] * 6]
+    with pytest.raises(ValueError):
+        decode_timing(run, 1, 1)
+
+
+def test_compare_tokens_checks_every_row_against_our_ar_in_its_cell():
+    from cluster.peers.compare import compare_tokens
+
+    rows = [{"method": "sparsespec:ar", "context_len": 1, "batch_size": 2, "decode_ms_per_step": 10.0,
+             "token_ids": [[1, 2, 3, 9], [4, 5, 6, 9]]},
+            {"method": "vllm:ar", "context_len": 1, "batch_size": 2, "decode_ms_per_step": 20.0,
+             "token_ids": [[1, 2, 3, 0], [4, 5, 6, 1]]},  # the last token is not compared (EOS masking)
+            {"method": "vllm:ngram", "context_len": 1, "batch_size": 2, "decode_ms_per_step": 5.0,
+             "token_ids": [[1, 2, 3, 9], [4, 7, 6, 9]]},
+            {"method": "transformers:prompt-lookup", "context_len": 1, "batch_size": 2, "error": "batch size 1 only"}]
+    compare_tokens(rows, n=4)
+    assert [r.get("same_tokens_as_ours") for r in rows] == [True, True, False, None]
+    assert [r.get("over_ours_ar") for r in rows] == [1.0, 2.0, 0.5, None]
+    assert not any("token_ids" in r for r in rows)
+
+
+def test_vllm_peer_without_the_venv_is_one_error_row_per_cell(tmp_path, monkeypatch):
+    from cluster.peers.compare import vllm_peer
+
+    monkeypatch.setenv("SPARSESPEC_PEERS_VENV", str(tmp_path / "absent"))
+    rows = vllm_peer(tmp_path, "float32", 2, {(512, 1): [[1, 2]], (512, 4): [[1, 2]] * 4}, 8, 1, 4, timeout_s=5)
+    assert [(r["method"], r["batch_size"]) for r in rows] == [("vllm:ar", 1), ("vllm:ar", 4), ("vllm:ngram", 1),
+                                                              ("vllm:ngram", 4)]
+    assert all("make peers" in r["error"] for r in rows)
