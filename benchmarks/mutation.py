@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FAST_TESTS = ["tests/test_engine_core.py", "tests/test_rejection.py", "tests/test_sampling.py",
               "tests/test_adaptive.py", "tests/test_engine_units.py", "tests/test_baselines.py",
               "tests/test_draft_model.py", "tests/test_engine_min_tokens.py", "tests/test_sampling_engine.py",
-              "tests/test_kernels.py", "tests/test_perf_paths.py"]
+              "tests/test_kernels.py", "tests/test_perf_paths.py", "tests/test_cpu_kernels.py"]
 
 
 @dataclass(frozen=True)
@@ -62,9 +62,13 @@ MUTANTS = [
       ("        for b in range(cache.batch_size):\n            self._rebuild(cache, b)",
        "        pass")),
     M("window_scores_max", "sparsespec/kv/index.py", "score keys by the max over the window, not the sum",
+      ("            tot -= self.rows[:, b, :, start : start + m, :wide].sum(dim=2)",
+       "            tot -= 0 * self.rows[:, b, :, start : start + m, :wide].sum(dim=2)"),
       ("tot -= old.sum(dim=2)  #", "tot -= 0 * old.sum(dim=2)  #"),
       ("return rows[..., :length].sum(dim=3)", "return rows[..., :length].amax(dim=3)")),
     M("window_running_sum_double_add", "sparsespec/kv/index.py", "the running sum adds the new rows twice",
+      ("            tot += self.rows[:, b, :, start : start + m, :wide].sum(dim=2)",
+       "            tot += 2 * self.rows[:, b, :, start : start + m, :wide].sum(dim=2)"),
       ("tot[..., :S] += seg.sum(dim=2)", "tot[..., :S] += 2 * seg.sum(dim=2)")),
     # ---- the attention fast path (issue 15)
     M("tail_mask_strict", "sparsespec/model.py", "a query does not see its own key",
@@ -165,6 +169,39 @@ MUTANTS = [
       ("            run *= float(p)\n", "            run = float(p)\n")),
     M("accept_prob_sign", "sparsespec/adaptive.py", "high entropy predicts acceptance",
       ("return _sigmoid(2.0 * self.sharpness * (mid - h) / s)", "return _sigmoid(2.0 * self.sharpness * (h - mid) / s)")),
+    # ---- the importance window's ring (the verify writes its rows into spare slots; issue 25)
+    M("ring_commits_rejected", "sparsespec/drafters/sparse_self.py", "commit every verified query's ring slot, rejected too",
+      ("                self.window.commit_row(b, n, width)",
+       "                self.window.commit_row(b, self._target[0].slots.shape[1], width)")),
+    M("ring_target_overwrites_newest", "sparsespec/kv/index.py", "a verify writes over the newest committed row",
+      ("slots = torch.tensor([[(self._next[b] + t) % self.slots", "slots = torch.tensor([[(self._next[b] - 1 + t) % self.slots")),
+    M("ring_evicts_one_short", "sparsespec/kv/index.py", "the oldest row is not subtracted when it leaves the window",
+      ("        n = max(0, held + incoming - self.window)", "        n = max(0, held + incoming - self.window - 1)")),
+    # ---- our CPU kernels (sparsespec/kernels/cpu/sparsespec_cpu.c: rebuilt per mutant)
+    M("kernel_causal_off_by_one", "sparsespec/kernels/cpu/sparsespec_cpu.c", "a verify query sees the next draft's key",
+      ("                    if (j + u > lim) S[rr * ld + j + u] = -INFINITY;",
+       "                    if (j + u > lim + 1) S[rr * ld + j + u] = -INFINITY;")),
+    M("kernel_rows_not_zeroed", "sparsespec/kernels/cpu/sparsespec_cpu.c", "importance rows keep garbage past a row's keys",
+      ("        for (int64_t j = jv; j < j1; ++j) dst[j] = 0.0f;", "")),
+    M("kernel_chunks_not_rescaled", "sparsespec/kernels/cpu/sparsespec_cpu.c", "chunk partials combined without exp(m_c - M)",
+      ("            f[c] = exp1(it[r] - m);", "            f[c] = it[r] == -INFINITY ? 0.0f : 1.0f;")),
+    M("kernel_bias_dropped", "sparsespec/kernels/cpu/sparsespec_cpu.c", "the packed linear forgets the bias",
+      ("        if (bias) s += bias[u];\n        if (acc) yr[u] += s; else yr[u] = s;\n    }\n}",
+       "        if (acc) yr[u] += s; else yr[u] = s;\n    }\n}")),
+    M("kernel_kv_written_one_late", "sparsespec/kernels/cpu/sparsespec_cpu.c", "new k, v written one position late",
+      ("        const int64_t slot = (pos ? pos[b] : 0) + t;", "        const int64_t slot = (pos ? pos[b] : 0) + t + (pos != NULL);")),
+    M("kernel_draft_tail_hidden", "sparsespec/kernels/cpu/sparsespec_cpu.c", "a draft query does not see its own tail slot",
+      ("    return a->sparse ? nv + a->E - a->T + t : a->starts[b] + t;",
+       "    return a->sparse ? nv + a->E - a->T + t - 1 : a->starts[b] + t;")),
+    M("kernel_layers_wrong_norm", "sparsespec/kernels/cpu/sparsespec_cpu.c", "the one-call layers normalise the MLP input with ln_attn",
+      ("            rms_body(BT, E, f->h, E, f->ln_mlp[l], (float)f->eps, f->x, E);",
+       "            rms_body(BT, E, f->h, E, f->ln_attn[l], (float)f->eps, f->x, E);")),
+    M("kernel_silu_as_relu", "sparsespec/kernels/cpu/sparsespec_cpu.c", "SiLU replaced by ReLU in the fused op",
+      ("            __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv))));",
+       "            __m256 s = _mm256_max_ps(gv, zero);")),
+    M("plan_panels_stale", "sparsespec/kernels/plan.py", "the panel copy is made once and never refreshed",
+      ("        if plan.uses_panels and cpu.supports(w) and w.dim() == 2 and cpu.available():",
+       "        if plan.uses_panels and cpu.supports(w) and w.dim() == 2 and cpu.available() and not hasattr(w, PANELS_ATTR):")),
 ]
 
 

@@ -142,7 +142,7 @@ def plan_cells(spec: SweepSpec, method_options: Mapping[str, Mapping[str, Any]],
                                      f"{s.max_new_tokens} to generate, over the model's window of {window}")
                 digest = samples_digest(samples)
                 for q in spec.quantize:
-                    for B in spec.batch_sizes:
+                    for B in (b.batch_sizes if b.batch_sizes is not None else spec.batch_sizes):
                         for rep in range(spec.repetitions):
                             config = {
                                 "benchmark": b.name, "model": model, "dtype": spec.dtype, "methods": methods,

@@ -18,6 +18,7 @@ Schema (every key except ``name``, ``models`` and ``benchmarks`` is optional; se
         tasks: [niah_single_1]        # default: the benchmark's default tasks
         num_samples: 1                # per task (default: the benchmark's own)
         context_lengths: [4096]       # overrides the sweep's for this benchmark
+        batch_sizes: [1]              # overrides the sweep's for this benchmark
         options: {seed: 42}           # the benchmark's own options (its CLI flags' dest names)
     sampling:
       temperature: 0.0                # 0 = greedy (token-identical losslessness check)
@@ -67,7 +68,13 @@ class BenchmarkSpec(_Frozen):
     tasks: tuple[str, ...] | None = None
     num_samples: int | None = Field(default=None, ge=1)
     context_lengths: tuple[int | None, ...] | None = None
+    batch_sizes: tuple[int, ...] | None = None
     options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _batches(cls, v: Any) -> Any:
+        return v if v is None else _check_batches(v)
 
     @field_validator("tasks", mode="before")
     @classmethod
@@ -96,6 +103,14 @@ class WorkersSpec(_Frozen):
     num_workers: int | None = Field(default=None, ge=1)
     threads: int | None = Field(default=None, ge=1)
     max_retries: int = Field(default=2, ge=0)
+
+
+def _check_batches(v: tuple[int, ...]) -> tuple[int, ...]:
+    if not v or any(b < 1 for b in v):
+        raise ValueError(f"batch sizes must be >= 1, got {list(v)}")
+    if len(set(v)) != len(v):
+        raise ValueError(f"duplicate batch sizes in {list(v)}")
+    return v
 
 
 def _check_lengths(v: Any) -> Any:
@@ -190,11 +205,7 @@ class SweepSpec(_Frozen):
     @field_validator("batch_sizes")
     @classmethod
     def _batches(cls, v: tuple[int, ...]) -> tuple[int, ...]:
-        if not v or any(b < 1 for b in v):
-            raise ValueError(f"batch sizes must be >= 1, got {list(v)}")
-        if len(set(v)) != len(v):
-            raise ValueError(f"duplicate batch sizes in {list(v)}")
-        return v
+        return _check_batches(v)
 
     @field_validator("context_lengths")
     @classmethod

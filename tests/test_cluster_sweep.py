@@ -56,6 +56,7 @@ def _spec(tiny, db, **kw):
     ({"sampling": {"temperature": -1}}, "sampling.temperature"),
     ({"context_lengths": [1]}, ">= 2 tokens"),
     ({"device": "tpu"}, "device"),
+    ({"benchmarks": [{"name": "ruler", "batch_sizes": [2, 2]}]}, "duplicate batch sizes"),
 ])
 def test_spec_rejects_bad_values_with_the_key(tiny, tmp_path, patch, needle):
     with pytest.raises(SpecError, match=needle):
@@ -120,6 +121,16 @@ def test_planner_keys_are_stable_and_cover_every_sample(tiny, tmp_path, capsys):
         assert sweep.plan(_spec(tiny, db, **patch))[0][0].run_id != cells[0].run_id
     # batch 3 over 4 samples: a full batch and the remainder
     assert [len(s.samples) for s in plan_shards(sweep.plan(_spec(tiny, db, batch_sizes=[3]))[0][0])] == [3, 1, 3, 1]
+
+
+def test_a_benchmark_may_set_its_own_batch_sizes(tiny, tmp_path):
+    db = f"sqlite:///{tmp_path}/x.db"
+    base = _spec(tiny, db)
+    speed = {"name": "speed", "num_samples": 4, "context_lengths": [256], "batch_sizes": [4]}
+    cells, _ = sweep.plan(_spec(tiny, db, benchmarks=[base.benchmarks[0].model_dump(), speed]))
+    assert [(c.benchmark, c.batch_size) for c in cells] == [("ruler", 2), ("speed", 4)]
+    # a spec without the per-benchmark key plans (and names) its runs as before
+    assert sweep.plan(base)[0][0].run_id == cells[0].run_id
 
 
 def test_dry_run_prints_the_keys_and_runs_nothing(tiny, tmp_path, capsys):
