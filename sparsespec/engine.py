@@ -27,6 +27,7 @@ from sparsespec.adaptive import CostAwareController, StepCosts, policy_for
 from sparsespec.config import SamplingParams, SpecConfig
 from sparsespec.drafters.base import Draft, empty_draft
 from sparsespec.kv.cache import KVCache
+from sparsespec.kv.index import RowsTarget
 from sparsespec.model import Transformer
 from sparsespec.provision import resolve_model
 from sparsespec.registry import DRAFTERS
@@ -244,14 +245,23 @@ class EngineCore:
             self.cache.k[:, :Bm, :, : s_hi + kw].fill_(1e-3)
             self.cache.v[:, :Bm, :, : s_hi + kw].fill_(1e-3)
             measured = []
+            cfg = self.model.cfg
             for B, w, S in points:
                 ids = torch.zeros(B, w, dtype=torch.long, device=dev)
+                # the importance rows go where a verify's go (a target written in place, as the
+                # drafter's window ring is): a buffer made once per point, so only the first call
+                # pays its pages, and the drafter's own ring is left untouched
+                target = None
+                if self.drafter.want_rows and hasattr(self.drafter, "importance_target"):
+                    target = RowsTarget(torch.empty(cfg.num_layers, B, cfg.num_kv_heads, w, S + w, device=dev),
+                                        torch.arange(w).repeat(B, 1))
                 times = []
                 for _ in range(2):  # the first call of a shape pays one-off kernel setup: keep the faster
                     view = self.cache.head(B)
                     view.lengths = [S] * B
                     t0 = self.clock()
-                    self.model.forward_dense(ids, view, want_rows=self.drafter.want_rows and w)
+                    self.model.forward_dense_features(ids, view, want_rows=self.drafter.want_rows and w,
+                                                      rows_into=target)
                     times.append(self.clock() - t0)
                 measured.append((B, w, S, min(times)))
             memo[key] = measured
