@@ -158,6 +158,9 @@ class BenchConfig:
     #: the drafts of every engine's prompt lookup / ngram (ours, transformers', vLLM's)
     peer_ngram_k: int = 4
     peer_reps: int = 3
+    #: peer cells only where batch x context <= this (each peer timing prefills the batch five
+    #: times per engine and method); None = every cell
+    peer_max_tokens: int | None = None
     seed: int = 0
     text: str | None = None
     #: end-to-end cells only where batch x context <= this (each batch prefills every row; on a
@@ -597,7 +600,8 @@ def measure_steps(cfg: BenchConfig, *, progress: Callable[[str], None] = log.inf
         prefill_s = time_prefill(model, base_prompts[0], cfg)
         progress(f"ctx {L}: prefill of {len(base_prompts[0])} tokens {prefill_s:.2f} s")
         for B in cfg.batch_sizes:  # the peer table's cells (prompt = context - gen_tokens, as the steps')
-            cells[(L, B)] = base_prompts[:B]
+            if cfg.peer_max_tokens is None or B * L <= cfg.peer_max_tokens:
+                cells[(L, B)] = base_prompts[:B]
         for B in cfg.batch_sizes:
             steps = bench_steps(model, base_prompts[:B], cfg, machine, prefill_s if B == 1 else None, L)
             rows.append(steps)
@@ -607,7 +611,7 @@ def measure_steps(cfg: BenchConfig, *, progress: Callable[[str], None] = log.inf
             if torch.device(cfg.device).type == "cuda":
                 torch.cuda.empty_cache()
     # (peers run the full-precision model from its folder: none for an int8 target or random weights)
-    if cfg.peers and cfg.quantize == "none" and tokenizer is not None:
+    if cfg.peers and cfg.quantize == "none" and tokenizer is not None and cells:
         rows += peer_rows(model, tokenizer, cells, cfg, progress)
     if cfg.profile:
         progress(f"profile of the {cfg.profile} step at ctx {cfg.context_lengths[0]}, B {cfg.batch_sizes[0]}:\n"
@@ -1017,6 +1021,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, argparse
     p.add_argument("--peer-tokens", type=int, default=32, help="tokens per peer timing (N of the N- and 1-token walls)")
     p.add_argument("--peer-ngram-k", type=int, default=4, help="drafts of every engine's prompt lookup / ngram")
     p.add_argument("--peer-reps", type=int, default=3, help="interleaved repetitions of every peer timing (best of)")
+    p.add_argument("--peer-max-tokens", type=int, default=None,
+                   help="peer cells only where batch x context <= this (default: every cell)")
     p.add_argument("--text", default=None,
                    help="plain-text file the prompts are cut from (default: the speed benchmark's public-domain book)")
     p.add_argument("--seed", type=int, default=0)
@@ -1048,6 +1054,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, argparse
                           e2e_samples=a.e2e_samples, warmup=a.warmup, steps_only=a.steps_only,
                           peers=tuple(x.strip() for x in a.peers.split(",") if x.strip() and x.strip() != "none"),
                           peer_tokens=a.peer_tokens, peer_ngram_k=a.peer_ngram_k, peer_reps=a.peer_reps,
+                          peer_max_tokens=a.peer_max_tokens,
                           seed=a.seed, text=a.text, e2e_max_tokens=a.e2e_max_tokens,
                           draft_weights=a.draft_weights, quantize=a.quantize, profile=a.profile)
     except ValueError as e:
