@@ -6,7 +6,8 @@ hold ``L - --gen-tokens`` tokens), it measures, after warm-up:
 
 * the machine: memory read bandwidth (a full-buffer reduction over a buffer far larger than the
   caches) and dense GEMM throughput, measured in this run, on this device, with these threads
-  (``sparsespec.roofline.measure_machine``);
+  (``sparsespec.roofline.measure_machine``), at the start and after every cell: every row's
+  roofline uses the run's best samples (``best_rates``; the samples are kept in the result);
 * steps, in this process (median of ``--reps`` timed calls each): prefill (batch 1), the AR
   decode step, the sparse draft step at the configured budget, the gather of the index into the
   compact draft KV, the verify step for K+1 tokens with and without importance recycling, and
@@ -370,12 +371,34 @@ def bench_steps(model, prompts: list[list[int]], cfg: BenchConfig, machine: dict
                            "verify_linears_s": parts["linears_s"], "verify_attention_s": parts["attention_s"]}
     out["ar_rest_s"] = t["ar_step_s"] - parts_ar["linears_s"] - parts_ar["attention_s"]
     out["verify_rest_s"] = t["verify_importance_s"] - parts["linears_s"] - parts["attention_s"]
+    out["importance_overhead"] = t["verify_importance_s"] / t["verify_s"] - 1.0
+    out["index_update_frac_of_verify"] = t["index_update_s"] / t["verify_importance_s"]
+    out["verify_over_ar"] = t["verify_importance_s"] / t["ar_step_s"]
+    out["gamma"] = t["draft_step_s"] / t["verify_importance_s"]
+    out["gamma_int8"] = t["draft_step_int8_s"] / t["verify_importance_s"]
+    out["draft_int8_over_target"] = t["draft_step_int8_s"] / t["draft_step_s"] if t["draft_step_s"] else None
+    out["draft_weight_int8_bytes"] = drafter8.weight_bytes
+    out["_draft_int8_roofline_weight_bytes"] = draft_weight_bytes(model, drafter8.weights)
+    # best case (alpha = 1) with every step at its measured time (the floors': add_rooflines)
+    out["step_max_speedup"] = max_speedup(K, t["ar_step_s"], t["draft_step_s"], t["verify_importance_s"])
+    add_rooflines(out, model, machine)
+    del cache, drafter, drafter8, rows
+    return out
+
+
+def add_rooflines(out: dict[str, Any], model, machine: Mapping[str, float]) -> dict[str, Any]:
+    """The roofline-derived fields of one ``steps`` row (its measured seconds, shapes and
+    ``_draft_int8_roofline_weight_bytes``) at the machine rates ``machine``: each step's floor
+    ``max(bytes / read bandwidth, FLOPs / GEMM rate)``, measured / floor, gamma's floor and the
+    best-case speedups. ``measure_steps`` calls it again at the end of a run with the best rates
+    the run measured, so every row of a run shares one roofline."""
+    B, P, K, n_index = out["batch_size"], out["prompt_len"], out["k"], out["n_index"]
     roofs = {
         "ar_step": roofline(model, machine, B, 1, P),
         "verify": roofline(model, machine, B, K + 1, P),
         "draft_step": roofline(model, machine, B, 1, n_index + K / 2),
         "draft_step_int8": roofline(model, machine, B, 1, n_index + K / 2,
-                                    weight_nbytes=draft_weight_bytes(model, drafter8.weights)),
+                                    weight_nbytes=out["_draft_int8_roofline_weight_bytes"]),
     }
     # the verify's floor at every draft length (its compute floor grows with k + 1 tokens per row)
     out["verify_roofline_s_by_k"] = {str(k): roofline(model, machine, B, k + 1, P)["roofline_s"]
@@ -386,28 +409,19 @@ def bench_steps(model, prompts: list[list[int]], cfg: BenchConfig, machine: dict
         out[f"{name}_roofline_s"] = r["roofline_s"]
         out[f"{name}_mem_roofline_s"] = r["mem_s"]
         out[f"{name}_bytes"] = r["bytes"]
-        out[f"{name}_x_roofline"] = x_roofline(t[key], r["roofline_s"])
-        out[f"{name}_x_mem"] = x_roofline(t[key], r["mem_s"])
-    if prefill_s is not None:
+        out[f"{name}_x_roofline"] = x_roofline(out[key], r["roofline_s"])
+        out[f"{name}_x_mem"] = x_roofline(out[key], r["mem_s"])
+    if out.get("prefill_s") is not None:
         r = roofline(model, machine, 1, P, P, attn_keys=P / 2)
         out["prefill_roofline_s"] = r["roofline_s"]
-        out["prefill_x_roofline"] = x_roofline(prefill_s, r["roofline_s"])
-    out["importance_overhead"] = t["verify_importance_s"] / t["verify_s"] - 1.0
-    out["index_update_frac_of_verify"] = t["index_update_s"] / t["verify_importance_s"]
-    out["verify_over_ar"] = t["verify_importance_s"] / t["ar_step_s"]
-    out["gamma"] = t["draft_step_s"] / t["verify_importance_s"]
+        out["prefill_x_roofline"] = x_roofline(out["prefill_s"], r["roofline_s"])
     out["gamma_roofline"] = roofs["draft_step"]["roofline_s"] / roofs["verify"]["roofline_s"]
     out["gamma_over_roofline"] = out["gamma"] / out["gamma_roofline"]
-    out["gamma_int8"] = t["draft_step_int8_s"] / t["verify_importance_s"]
     out["gamma_int8_roofline"] = roofs["draft_step_int8"]["roofline_s"] / roofs["verify"]["roofline_s"]
-    out["draft_int8_over_target"] = t["draft_step_int8_s"] / t["draft_step_s"] if t["draft_step_s"] else None
-    out["draft_weight_int8_bytes"] = drafter8.weight_bytes
     # Best case (alpha = 1): K+1 tokens per cycle of K drafts + 1 verify, against K+1 AR steps,
-    # with every step at its floor (roofline) or at its measured time (steps).
+    # with every step at its floor.
     out["roofline_max_speedup"] = max_speedup(K, roofs["ar_step"]["roofline_s"], roofs["draft_step"]["roofline_s"],
                                               roofs["verify"]["roofline_s"])
-    out["step_max_speedup"] = max_speedup(K, t["ar_step_s"], t["draft_step_s"], t["verify_importance_s"])
-    del cache, drafter, drafter8, rows
     return out
 
 
@@ -574,6 +588,12 @@ def _check_window(cfg: BenchConfig, window: int) -> None:
                          f"tokens) exceed the model's window ({window}); the longest that fits is {longest}")
 
 
+def best_rates(samples: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """The best read bandwidth and the best GEMM rate among ``measure_machine`` samples."""
+    return {"read_bytes_per_s": max(m["read_bytes_per_s"] for m in samples),
+            "gemm_flops_per_s": max(m["gemm_flops_per_s"] for m in samples)}
+
+
 def measure_steps(cfg: BenchConfig, *, progress: Callable[[str], None] = log.info) -> dict[str, Any]:
     """The machine, the step timings and the transformers reference, in this process:
     ``{"meta", "machine", "rows"}``. The model is freed on return (GPU memory included), so the
@@ -589,10 +609,13 @@ def measure_steps(cfg: BenchConfig, *, progress: Callable[[str], None] = log.inf
         model.use_kernels("auto")
     plan = model.kernel_plan
     progress(f"kernels: {plan.summary()}")
-    machine = measure_machine(cfg.device, _DTYPES[cfg.dtype])
+    # The machine's rates, sampled now and after every cell (a shared machine's bandwidth moves by
+    # a third between minutes): every row's roofline uses the best of the run's samples, so one
+    # slow sample can make no step look faster than its floor.
+    samples = [measure_machine(cfg.device, _DTYPES[cfg.dtype])]
+    machine = best_rates(samples)
     progress(f"machine: read {machine['read_bytes_per_s'] / 1e9:.1f} GB/s, "
              f"GEMM {machine['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s ({cfg.dtype})")
-    stamp = run_stamp(model, machine)
     rows: list[dict[str, Any]] = []
     cells: dict[tuple[int, int], list[list[int]]] = {}
     for L in cfg.context_lengths:
@@ -610,6 +633,15 @@ def measure_steps(cfg: BenchConfig, *, progress: Callable[[str], None] = log.inf
                      f"gamma {steps['gamma']:.3f} (roofline {steps['gamma_roofline']:.3f})")
             if torch.device(cfg.device).type == "cuda":
                 torch.cuda.empty_cache()
+            samples.append(measure_machine(cfg.device, _DTYPES[cfg.dtype], reps=3))
+    machine = best_rates(samples)
+    for r in rows:  # every step row against the run's one roofline
+        add_rooflines(r, model, machine)
+    progress(f"machine, best of {len(samples)} samples: read {machine['read_bytes_per_s'] / 1e9:.1f} GB/s "
+             f"({min(m['read_bytes_per_s'] for m in samples) / 1e9:.1f}-{machine['read_bytes_per_s'] / 1e9:.1f}), "
+             f"GEMM {machine['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s "
+             f"({min(m['gemm_flops_per_s'] for m in samples) / 1e9:.0f}-{machine['gemm_flops_per_s'] / 1e9:.0f})")
+    stamp = run_stamp(model, machine)
     # (peers run the full-precision model from its folder: none for an int8 target or random weights)
     if cfg.peers and cfg.quantize == "none" and tokenizer is not None and cells:
         rows += peer_rows(model, tokenizer, cells, cfg, progress)
@@ -634,7 +666,9 @@ def measure_steps(cfg: BenchConfig, *, progress: Callable[[str], None] = log.inf
     gc.collect()
     if torch.device(cfg.device).type == "cuda":
         torch.cuda.empty_cache()
-    return {"meta": meta, "machine": machine, "rows": rows}
+    for r in rows:
+        r.pop("_draft_int8_roofline_weight_bytes", None)
+    return {"meta": meta, "machine": {**machine, "samples": samples}, "rows": rows}
 
 
 # --------------------------------------------------------------------------- end to end: a sweep
@@ -873,7 +907,11 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"{meta['date']} · {meta['machine_desc']} · torch {meta['torch']} · {meta['threads']} threads · "
         f"model {meta['model']} ({meta['config']['dtype']})",
-        f"measured read bandwidth {m['read_bytes_per_s'] / 1e9:.1f} GB/s, GEMM {m['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s",
+        f"measured read bandwidth {m['read_bytes_per_s'] / 1e9:.1f} GB/s, GEMM {m['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s"
+        + (f" (the best of {len(m['samples'])} samples through the run: "
+           f"{min(x['read_bytes_per_s'] for x in m['samples']) / 1e9:.1f}-{m['read_bytes_per_s'] / 1e9:.1f} GB/s, "
+           f"{min(x['gemm_flops_per_s'] for x in m['samples']) / 1e9:.0f}-{m['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s)"
+           if len(m.get("samples") or ()) > 1 else ""),
         f"CPU {meta.get('cpu', '-')} [{meta.get('isa', '-')}] · kernels: {meta.get('kernels', '-')}, "
         f"built in {_f(meta.get('kernels_build_s'), '.1f')} s",
         "",

@@ -226,7 +226,8 @@ class EngineCore:
     def _calibrate(self) -> None:
         """The cost controller's starting point: a few timed dense forwards of this core's shapes
         (``max_num_seqs`` rows, widths 1, 2 and ``k_max + 1``, a short context and the longest
-        the core holds, and one row), with the importance rows the drafter asks for, on the pool's
+        the core holds, and one row), with the importance rows the drafter asks for (none at width
+        1: a round that drafts nothing is an AR step), on the pool's
         own buffers (no request is running; lengths are restored). Measured once per engine,
         method, batch and capacity bucket (powers of two)."""
         bucket = 1 << max(0, self.cache.capacity - 1).bit_length()  # capacities up to the next power of two
@@ -251,8 +252,8 @@ class EngineCore:
                 # the importance rows go where a verify's go (a target written in place, as the
                 # drafter's window ring is): a buffer made once per point, so only the first call
                 # pays its pages, and the drafter's own ring is left untouched
-                target = None
-                if self.drafter.want_rows and hasattr(self.drafter, "importance_target"):
+                target = None  # (a width-1 forward is a k = 0 round: an AR step, no rows)
+                if w > 1 and self.drafter.want_rows and hasattr(self.drafter, "importance_target"):
                     target = RowsTarget(torch.empty(cfg.num_layers, B, cfg.num_kv_heads, w, S + w, device=dev),
                                         torch.arange(w).repeat(B, 1))
                 times = []
@@ -260,7 +261,7 @@ class EngineCore:
                     view = self.cache.head(B)
                     view.lengths = [S] * B
                     t0 = self.clock()
-                    self.model.forward_dense_features(ids, view, want_rows=self.drafter.want_rows and w,
+                    self.model.forward_dense_features(ids, view, want_rows=self.drafter.want_rows and w if w > 1 else 0,
                                                       rows_into=target)
                     times.append(self.clock() - t0)
                 measured.append((B, w, S, min(times)))
@@ -391,7 +392,10 @@ class EngineCore:
         t0 = self.clock()
         draft = st.draft
         inp = torch.cat([pending, draft.token_ids], dim=1)  # [B, K + 1]
-        want = self.drafter.want_rows and inp.shape[1]
+        # A round that drafts nothing (k = 0 for every row) is an AR step: no importance rows, so
+        # declining to draft costs what AR costs (the window keeps the last W queries of the
+        # rounds that drafted; the index is rebuilt from it when drafting resumes).
+        want = self.drafter.want_rows and inp.shape[1] if draft.token_ids.shape[1] else 0
         target = None  # the drafter's importance window takes the rows in place where it can
         if want and hasattr(self.drafter, "importance_target"):
             target = self.drafter.importance_target(len(st.rows), want, max(st.cache.lengths) + inp.shape[1])

@@ -84,6 +84,23 @@ def test_verify_floor_interpolates_at_a_fractional_mean_k():
     assert bench.expected_tokens(0.5, 2) == pytest.approx(1.75) and bench.expected_tokens(1.0, 3) == 4.0
 
 
+def test_rooflines_are_recomputed_at_the_best_rates_of_the_run():
+    tiny = random_transformer("tiny")
+    samples = [{"read_bytes_per_s": 2e9, "gemm_flops_per_s": 5e11}, {"read_bytes_per_s": 1e9, "gemm_flops_per_s": 9e11}]
+    assert bench.best_rates(samples) == {"read_bytes_per_s": 2e9, "gemm_flops_per_s": 9e11}
+    row = {"batch_size": 2, "prompt_len": 1000, "k": 3, "n_index": 128, "prefill_s": 0.5, "ar_step_s": 0.01,
+           "verify_importance_s": 0.03, "draft_step_s": 0.004, "draft_step_int8_s": 0.003, "gamma": 0.004 / 0.03,
+           "_draft_int8_roofline_weight_bytes": 1000}
+    slow = bench.add_rooflines(dict(row), tiny, samples[1])
+    best = bench.add_rooflines(dict(row), tiny, bench.best_rates(samples))
+    # twice the bandwidth: half the memory floor, so the same seconds are twice as far from it
+    assert best["ar_step_mem_roofline_s"] == pytest.approx(slow["ar_step_mem_roofline_s"] / 2)
+    assert best["ar_step_mem_roofline_s"] == pytest.approx(best["ar_step_bytes"] / 2e9)
+    assert best["ar_step_x_mem"] == pytest.approx(2 * slow["ar_step_x_mem"])
+    assert best["prefill_x_roofline"] == pytest.approx(0.5 / best["prefill_roofline_s"])
+    assert best["gamma_over_roofline"] == pytest.approx(best["gamma"] / best["gamma_roofline"])
+
+
 def test_markdown_has_the_physics_and_reference_columns():
     result = {"meta": {"date": "d", "machine_desc": "m", "torch": "t", "threads": 2, "model": "x",
                        "config": {"dtype": "float32"}, "e2e": {"run_ids": ["r"], "done": 1}},
@@ -156,7 +173,13 @@ def test_random_weights_measure_every_step_and_store_them_without_an_e2e_run(tmp
     printed = capsys.readouterr().out
     assert "| ctx (prompt) | B |" in printed and "stored as run bench-" in printed
     result = json.loads(out.read_text())
-    assert result["machine"]["read_bytes_per_s"] > 0 and result["machine"]["gemm_flops_per_s"] > 0
+    m = result["machine"]
+    assert m["read_bytes_per_s"] > 0 and m["gemm_flops_per_s"] > 0
+    # sampled at the start and after each of the 2 cells; the roofline uses the best samples
+    assert len(m["samples"]) == 3
+    assert m["read_bytes_per_s"] == max(x["read_bytes_per_s"] for x in m["samples"])
+    assert m["gemm_flops_per_s"] == max(x["gemm_flops_per_s"] for x in m["samples"])
+    assert "_draft_int8_roofline_weight_bytes" not in json.dumps(result["rows"])
     assert result["meta"]["e2e"] is None  # random weights: steps only (no tokenizer for the book)
     steps = [r for r in result["rows"] if r["kind"] == "steps"]
     assert [r["kind"] for r in result["rows"]] == ["steps", "steps"]
@@ -175,6 +198,10 @@ def test_random_weights_measure_every_step_and_store_them_without_an_e2e_run(tmp
         assert 0 < r["draft_weight_int8_bytes"] and r["draft_step_int8_bytes"] < r["draft_step_bytes"]
         assert r["roofline_max_speedup"] == pytest.approx(max_speedup(
             3, r["ar_step_roofline_s"], r["draft_step_roofline_s"], r["verify_roofline_s"]))
+        # every row's floors are at the run's best rates (not at the rates of the moment it ran)
+        assert r["read_bytes_per_s"] == m["read_bytes_per_s"]
+        assert r["ar_step_mem_roofline_s"] == pytest.approx(r["ar_step_bytes"] / m["read_bytes_per_s"])
+        assert r["ar_step_x_roofline"] == pytest.approx(r["ar_step_s"] / r["ar_step_roofline_s"])
     assert steps[0]["prefill_s"] > 0 and steps[1]["prefill_s"] is None
     for r in result["rows"]:  # every row says where it ran and with which kernels
         assert r["cpu"] and "read_bytes_per_s" in r and "gemm_flops_per_s" in r and r["kernels"].startswith("linear ")

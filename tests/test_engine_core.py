@@ -271,6 +271,38 @@ def test_draft_never_exceeds_the_remaining_budget_minus_one(engine):
     assert all(n <= budget for n, budget in seen), seen
 
 
+def test_a_round_that_drafts_nothing_is_an_ar_step(engine, monkeypatch):
+    """k = 0 for every row (here: the budget's last tokens) runs the AR forward, without importance
+    rows, and leaves the window as it was; drafting rounds record their k + 1 rows; output = AR's."""
+    prompt = _prompt(160, 13)
+    ref = _ar(engine, prompt, 9, ignore_eos=True).token_ids
+    core = engine.core("sparsespec-l", SPARSE, max_num_seqs=1, max_model_len=300)
+    calls, commits = [], []
+    forward = core.model.forward_dense_features
+
+    def spy(ids, cache, *args, **kw):
+        calls.append((ids.shape[1], kw.get("want_rows")))
+        return forward(ids, cache, *args, **kw)
+
+    commit_row = core.drafter.window.commit_row
+
+    def spy_commit(b, n, width):
+        commits.append(n)
+        return commit_row(b, n, width)
+
+    monkeypatch.setattr(core.model, "forward_dense_features", spy)
+    monkeypatch.setattr(core.drafter.window, "commit_row", spy_commit)
+    core.add_request("r", prompt, SamplingParams(max_new_tokens=9, ignore_eos=True))
+    out = _drain(core)["r"][-1].output.token_ids
+    assert out == ref
+    assert calls[0] == (len(prompt), SPARSE["window"])  # the prefill
+    rounds = calls[1:]
+    assert (1, 0) in rounds, rounds  # the budget's last round drafts nothing: an AR step
+    assert all(w == (T if T > 1 else 0) for T, w in rounds), rounds
+    drafting = [T for T, _ in rounds if T > 1]
+    assert drafting and len(commits) == len(drafting)  # only drafting rounds touch the window
+
+
 def test_draft_time_kv_bytes_and_controller_are_per_row(engine):
     prompts = [_prompt(100, 9), _prompt(100, 10)]
     # the second row has max_new_tokens=2: one step with budget 0, it never drafts
