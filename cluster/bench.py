@@ -628,13 +628,14 @@ def measure_steps(cfg: BenchConfig, *, progress: Callable[[str], None] = log.inf
         for B in cfg.batch_sizes:
             steps = bench_steps(model, base_prompts[:B], cfg, machine, prefill_s if B == 1 else None, L)
             rows.append(steps)
-            progress(f"ctx {L} B {B}: AR {steps['ar_step_s'] * 1e3:.1f} ms ({steps['ar_step_x_roofline']:.2f}x roofline), "
+            progress(f"ctx {L} B {B}: AR {steps['ar_step_s'] * 1e3:.1f} ms ({steps['ar_step_x_roofline']:.2f}x roofline "
+                     "at the rates so far), "
                      f"verify {steps['verify_importance_s'] * 1e3:.1f} ms, draft {steps['draft_step_s'] * 1e3:.1f} ms, "
                      f"gamma {steps['gamma']:.3f} (roofline {steps['gamma_roofline']:.3f})")
             if torch.device(cfg.device).type == "cuda":
                 torch.cuda.empty_cache()
             samples.append(measure_machine(cfg.device, _DTYPES[cfg.dtype], reps=3))
-    machine = best_rates(samples)
+            machine = best_rates(samples)  # the running best: the next cells' rooflines
     for r in rows:  # every step row against the run's one roofline
         add_rooflines(r, model, machine)
     progress(f"machine, best of {len(samples)} samples: read {machine['read_bytes_per_s'] / 1e9:.1f} GB/s "

@@ -227,9 +227,9 @@ class EngineCore:
         """The cost controller's starting point: a few timed dense forwards of this core's shapes
         (``max_num_seqs`` rows, widths 1, 2 and ``k_max + 1``, a short context and the longest
         the core holds, and one row), with the importance rows the drafter asks for (none at width
-        1: a round that drafts nothing is an AR step), on the pool's
-        own buffers (no request is running; lengths are restored). Measured once per engine,
-        method, batch and capacity bucket (powers of two)."""
+        1: a round that drafts nothing is an AR step), on the pool's own buffers (no request is
+        running; lengths are restored). Measured once per engine, method, batch and capacity
+        bucket (powers of two)."""
         bucket = 1 << max(0, self.cache.capacity - 1).bit_length()  # capacities up to the next power of two
         key = (self.method, self.max_num_seqs, self.k_max, self.drafter.want_rows, bucket)
         memo = self.engine.__dict__.setdefault("_calibration", {})
@@ -261,8 +261,8 @@ class EngineCore:
                     view = self.cache.head(B)
                     view.lengths = [S] * B
                     t0 = self.clock()
-                    self.model.forward_dense_features(ids, view, want_rows=self.drafter.want_rows and w if w > 1 else 0,
-                                                      rows_into=target)
+                    want = self.drafter.want_rows and w if w > 1 else 0
+                    self.model.forward_dense_features(ids, view, want_rows=want, rows_into=target)
                     times.append(self.clock() - t0)
                 measured.append((B, w, S, min(times)))
             memo[key] = measured
