@@ -660,13 +660,20 @@ class RowAcceptance:
     """A row's policy under ``CostAwareController``: no decision of its own (``adaptive`` False:
     the draft loop never syncs for it), only the row's acceptance rate ``alpha`` learned from
     verification: every token of the accepted leading run is a 1, the first rejection a 0, later
-    tokens have no label; a running mean over the first ``1 / ema`` labels, an EMA after."""
+    tokens have no label; a running mean over the first ``1 / ema`` labels, an EMA after.
+
+    ``reach`` is the longest draft the row's own evidence supports (the controller caps the row
+    there): twice the last round's accepted run plus one after a rejection, doubling after a round
+    accepted whole. A row starts at ``reach`` (default ``max_k``: no cap) and ramps 2, 4, 8, ...
+    while it keeps being accepted, so a few rows of unknown acceptance never pay for 16 drafts
+    on a one-label estimate, and a rejection brings the reach back at once."""
 
     adaptive = False
 
-    def __init__(self, max_k: int, ema: float = 0.05):
+    def __init__(self, max_k: int, ema: float = 0.05, reach: int | None = None):
         self.max_k = int(max_k)
         self.ema = float(ema)
+        self.reach = self.max_k if reach is None else max(1, min(int(reach), self.max_k))
         self.alpha: float | None = None
         self.num_labels = 0
         self._step_max = self.max_k
@@ -687,6 +694,9 @@ class RowAcceptance:
         if not _is_int(num_accepted) or not 0 <= num_accepted <= m:
             raise ValueError(f"num_accepted must be an integer in [0, {m}], got {num_accepted!r}")
         labels = [1.0] * num_accepted + ([0.0] if num_accepted < m else [])
+        if m:
+            ramp = 2 * m if num_accepted == m else 2 * (num_accepted + 1)
+            self.reach = min(self.max_k, max(self.reach, ramp) if num_accepted == m else ramp)
         for y in labels:
             self.num_labels += 1
             w = max(self.ema, 1.0 / self.num_labels)
@@ -730,7 +740,8 @@ class CostAwareController:
     keys it reads; the drafter's prior until measured, then an EMA of measured ratios), ``C_o``
     an EMA of the measured rest of the round. A row's alpha is its measured one shrunk towards
     the batch's (``alphas``); a row without any label makes the step draft at least
-    ``explore_k`` (``exploring``). Every ``probe_every``-th consecutive
+    ``explore_k`` (``exploring``); no row drafts past its ``RowAcceptance.reach`` (the geometric
+    model is not trusted beyond twice the run the row was last seen to accept). Every ``probe_every``-th consecutive
     ``k = 0`` step drafts ``probe_k`` tokens, so acceptance keeps being measured.
     The only host work is this arithmetic, once per step (no sync inside the draft loop).
     """
@@ -769,8 +780,8 @@ class CostAwareController:
         self._overhead_s = 0.0
 
     def policy(self) -> RowAcceptance:
-        """A new row's policy object."""
-        return RowAcceptance(self.max_k)
+        """A new row's policy object (its ``reach`` starts at ``explore_k``)."""
+        return RowAcceptance(self.max_k, reach=self.explore_k)
 
     # ------------------------------------------------------------------ costs
     def step_cost(self, k: int, B: int, S: float, N: float) -> float | None:
@@ -870,6 +881,7 @@ class CostAwareController:
              index_sizes: Sequence[int]) -> list[int]:
         """Each row's draft length for this step (``<= limits[b]``)."""
         t0 = time.perf_counter()
+        limits = [min(int(lim), p.reach) for p, lim in zip(policies, limits)]  # what each row's evidence supports
         B = len(limits)
         S = sum(lengths) / max(1, B)
         N = sum(index_sizes) / max(1, B) if index_sizes else S

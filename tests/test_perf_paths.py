@@ -312,6 +312,29 @@ def test_row_acceptance_labels():
         p.update([0.1], 2)
 
 
+def test_row_reach_ramps_on_whole_acceptance_and_falls_on_rejection():
+    p = RowAcceptance(16, reach=2)
+    reach = []
+    for m, a in [(2, 2), (4, 4), (8, 8), (16, 0), (2, 1), (4, 4), (1, 1), (0, 0)]:
+        p.update([0.1] * m, a)
+        reach.append(p.reach)
+    # doubles while whole rounds pass (capped at max_k), twice the accepted run + 1 after a
+    # rejection, a shorter whole round keeps it, a round that drafted nothing changes nothing
+    assert reach == [4, 8, 16, 2, 4, 8, 8, 8]
+    assert RowAcceptance(16).reach == 16 and RowAcceptance(16, reach=99).reach == 16
+
+
+def test_controller_caps_each_row_at_its_reach():
+    # drafting pays up to k = 8 at alpha 0.9 (see the argmax test), but a row's evidence caps it
+    ctl = _controller([10e-3, 0.0, 0.0, 0.0], draft_ratio=0.05)
+    rows = _rows(0.9, 2)
+    rows[0].reach, rows[1].reach = 2, 4
+    assert ctl.plan(rows, [8, 8], [4000, 4000], [400, 400]) == [2, 4]
+    rows[0].update([0.1, 0.1], 2)  # a whole round: the reach doubles
+    assert ctl.plan(rows, [8, 3], [4000, 4000], [400, 400]) == [4, 3]
+    assert ctl.policy().reach == ctl.explore_k  # a new row starts at explore_k
+
+
 def test_controller_option_changes_only_auto_run_ids():
     fixed = resolve_method_options("sparsespec-l", {"k": 4})
     assert "controller" not in fixed
