@@ -150,6 +150,35 @@ def test_sparse_attention_matches_the_reference(Hkv, G, D):
     torch.testing.assert_close(out, ref.transpose(1, 2).reshape(B, 1, -1), rtol=1e-5, atol=1e-5)
 
 
+# ------------------------------------------------------------------ the sparse index
+@pytest.mark.parametrize("S,budget,n_sink,n_recent", [(900, 90, 4, 16), (5000, 512, 4, 64), (300, 299, 0, 0),
+                                                      (64, 20, 20, 0), (64, 20, 0, 20), (2049, 1, 0, 0)])
+def test_build_index_matches_topk_and_sort(S, budget, n_sink, n_recent):
+    from sparsespec.kv.index import build_index
+
+    g = _gen(S + budget)
+    scores = torch.rand(3, 2, 4, S + 7, generator=g, dtype=torch.float64)[..., :S]  # [L, B, H_kv, S] a view
+    scores[0, 0, 0] *= 1e-30  # tiny and negative scores (a running sum's rounding) order correctly
+    scores[1, 0, 1, :10] = -1e-18 * torch.arange(1, 11, dtype=torch.float64)  # distinct: ties are the next test
+    want = build_index(scores, S, budget, n_sink, n_recent)
+    got = build_index(scores, S, budget, n_sink, n_recent, kernel=True)
+    assert got.dtype == torch.int64 and got.shape == want.shape == (3, 2, 4, budget)
+    assert torch.equal(got, want)
+
+
+def test_build_index_ties_at_the_cut_keep_the_earliest():
+    from sparsespec.kv.index import build_index
+
+    S, budget = 1000, 100
+    scores = torch.zeros(1, 1, 2, S, dtype=torch.float64)  # nobody attended: every middle key ties at 0
+    scores[0, 0, 1, 500:530] = 1.0  # 30 keys above the cut, the rest of the top from the tie, earliest first
+    got = build_index(scores, S, budget, 4, 16, kernel=True)[0, 0]  # [H_kv, N]
+    assert got[0].tolist() == list(range(4)) + list(range(4, 84)) + list(range(984, 1000))
+    assert got[1].tolist() == list(range(4)) + list(range(4, 54)) + list(range(500, 530)) + list(range(984, 1000))
+    with pytest.raises(ValueError, match="budget"):
+        cpu.build_index(scores[:, 0], S, S, 4, 16)
+
+
 # ------------------------------------------------------------------ the plan
 def test_plan_validation_and_queries():
     p = KernelPlan(((1, "ss"), (32, "onednn"), (None, "mkl")), "ss", True)

@@ -145,7 +145,8 @@ class SparseSelfDrafter(_IndexedSelfDrafter):
     def _rebuild(self, cache: KVCache, b: int) -> None:
         S = cache.lengths[b]
         scores = self.window.scores(S, b)  # [L, 1, H_kv, S] running sum of the window
-        self.index[b] = build_index(scores, S, self.spec.budget(S), self.spec.n_sink, self.spec.n_recent)
+        self.index[b] = build_index(scores, S, self.spec.budget(S), self.spec.n_sink, self.spec.n_recent,
+                                    kernel=self.gather_in_kernel)
         self.stale[b] = None
 
     def prefill_row(self, b: int, cache: KVCache, rows: torch.Tensor | None, prompt: Sequence[int] = ()) -> None:

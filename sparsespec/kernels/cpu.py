@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu") / "sparsespec_cpu.c"
-ABI_VERSION = 7
+ABI_VERSION = 8
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
 #: keys per attention chunk in the C kernels (SS_CHUNK)
 CHUNK = 256
@@ -154,6 +154,7 @@ _SIGNATURES = {
                                    _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _INT], None),
     "ss_forward_struct_size": ([], _I64),
     "ss_forward_layers": ([_PTR], None),
+    "ss_build_index": ([_I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, _INT], None),
     "ss_sparse_attention": ([_I64] * 5 + [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR,
                                           _PTR, _I64, _I64, _I64, _F32, _PTR, _I64, _I64, _PTR, _I64, _INT], None),
 }
@@ -339,6 +340,30 @@ def rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, H: int, 
     library().ss_rope_split(B, T, H, Hkv, D, q2.data_ptr(), q2.stride(0), cos.data_ptr(), sin.data_ptr(),
                             q.data_ptr(), k.data_ptr(), v.data_ptr(), torch.get_num_threads())
     return q, k, v
+
+
+@_profiled("build_index")
+def build_index(scores: torch.Tensor, length: int, budget: int, n_sink: int, n_recent: int) -> torch.Tensor:
+    """``sparsespec.kv.index.build_index`` in one pass per row (radix select, no sort): the same
+    positions wherever the scores have no ties at the cut; of keys tied at the cut, the earliest.
+
+    Args:
+        scores: ``[A, H, >= length]`` float64 (last dim contiguous), e.g. ``[L, H_kv, S]``.
+        length, budget, n_sink, n_recent: as ``build_index``, with ``budget < length`` and
+            ``n_sink + n_recent <= budget``.
+
+    Returns:
+        ``[A, H, budget]`` int64, ascending.
+    """
+    A, H = scores.shape[0], scores.shape[1]
+    if scores.dtype != torch.float64 or scores.stride(-1) != 1 or scores.shape[-1] < length:
+        raise ValueError(f"scores must be float64 [A, H, >= {length}] with a contiguous last dim")
+    if not (0 <= n_sink and 0 <= n_recent and n_sink + n_recent <= budget < length):
+        raise ValueError(f"need n_sink + n_recent <= budget < length, got {n_sink} + {n_recent}, {budget}, {length}")
+    out = torch.empty(A, H, budget, dtype=torch.int64)
+    library().ss_build_index(A, H, scores.data_ptr(), scores.stride(0), scores.stride(1), length, n_sink, n_recent,
+                             budget, out.data_ptr(), out.stride(0), out.stride(1), torch.get_num_threads())
+    return out
 
 
 def attention_supported(head_dim: int) -> bool:

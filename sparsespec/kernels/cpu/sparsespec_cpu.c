@@ -22,6 +22,7 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 #include <immintrin.h>
@@ -34,7 +35,7 @@
 #error "sparsespec_cpu.c needs AVX2 and FMA (the loader falls back to torch without them)"
 #endif
 
-SS_API int ss_abi_version(void) { return 7; }
+SS_API int ss_abi_version(void) { return 8; }
 
 
 /* ------------------------------------------------------------------ vector helpers (AVX2) */
@@ -864,5 +865,107 @@ SS_API void ss_forward_layers(const fwd_t *f) {
             silu_body(BT, I, f->gu, 2 * I, f->act, I);
             lin_packed_body(BT, E, I, f->act, I, f->wdown[l], NULL, f->h, E, 1);
         }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ *
+ * The sparse index (sparsespec/kv/index.py build_index): per row (layer, KV head) of float64
+ * importance scores over `length` keys, the positions [0, n_sink), the n_top = budget - n_sink -
+ * n_recent highest-scoring of [n_sink, length - n_recent), and [length - n_recent, length), in
+ * ascending order. The n_top-th largest score is found by a radix select over the scores' bits
+ * (an order-preserving map of the doubles: 11 bits per pass, each pass over the previous pass's
+ * candidates only), then one pass in position order emits every key above it and, of the keys
+ * equal to it, the earliest: no sort, about four passes over the row. The passes start below the
+ * bits every key shares (min and max agree there). At 30 layers x 3 heads x 6K keys per batch row
+ * on the AMD EPYC, 2 threads: 1.05 ms against 3.9 ms for torch.topk + sort. Caller: budget <
+ * length, n_sink + n_recent <= budget.
+ * ------------------------------------------------------------------------------------------ */
+SS_INLINE uint64_t ss_order_key(double x) {
+    uint64_t u;
+    memcpy(&u, &x, 8);
+    return (u >> 63) ? ~u : (u | 0x8000000000000000ULL);
+}
+
+static void index_row(const double *s, int64_t length, int64_t n_sink, int64_t n_recent, int64_t budget,
+                      int64_t *o, uint64_t *key, int64_t *cand) {
+    const int64_t m = length - n_sink - n_recent, n_top = budget - n_sink - n_recent;
+    int64_t w = 0;
+    for (int64_t i = 0; i < n_sink; ++i) o[w++] = i;
+    if (n_top > 0) {
+        const double *mid = s + n_sink;
+        uint64_t lo = ~0ULL, hi = 0;
+        for (int64_t i = 0; i < m; ++i) {
+            const uint64_t k = ss_order_key(mid[i]);
+            key[i] = k;
+            lo = k < lo ? k : lo;
+            hi = k > hi ? k : hi;
+        }
+        uint32_t hist[1 << 11];
+        /* every key shares the bits above the highest bit where min and max differ: start there
+         * (importance scores share sign and most of the exponent: a pass on them selects nothing) */
+        int shift = lo == hi ? 0 : 64 - __builtin_clzll(lo ^ hi);
+        uint64_t prefix = shift < 64 ? lo >> shift : 0;
+        int64_t need = n_top, nc = m;  /* all keys equal (shift 0): the earliest n_top */
+        int first = 1;
+        while (shift > 0) {
+            const int bits = shift >= 11 ? 11 : shift;
+            shift -= bits;
+            const uint64_t mask = (1ULL << bits) - 1;
+            memset(hist, 0, sizeof(uint32_t) << bits);
+            if (first)
+                for (int64_t i = 0; i < m; ++i) hist[(key[i] >> shift) & mask]++;
+            else
+                for (int64_t c = 0; c < nc; ++c) hist[(key[cand[c]] >> shift) & mask]++;
+            int64_t acc = 0, bin = (int64_t)mask;
+            for (; bin > 0; --bin) {  /* the bin holding the need-th largest, counting from the top */
+                if (acc + hist[bin] >= need) break;
+                acc += hist[bin];
+            }
+            need -= acc;
+            int64_t n2 = 0;  /* the candidates left: those in that bin, in position order */
+            if (first) {
+                for (int64_t i = 0; i < m; ++i)
+                    if (((key[i] >> shift) & mask) == (uint64_t)bin) cand[n2++] = i;
+            } else {
+                for (int64_t c = 0; c < nc; ++c)
+                    if (((key[cand[c]] >> shift) & mask) == (uint64_t)bin) cand[n2++] = cand[c];
+            }
+            first = 0;
+            nc = n2;
+            prefix = (prefix << bits) | (uint64_t)bin;
+            if (need == nc) break;  /* the whole bin is in */
+        }
+        /* keys above the prefix are in; of the candidates (prefix equal), the first `need`:
+         * branch-free (the selected keys are scattered), written into cand (m > n_top: room for
+         * the one write past the last kept key) */
+        int64_t p = 0, nw = 0;
+        for (int64_t i = 0; i < m; ++i) {
+            const uint64_t k = key[i] >> shift;
+            const int64_t eq = k == prefix;
+            cand[nw] = n_sink + i;
+            nw += (k > prefix) | (eq & (p < need));
+            p += eq;
+        }
+        memcpy(o + w, cand, (size_t)n_top * 8);
+        w += n_top;
+    }
+    for (int64_t i = length - n_recent; i < length; ++i) o[w++] = i;
+}
+
+SS_API void ss_build_index(int64_t R0, int64_t R1, const double *scores, int64_t s0, int64_t s1, int64_t length,
+                           int64_t n_sink, int64_t n_recent, int64_t budget, int64_t *out, int64_t o0, int64_t o1,
+                           int nthreads) {
+    const int64_t m = length - n_sink - n_recent;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        uint64_t *key = (uint64_t *)malloc((size_t)(m > 0 ? m : 1) * 8);
+        int64_t *cand = (int64_t *)malloc((size_t)(m > 0 ? m : 1) * 8);
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < R0 * R1; ++r) {
+            const int64_t a = r / R1, h = r % R1;
+            index_row(scores + a * s0 + h * s1, length, n_sink, n_recent, budget, out + a * o0 + h * o1, key, cand);
+        }
+        free(key);
+        free(cand);
     }
 }
