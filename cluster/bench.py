@@ -75,10 +75,10 @@ from sparsespec.roofline import (  # noqa: F401 - re-exported for ``from cluster
     weight_bytes,
     x_roofline,
 )
+from sparsespec.registry import AR
 
 log = logging.getLogger("cluster.bench")
 
-AR = "ar"
 SPEED = "speed"  # the registry key of the fixed-length speed benchmark
 #: Prompt tokens every context length must leave after the generated ones.
 MIN_PROMPT_TOKENS = 64

@@ -236,19 +236,16 @@ def result_rows(shard: Shard, outs: Sequence[Mapping[str, Any]], scorer: Scorer)
 
 def shard_summary(shard: Shard, rows: Sequence[Mapping[str, Any]]) -> str:
     """One line per completed shard: batch speedup, acceptance and losslessness per method."""
-    from sparsespec.stats import derive, pool
+    from sparsespec.stats import batch_tpot, derive, pool
 
     by_m: dict[str, list[Mapping[str, Any]]] = {}
     for r in rows:
         by_m.setdefault(r["method"], []).append(r)
 
     def tpot(rs: Sequence[Mapping[str, Any]]) -> float | None:
-        s = rs[0]["stats"]
-        toks = sum(max(0, int(r["stats"].get("num_output_tokens", 0)) - 1) for r in rs)
-        dec = float(s.get("batch_wall_s", 0.0)) - float(s.get("batch_prefill_s", 0.0))
-        return dec / toks if toks > 0 and dec > 0 else None
+        return batch_tpot(r["stats"] for r in rs)
 
-    t_ar = tpot(by_m.get(AR, []) or [{"stats": {}}])
+    t_ar = tpot(by_m.get(AR, []))
     parts = []
     for m, rs in by_m.items():
         if m == AR:

@@ -80,7 +80,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from cluster.queries import bootstrap_means, bootstrap_medians, percentile_ci
+from sparsespec.stats import bootstrap_means, bootstrap_medians, mean_acceptance_length, percentile_ci
 
 __all__ = [
     "Prompt",
@@ -443,8 +443,7 @@ def summarize(
     m.update(counts)
     m["draft_acceptance_rate"] = (counts["num_accepted_draft_tokens"] / counts["num_draft_tokens"]
                                   if counts["num_draft_tokens"] else None)
-    m["mean_acceptance_length"] = (1.0 + counts["num_accepted_draft_tokens"] / counts["num_spec_steps"]
-                                   if counts["num_spec_steps"] else None)
+    m["mean_acceptance_length"] = mean_acceptance_length(counts["num_accepted_draft_tokens"], counts["num_spec_steps"])
     m["acceptance_histogram"] = hist
     m["failure_reasons"] = dict(Counter(_failure_kind(r) for r in records if not r.success))
     return m

@@ -30,9 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from sparsespec.stats import _num, batch_tpot, derive, drafting_steps, ledger_speedup, pool
+from sparsespec.registry import AR
+from sparsespec.stats import (_num, batch_tpot, bootstrap_means, bootstrap_medians, derive,  # noqa: F401
+                              drafting_steps, ledger_speedup, mean_acceptance_length, percentile_ci, pool,
+                              request_tpot)
 
-AR = "ar"
 MIN_CI_PAIRS = 5
 N_BOOT = 2000
 
@@ -42,37 +44,6 @@ N_BOOT = 2000
 #: model, whose ar is the reference of its methods (ar's rows of a cell share its quantize).
 CELL_KEYS = ("benchmark", "task", "model", "quantize", "context_length", "batch_size", "method", "k",
              "draft_weights")
-
-
-# --------------------------------------------------------------------------- bootstrap
-def bootstrap_medians(x: np.ndarray, n_boot: int, rng: np.random.Generator) -> np.ndarray:
-    """``n_boot`` medians of resamples (with replacement) of ``x`` [n] -> [n_boot]."""
-    return _bootstrap(x, n_boot, rng, np.median)
-
-
-def bootstrap_means(x: np.ndarray, n_boot: int, rng: np.random.Generator) -> np.ndarray:
-    """``n_boot`` means of resamples (with replacement) of ``x`` [n] -> [n_boot]."""
-    return _bootstrap(x, n_boot, rng, np.mean)
-
-
-def _bootstrap(x: np.ndarray, n_boot: int, rng: np.random.Generator, stat: Callable) -> np.ndarray:
-    out = np.empty(n_boot)
-    block = max(1, min(n_boot, 2_000_000 // max(1, x.size)))  # bound the [block, n] index matrix
-    for s in range(0, n_boot, block):
-        e = min(n_boot, s + block)
-        idx = rng.integers(0, x.size, size=(e - s, x.size))
-        out[s:e] = stat(x[idx], axis=1)
-    return out
-
-
-def percentile_ci(values: np.ndarray, confidence: float = 0.95) -> tuple[float, float] | None:
-    """The central ``confidence`` interval of the finite ``values`` (None if there are none)."""
-    values = values[np.isfinite(values)]
-    if values.size == 0:
-        return None
-    a = (1.0 - confidence) / 2.0 * 100.0
-    lo, hi = np.percentile(values, [a, 100.0 - a])
-    return float(lo), float(hi)
 
 
 # --------------------------------------------------------------------------- keys
@@ -277,10 +248,13 @@ def cell_table(rows: Iterable[Mapping[str, Any]], by: Sequence[str] = CELL_KEYS,
     ``speedup_total``, ``ci_low``, ``ci_high``, ``alpha``, ``tau``, ``mean_k``, ``gamma``,
     ``predicted_speedup`` (ledger), ``predicted_speedup_round`` (``tau * T_AR / T_round``), the
     round costs (``c_draft``, ``c_verify``, ``c_other`` relative to an AR step,
-    ``draft_forwards_per_round``), ``lossless_rate`` / ``n_conclusive``, ``n_sampling``
+    ``draft_forwards_per_round``), ``lossless_rate`` / ``n_conclusive`` (the stored verdicts of
+    samples paired with an ar row of the cell; None when none), ``n_sampling``
     (rows sampled at temperature > 0, where greedy losslessness does not apply), the latency
     and memory fields of the method (``ttft_p50_s`` ... ``kv_bytes``) and of ar (``ar_``
-    prefix), ``throughput`` and ``ar_throughput`` (decoded tokens per decode second).
+    prefix), ``throughput`` and ``ar_throughput`` (decoded tokens per decode second of whole
+    batches), and the pooled ``tokens_per_s`` (output tokens / total seconds), ``tpot_s`` (decode
+    seconds / decoded tokens) and ``budget_frac`` (``sparsespec.stats.derive``).
     ``by`` must contain ``method``; ar's rows of a group are those with the same keys except
     method and k.
     """
@@ -305,7 +279,10 @@ def cell_table(rows: Iterable[Mapping[str, Any]], by: Sequence[str] = CELL_KEYS,
         return tuple(k)
 
     out = []
-    for key in sorted(groups, key=lambda t: tuple(_sort_value(v) for v in t)):
+    # the full-precision target first ("none" sorts as ""), then ar first within its cell
+    for key in sorted(groups, key=lambda t: tuple(
+            _sort_value("" if (i == qi and v == "none") else (0 if (i == mi and v == AR) else v))
+            for i, v in enumerate(t))):
         rs = groups[key]
         method = key[mi]
         ar_rows = groups.get(ar_key(key), [])
@@ -335,7 +312,8 @@ def cell_table(rows: Iterable[Mapping[str, Any]], by: Sequence[str] = CELL_KEYS,
             row.update(_round_costs(p, ar_round))
         else:
             row.update(paired_speedup(rs, ar_rows, n_boot=n_boot, seed=seed))
-            verdicts = [bool(r["lossless"]) for r in rs if r.get("lossless") is not None]
+            # over samples paired with an ar row of the cell (the reference the verdict is against)
+            verdicts = [bool(r["lossless"]) for r in rs if r.get("lossless") is not None and _pair_key(r) in ar_by_pair]
             row.update(alpha=d["alpha"], tau=d["tau"], mean_k=d["mean_k"], gamma=d["gamma"],
                        predicted_speedup=ledger_speedup(d["alpha"], d["mean_k"], d["gamma"]),
                        predicted_speedup_round=d["predicted_speedup_round"],
@@ -345,6 +323,7 @@ def cell_table(rows: Iterable[Mapping[str, Any]], by: Sequence[str] = CELL_KEYS,
         row["n_sampling"] = sum(1 for r in rs if (r.get("temperature") or 0) > 0)  # see with_run_fields
         row.update(_latency(rs))
         row.update({f"ar_{k}": v for k, v in _latency(ar_rows).items()})
+        row.update(tokens_per_s=d["tokens_per_s"], tpot_s=d["tpot_s"], budget_frac=d["budget_frac"])
         row["throughput"] = _throughput(rs)
         row["ar_throughput"] = _throughput(ar_rows)
         out.append(row)
@@ -678,8 +657,8 @@ def ab_arms(requests: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     for arm in sorted(by):
         qs = by[arm]
         ok = [q for q in qs if q.get("status") == 200]
-        tpot = [(q["e2el_s"] - q["ttft_s"]) / (q["output_tokens"] - 1) for q in ok
-                if q.get("e2el_s") is not None and q.get("ttft_s") is not None and (q.get("output_tokens") or 0) > 1]
+        tpot = [t for t in (request_tpot(q.get("e2el_s"), q.get("ttft_s"), q.get("output_tokens")) for q in ok)
+                if t is not None]
         ttft = [q["ttft_s"] for q in ok if q.get("ttft_s") is not None]
         st = [q.get("stats") or {} for q in ok]
         p = derive(pool(st))
@@ -693,7 +672,7 @@ def ab_arms(requests: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             "tpot_p50_s": _pct(tpot, 50), "tpot_p95_s": _pct(tpot, 95), "tpot_p99_s": _pct(tpot, 99),
             "itl_p95_s": _pct([s.get("itl_p95_s") for s in st], 50),
             "itl_p99_s": _pct([s.get("itl_p99_s") for s in st], 50),
-            "alpha": p["alpha"], "mean_acceptance_length": (1.0 + accepted / steps) if steps else None,
+            "alpha": p["alpha"], "mean_acceptance_length": mean_acceptance_length(accepted, steps),
         })
     return out
 

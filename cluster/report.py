@@ -1,10 +1,15 @@
-"""Report: derive speedup, acceptance and quality from the raw counts in the store.
+"""Report: the per-cell numbers of a store, as ``cluster.queries.cell_table`` derives them.
 
-One row per (benchmark, task, model, quantize, context_length, batch_size, method): a sweep's cells stay apart. Definitions (docs/CONTRACTS.md, DESIGN.md section 4-5);
-every ratio is pooled over samples (sum of numerators / sum of denominators), never a mean of
-per-sample ratios, except the speedup, which is a median of paired per-sample ratios:
+There is one aggregation: ``cell_table`` (built on ``sparsespec.stats``: ``pool``, ``derive``,
+``batch_tpot``). The report, the leaderboard, the dashboard and the bench's end-to-end rows are
+projections of it, so they print the same number for the same cell. A cell is one (benchmark,
+task, model, quantize, context_length, batch_size, method, k, draft_weights): a fixed-k run and a
+``k="auto"`` run of one method are different cells, as are int8 drafts and int8 targets.
+Definitions (docs/CONTRACTS.md): every ratio is pooled over samples (sum of numerators / sum of
+denominators), never a mean of per-sample ratios, except the speedup, which is a median of paired
+per-batch ratios:
 
-    n             number of result rows (samples) in the group
+    n             number of result rows (samples) in the cell
     score         mean per-sample score, in [0, 1] (the table prints it x100)
     speedup       median over paired batches of TPOT_ar / TPOT_method, where a batch's
                   TPOT = (batch_wall_s - batch_prefill_s) / sum(num_output_tokens - 1)
@@ -14,15 +19,15 @@ per-sample ratios, except the speedup, which is a median of paired per-sample ra
     alpha         sum(num_accepted) / sum(num_drafted)                         (ar: None)
     tau           sum(num_emitted) / sum(num_steps)                            (ar: 1.0)
     mean_k        sum(num_drafted) / sum(steps that drafted)                   (ar: None)
-                  steps that drafted = sum of accept_hist counts with k > 0 (else num_steps)
     gamma         (sum(draft_s) / sum(num_draft_forwards)) / (sum(verify_s) / sum(num_steps))  (ar: None)
-    lossless_rate fraction of paired samples whose output is token-identical to ar, over the
-                  conclusive ones (the stored ``lossless`` flag: None for sampling runs and for
-                  identical outputs that drafted nothing); None for ar or when none is conclusive
+    lossless_rate fraction of the samples paired with an ar row whose output is token-identical
+                  to ar, over the conclusive ones (the stored ``lossless`` flag: None for
+                  sampling runs and for identical outputs that drafted nothing); None for ar or
+                  when none is conclusive
 
-Rows of several runs of the same (benchmark, task, model, method) are pooled; pass run ids to
-report a single configuration. ``extra_rows`` adds tokens/s, the total-time speedup and the ledger
-prediction; they are kept out of ``report_rows`` so its keys stay exactly ``REPORT_KEYS``.
+Rows of several runs of one cell are pooled; pass run ids to report a single configuration.
+``extra_rows`` adds tokens/s, the total-time speedup and the ledger prediction; they are kept out
+of ``report_rows`` so its keys stay exactly ``REPORT_KEYS``.
 
     python -m cluster.report --db sqlite:///results/sparsespec.db [--json] [--run RUN_ID ...]
 """
@@ -30,33 +35,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from cluster.queries import CELL_KEYS, cell_table, paired_batches
 from cluster.store import DEFAULT_DB_URL, StoreError, cli_error, open_store, safe_url
-from sparsespec.stats import _num, batch_tpot, derive, drafting_steps, ledger_speedup, pool  # noqa: F401
+from sparsespec.stats import derive, ledger_speedup
 
-AR = "ar"
+#: the keys of a report row's cell (``cluster.queries.CELL_KEYS``)
+GROUP_KEYS = CELL_KEYS
 
-REPORT_KEYS = (
-    "benchmark", "task", "model", "quantize", "context_length", "batch_size", "method", "n", "score", "speedup",
-    "alpha", "tau", "mean_k", "gamma", "lossless_rate",
-)
+REPORT_KEYS = (*CELL_KEYS, "n", "score", "speedup", "alpha", "tau", "mean_k", "gamma", "lossless_rate")
 
-EXTRA_KEYS = (
-    "benchmark", "task", "model", "quantize", "context_length", "batch_size", "method", "n", "num_paired", "tokens_per_s", "tpot_s",
-    "speedup_total", "predicted_speedup", "ttft_s", "budget_frac",
-)
+EXTRA_KEYS = (*CELL_KEYS, "n", "num_paired", "tokens_per_s", "tpot_s", "speedup_total", "predicted_speedup",
+              "ttft_p50_s", "budget_frac")
 
 
 # --------------------------------------------------------------------------- helpers
-def _ratio(num: float, den: float) -> float | None:
-    return num / den if den > 0 else None
-
-
 def tpot(stats: Mapping[str, Any]) -> float | None:
     """Time per output token after the first: decode_s / (num_output_tokens - 1) (``derive``)."""
     t = derive(stats)["tpot_s"]
@@ -68,117 +64,32 @@ def predicted_speedup(alpha: float | None, k: float | None, gamma: float | None)
     return ledger_speedup(alpha, k, gamma)
 
 
-#: ``quantize``: the target's weights (``"none"``, ``"int8"``); a quantised target's methods are
-#: paired with its own ar (the last key is the method, the rest is the cell).
-GROUP_KEYS = ("benchmark", "task", "model", "quantize", "context_length", "batch_size", "method")
-
-
-def _group_key(r: Mapping[str, Any]) -> tuple:
-    return (r["benchmark"], r["task"], r["model"], str(r.get("quantize") or "none"), r.get("context_length"),
-            int(r.get("batch_size") or 1), r["method"])
-
-
-def _pair_key(r: Mapping[str, Any]) -> tuple[str, str, str, str, str]:
-    return (r["run_id"], r["benchmark"], r["task"], r["model"], str(r["sample_id"]))
-
-
-def _sort_key(k: tuple) -> tuple:
-    b, t, m, q, L, B, meth = k
-    return (b, t, m, q != "none", q, -1 if L is None else L, B, meth != AR, meth)
-
-
 def batch_speedups(rs: Sequence[Mapping[str, Any]], ar_rows: Sequence[Mapping[str, Any]]) -> list[float]:
     """Paired per-batch ratios TPOT_ar / TPOT_method (``rs``: one method's rows), as
-    ``cluster.queries.paired_batches`` pairs them (the dashboard's and the leaderboard's speedup)."""
-    from cluster.queries import paired_batches
-
+    ``cluster.queries.paired_batches`` pairs them (the median is the report's speedup)."""
     return [t_ar / t_m for t_ar, t_m, _ in paired_batches(rs, ar_rows)]
 
 
-def _grouped(rows: Iterable[Mapping[str, Any]]) -> tuple[dict, dict]:
-    groups: dict[tuple, list[Mapping[str, Any]]] = defaultdict(list)
-    ar_by_pair: dict[tuple, Mapping[str, Any]] = {}
-    for r in rows:
-        groups[_group_key(r)].append(r)
-        if r["method"] == AR:
-            ar_by_pair[_pair_key(r)] = r
-    return groups, ar_by_pair
-
-
 # --------------------------------------------------------------------------- the report
-def _pooled(rs: Sequence[Mapping[str, Any]]) -> dict[str, float | None]:
-    d = derive(pool(r.get("stats") or {} for r in rs))
-    return {k: d[k] for k in ("alpha", "tau", "mean_k", "gamma")}
-
-
 def compute_report(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Report rows (keys exactly ``REPORT_KEYS``) from result rows (dicts with the store's columns)."""
-    groups, ar_by_pair = _grouped(rows)
-    out = []
-    for key in sorted(groups, key=_sort_key):
-        rs = groups[key]
-        method = key[-1]
-        scores = [float(r["score"]) for r in rs if r.get("score") is not None]
-        row: dict[str, Any] = {
-            **dict(zip(GROUP_KEYS, key)),
-            "n": len(rs),
-            "score": statistics.fmean(scores) if scores else None,
-        }
-        if method == AR:
-            row.update(speedup=1.0, alpha=None, tau=1.0, mean_k=None, gamma=None, lossless_rate=None)
-        else:
-            verdicts = [bool(r["lossless"]) for r in rs
-                        if _pair_key(r) in ar_by_pair and r.get("lossless") is not None]
-            ratios = batch_speedups(rs, groups.get(key[:-1] + (AR,), []))
-            row["speedup"] = statistics.median(ratios) if ratios else None
-            row.update(_pooled(rs))
-            row["lossless_rate"] = (sum(verdicts) / len(verdicts)) if verdicts else None
-        out.append({k: row[k] for k in REPORT_KEYS})
-    return out
+    """Report rows (keys exactly ``REPORT_KEYS``) from result rows (dicts with the store's
+    columns): ``cluster.queries.cell_table``'s cells, projected."""
+    return [{k: c[k] for k in REPORT_KEYS} for c in cell_table(rows)]
 
 
 def compute_extras(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Extra per-group numbers (keys ``EXTRA_KEYS``): throughput and total-time speedup.
+    """Extra per-cell numbers (keys ``EXTRA_KEYS``, from ``cell_table``):
 
+    num_paired        batches decoded by both ar and the method (ar: its own batches)
     tokens_per_s      sum(num_output_tokens) / sum(total_s)   (never a mean of per-sample speeds)
     tpot_s            sum(decode_s) / sum(num_output_tokens - 1)
-    speedup_total     over paired samples: pooled TPOT of ar / pooled TPOT of the method
+    speedup_total     over paired batches: total ar decode seconds / total method decode seconds
     predicted_speedup (alpha*mean_k + 1) / (mean_k*gamma + 1); ar: 1.0
-    ttft_s            mean prefill_s;  budget_frac  sum(budget_tokens_sum) / sum(context_tokens_sum)
+    ttft_p50_s        median time to first token;  budget_frac  sum(budget_tokens_sum) / sum(context_tokens_sum)
     """
-    rows = list(rows)
-    groups, ar_by_pair = _grouped(rows)
-    report = {tuple(r[k] for k in GROUP_KEYS): r for r in compute_report(rows)}
     out = []
-    for key in sorted(groups, key=_sort_key):
-        rs = groups[key]
-        st = [r.get("stats") or {} for r in rs]
-        dec_tokens = sum(max(0.0, _num(s, "num_output_tokens") - 1) for s in st)
-        rep = report[key]
-        pooled = derive(pool(st))
-        paired = [(ar_by_pair[_pair_key(r)], r) for r in rs if _pair_key(r) in ar_by_pair]
-        num = [0.0, 0.0, 0.0, 0.0]  # ar decode_s, ar tokens-1, method decode_s, method tokens-1
-        for a, m in paired:
-            sa, sm = a.get("stats") or {}, m.get("stats") or {}
-            if tpot(sa) is None or tpot(sm) is None:
-                continue
-            num[0] += _num(sa, "decode_s"); num[1] += _num(sa, "num_output_tokens") - 1  # noqa: E702
-            num[2] += _num(sm, "decode_s"); num[3] += _num(sm, "num_output_tokens") - 1  # noqa: E702
-        tpot_ar, tpot_m = _ratio(num[0], num[1]), _ratio(num[2], num[3])
-        prefill = [_num(s, "prefill_s") for s in st if s.get("prefill_s") is not None]
-        method = key[-1]
-        out.append({
-            **dict(zip(GROUP_KEYS, key)),
-            "n": len(rs),
-            "num_paired": len(paired),
-            "tokens_per_s": pooled["tokens_per_s"],
-            "tpot_s": pooled["tpot_s"] if dec_tokens else None,
-            "speedup_total": 1.0 if method == AR else (
-                tpot_ar / tpot_m if (tpot_ar is not None and tpot_m) else None),
-            "predicted_speedup": 1.0 if method == AR else predicted_speedup(rep["alpha"], rep["mean_k"], rep["gamma"]),
-            "ttft_s": statistics.fmean(prefill) if prefill else None,
-            "budget_frac": pooled["budget_frac"],
-        })
+    for c in cell_table(rows):
+        out.append({**{k: c.get(k) for k in EXTRA_KEYS}, "num_paired": c["n_pairs"]})
     return out
 
 
@@ -188,7 +99,7 @@ def _load(db_url: str, run_ids: str | Iterable[str] | None) -> list[dict[str, An
 
 
 def report_rows(db_url: str, run_ids: str | Iterable[str] | None = None) -> list[dict[str, Any]]:
-    """One dict per (benchmark, task, model, method) with exactly ``REPORT_KEYS``.
+    """One dict per cell with exactly ``REPORT_KEYS``.
 
     Raises StoreNotFoundError (missing SQLite file) / StoreURLError (bad URL); an empty store
     gives an empty list.
@@ -197,7 +108,7 @@ def report_rows(db_url: str, run_ids: str | Iterable[str] | None = None) -> list
 
 
 def extra_rows(db_url: str, run_ids: str | Iterable[str] | None = None) -> list[dict[str, Any]]:
-    """Throughput, total-time speedup and ledger prediction per group (keys ``EXTRA_KEYS``)."""
+    """Throughput, total-time speedup and ledger prediction per cell (keys ``EXTRA_KEYS``)."""
     return compute_extras(_load(db_url, run_ids))
 
 
@@ -214,13 +125,13 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """Plain-text table of report rows; score printed x100 (0-100), ratios to 3 decimals."""
     from tabulate import tabulate
 
-    headers = ["benchmark", "task", "model", "target", "ctx", "batch", "method", "n", "score (x100)", "speedup (median)",
-               "alpha", "tau", "mean_k", "gamma", "lossless_rate"]
+    headers = ["benchmark", "task", "model", "target", "ctx", "batch", "method", "k", "draft", "n", "score (x100)",
+               "speedup (median)", "alpha", "tau", "mean_k", "gamma", "lossless_rate"]
     body = []
     for r in rows:
         score = None if r["score"] is None else 100.0 * r["score"]
         body.append([r["benchmark"], r["task"], r["model"], r.get("quantize") or "none", _fmt(r["context_length"]), r["batch_size"],
-                     r["method"], r["n"], _fmt(score, 1),
+                     r["method"], _fmt(r.get("k")), _fmt(r.get("draft_weights")), r["n"], _fmt(score, 1),
                      _fmt(r["speedup"]), _fmt(r["alpha"]), _fmt(r["tau"]), _fmt(r["mean_k"], 2),
                      _fmt(r["gamma"]), _fmt(r["lossless_rate"])])
     return tabulate(body, headers=headers, tablefmt="github", disable_numparse=True)
@@ -331,8 +242,8 @@ def format_four_way(rows: Sequence[Mapping[str, Any]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m cluster.report",
-                                description="Per (benchmark, task, model, context length, batch size, method) report "
-                                            "of stored results.")
+                                description="Per-cell report of stored results (benchmark, task, model, target, "
+                                            "context length, batch size, method, k, draft weights).")
     p.add_argument("--db", default=DEFAULT_DB_URL, help=f"database URL (default {DEFAULT_DB_URL})")
     p.add_argument("--json", action="store_true", help="print a JSON list with exactly the report keys")
     p.add_argument("--run", action="append", dest="runs", metavar="RUN_ID",

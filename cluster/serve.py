@@ -49,7 +49,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -286,13 +285,6 @@ def _load_factory(path: str | None):
     return getattr(importlib.import_module(mod), fn)
 
 
-def _percentiles(gaps: Sequence[float]) -> dict[str, float | None]:
-    if not gaps:
-        return {"itl_p50_s": None, "itl_p95_s": None, "itl_p99_s": None}
-    a = np.asarray(gaps, dtype=float)
-    return {f"itl_p{q}_s": float(np.percentile(a, q)) for q in (50, 95, 99)}
-
-
 class _Stream:
     """One request's side of the engine thread: an asyncio queue fed thread-safely."""
 
@@ -463,15 +455,15 @@ class ArmServer:
                 finished = True
                 stats = dict(out["stats"])
                 stats.pop("step_trace", None)  # per-step trace: results' acceptance_steps only, not request rows
-                from sparsespec.stats import spec_decode_metrics
+                from sparsespec.stats import itl_percentiles, request_tpot, spec_decode_metrics
 
                 spec = spec_decode_metrics(stats)
                 e2el = t - arrival
                 ttft = (first_t - arrival) if first_t is not None else None
                 timing = {"queue_s": (started_t - arrival) if started_t else None, "ttft_s": ttft, "e2el_s": e2el,
-                          "tpot_s": ((e2el - ttft) / (n_out - 1)) if (ttft is not None and n_out > 1) else None,
+                          "tpot_s": request_tpot(e2el, ttft, n_out),
                           "num_chunks": len(gaps) + (1 if first_t is not None else 0), "max_batch": st.max_batch,
-                          **_percentiles(gaps)}
+                          **itl_percentiles(gaps)}
                 stats.update({k: timing[k] for k in ("tpot_s", "num_chunks", "max_batch", "itl_p50_s",
                                                      "itl_p95_s", "itl_p99_s")})
                 stats["chunk_gaps_s"] = gaps

@@ -46,8 +46,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cluster.store import DEFAULT_DB_URL
+from sparsespec.registry import AR
 
-AR = "ar"
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZE = ("none", "int8")  # sparsespec.quant.QUANTIZE (not imported: the spec must not need torch)
 DEVICES = ("auto", "cpu", "cuda")

@@ -4,7 +4,7 @@ The Ray layer is thin: :class:`EngineWorker` is a plain class (unit-testable wit
 :data:`EngineWorkerActor` is ``ray.remote(EngineWorker)``; the coordinator picks its resources
 (``num_gpus=1`` per actor on GPUs).
 
-Measurement discipline (DESIGN.md section 5):
+Measurement discipline:
 
 - the engine is loaded once per actor (never timed);
 - each (method, batch size) is warmed up once per actor with a short unrecorded batch built from

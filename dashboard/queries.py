@@ -13,15 +13,7 @@ from typing import Any
 
 import pandas as pd
 
-from cluster.report import (
-    EXTRA_KEYS,
-    GROUP_KEYS,
-    REPORT_KEYS,
-    compute_extras,
-    compute_report,
-    predicted_speedup,
-    tpot,
-)
+from cluster.report import tpot
 from cluster import queries as cq
 from cluster.store import DEFAULT_DB_URL, open_store
 from sparsespec.roofline import max_speedup, x_roofline
@@ -30,11 +22,6 @@ from sparsespec.stats import derive
 #: Environment variable naming the store the dashboard reads.
 DB_ENV_VAR = "SPARSESPEC_DB"
 
-RUN_COLUMNS = ["run_id", "benchmark", "model", "methods", "status", "num_results", "created_at",
-               "finished_at", "num_events"]
-REPORT_COLUMNS = [*REPORT_KEYS, "predicted_speedup", "speedup_total", "tokens_per_s", "ttft_s", "budget_frac"]
-LEDGER_COLUMNS = ["benchmark", "task", "model", "context_length", "batch_size", "method", "alpha", "mean_k", "gamma", "predicted_speedup",
-                  "speedup", "error"]
 ROOFLINE_COLUMNS = ["run_id", "model", "device", "context_len", "batch_size", "k", "n_index",
                     "ar_step_ms", "ar_roofline_ms", "ar_x_roofline",
                     "verify_ms", "verify_roofline_ms", "verify_x_roofline",
@@ -59,60 +46,9 @@ def _runs_arg(run_ids: str | Iterable[str] | None) -> list[str] | None:
     return [run_ids] if isinstance(run_ids, str) else list(run_ids)
 
 
-def _results(db_url: str, run_ids: str | Iterable[str] | None) -> list[dict[str, Any]]:
-    with open_store(db_url, create=False) as store:
-        return store.results(run_ids=_runs_arg(run_ids))
-
-
-def list_runs(db_url: str = DEFAULT_DB_URL) -> pd.DataFrame:
-    """One row per run, newest first."""
-    with open_store(db_url, create=False) as store:
-        runs = store.runs()
-    rows = [{
-        "run_id": r["run_id"], "benchmark": r["benchmark"], "model": r["model"],
-        "methods": ", ".join(r["methods"]), "status": r["status"], "num_results": r["num_results"],
-        "created_at": r["created_at"], "finished_at": r["finished_at"], "num_events": len(r["events"]),
-    } for r in runs]
-    return pd.DataFrame(rows, columns=RUN_COLUMNS)
-
-
-def report_frame(db_url: str = DEFAULT_DB_URL, run_ids: str | Iterable[str] | None = None) -> pd.DataFrame:
-    """The report (``cluster.report`` keys) plus ledger prediction, total-time speedup, tokens/s."""
-    results = _results(db_url, run_ids)
-    rep = compute_report(results)
-    extras = {tuple(e[k] for k in GROUP_KEYS): e for e in compute_extras(results)}
-    rows = []
-    for r in rep:
-        e = extras[tuple(r[k] for k in GROUP_KEYS)]
-        rows.append({**r, **{k: e[k] for k in EXTRA_KEYS if k in REPORT_COLUMNS and k not in r}})
-    return pd.DataFrame(rows, columns=REPORT_COLUMNS)
-
-
-def ledger_frame(report: pd.DataFrame) -> pd.DataFrame:
-    """Speculative methods only: predicted S = (alpha*k + 1)/(k*gamma + 1), k = mean_k, vs measured."""
-    rows = []
-    for r in report.to_dict("records"):
-        if r["method"] == "ar":
-            continue
-        alpha, k, gamma = (None if pd.isna(r[c]) else float(r[c]) for c in ("alpha", "mean_k", "gamma"))
-        pred = predicted_speedup(alpha, k, gamma)
-        meas = None if pd.isna(r["speedup"]) else float(r["speedup"])
-        rows.append({
-            "benchmark": r["benchmark"], "task": r["task"], "model": r["model"],
-            "context_length": r["context_length"], "batch_size": r["batch_size"], "method": r["method"],
-            "alpha": alpha, "mean_k": k, "gamma": gamma, "predicted_speedup": pred, "speedup": meas,
-            "error": (meas / pred - 1.0) if (pred and meas is not None) else None,
-        })
-    return pd.DataFrame(rows, columns=LEDGER_COLUMNS)
-
-
-def sample_frame(db_url: str, run_id: str) -> pd.DataFrame:
-    """Per-sample rows of one run, with per-sample TPOT and the paired ratio against ar."""
-    return _sample_frame(_results(db_url, [run_id]))
-
-
 def sample_rows(data: "Data", run_id: str) -> pd.DataFrame:
-    """``sample_frame`` from already loaded rows."""
+    """Per-sample rows of one run (from already loaded rows), with per-sample TPOT and the
+    paired ratio against ar."""
     return _sample_frame([r for r in data.results if r["run_id"] == run_id])
 
 

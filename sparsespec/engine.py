@@ -30,13 +30,12 @@ from sparsespec.kv.cache import KVCache
 from sparsespec.kv.index import RowsTarget
 from sparsespec.model import Transformer
 from sparsespec.provision import resolve_model
-from sparsespec.registry import DRAFTERS
+from sparsespec.registry import AR, DRAFTERS
 from sparsespec.rejection import greedy_verify_batch, rejection_sample
 from sparsespec.sampling import BatchSampling, make_generator
 from sparsespec.stats import Clock, RunStats
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-AR = "ar"
 
 
 def methods() -> list[str]:

@@ -6,6 +6,9 @@ from typing import Callable, Generic, TypeVar
 
 T = TypeVar("T")
 
+#: the autoregressive reference method (no drafter): every speedup is against it
+AR = "ar"
+
 
 class Registry(Generic[T]):
     """A small name -> object registry; unknown names raise ``ValueError`` with a suggestion."""

@@ -13,7 +13,7 @@ import resource
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -87,7 +87,6 @@ class RunStats:
 
         decode_s = max(0.0, self.total_s - self.ttft_s)
         gaps = np.diff(np.asarray(self.emit_times)) if len(self.emit_times) > 1 else np.zeros(0)
-        pct = (lambda q: float(np.percentile(gaps, q))) if gaps.size else (lambda q: None)
         if device.type == "cuda":
             peak = int(torch.cuda.max_memory_allocated(device))
         else:
@@ -118,9 +117,7 @@ class RunStats:
             # how well low draft entropy predicts acceptance (None until both outcomes were seen)
             "entropy_auc": roc_auc([-h for h in self.draft_entropies], self.draft_labels)
             if self.draft_labels else None,
-            "itl_p50_s": pct(50),
-            "itl_p95_s": pct(95),
-            "itl_p99_s": pct(99),
+            **itl_percentiles(gaps),
             "budget_tokens_sum": self.budget_tokens_sum,
             "context_tokens_sum": self.context_tokens_sum,
             "kv_bytes": self.kv_bytes,
@@ -240,6 +237,27 @@ def batch_tpot(rows: Iterable[Mapping[str, Any]]) -> float | None:
     return dec / toks if toks > 0 and dec > 0 else None
 
 
+def itl_percentiles(gaps: Any) -> dict[str, float | None]:
+    """``itl_p50_s``, ``itl_p95_s``, ``itl_p99_s``: percentiles of one request's inter-token (or
+    inter-chunk) gaps in seconds (numpy's linear interpolation); None without gaps."""
+    a = np.asarray(gaps, dtype=float).reshape(-1)
+    return {f"itl_p{q}_s": (float(np.percentile(a, q)) if a.size else None) for q in (50, 95, 99)}
+
+
+def request_tpot(e2el_s: float | None, ttft_s: float | None, output_tokens: int | None) -> float | None:
+    """A served request's TPOT: ``(E2EL - TTFT) / (output tokens - 1)`` seconds (vLLM's
+    definition); None without both times or with fewer than 2 output tokens."""
+    if e2el_s is None or ttft_s is None or not output_tokens or output_tokens <= 1:
+        return None
+    return (e2el_s - ttft_s) / (output_tokens - 1)
+
+
+def mean_acceptance_length(num_accepted: float, num_spec_steps: float) -> float | None:
+    """vLLM's mean acceptance length: ``1 + accepted draft tokens / drafting steps`` (tokens a
+    drafting step commits, the bonus or recovered token included); None without drafting steps."""
+    return (1.0 + num_accepted / num_spec_steps) if num_spec_steps else None
+
+
 def spec_decode_metrics(st: Mapping[str, Any]) -> dict[str, Any]:
     """vLLM's per-request speculation fields, from one request's stats (or ``pool``-ed sums).
 
@@ -267,6 +285,37 @@ def spec_decode_metrics(st: Mapping[str, Any]) -> dict[str, Any]:
         "num_draft_tokens": int(drafted),
         "num_accepted_draft_tokens": int(accepted),
         "draft_acceptance_rate": _ratio(accepted, drafted),
-        "mean_acceptance_length": (1.0 + accepted / steps) if steps else None,
+        "mean_acceptance_length": mean_acceptance_length(accepted, steps),
         "acceptance_histogram": hist,
     }
+
+
+# --------------------------------------------------------------------------- bootstrap (paired intervals)
+def bootstrap_medians(x: np.ndarray, n_boot: int, rng: np.random.Generator) -> np.ndarray:
+    """``n_boot`` medians of resamples (with replacement) of ``x`` [n] -> [n_boot]."""
+    return _bootstrap(x, n_boot, rng, np.median)
+
+
+def bootstrap_means(x: np.ndarray, n_boot: int, rng: np.random.Generator) -> np.ndarray:
+    """``n_boot`` means of resamples (with replacement) of ``x`` [n] -> [n_boot]."""
+    return _bootstrap(x, n_boot, rng, np.mean)
+
+
+def _bootstrap(x: np.ndarray, n_boot: int, rng: np.random.Generator, stat: Callable) -> np.ndarray:
+    out = np.empty(n_boot)
+    block = max(1, min(n_boot, 2_000_000 // max(1, x.size)))  # bound the [block, n] index matrix
+    for s in range(0, n_boot, block):
+        e = min(n_boot, s + block)
+        idx = rng.integers(0, x.size, size=(e - s, x.size))
+        out[s:e] = stat(x[idx], axis=1)
+    return out
+
+
+def percentile_ci(values: np.ndarray, confidence: float = 0.95) -> tuple[float, float] | None:
+    """The central ``confidence`` interval of the finite ``values`` (None if there are none)."""
+    values = values[np.isfinite(values)]
+    if values.size == 0:
+        return None
+    a = (1.0 - confidence) / 2.0 * 100.0
+    lo, hi = np.percentile(values, [a, 100.0 - a])
+    return float(lo), float(hi)

@@ -30,22 +30,23 @@ def test_db_url_precedence():
 
 
 def test_frames_on_the_seeded_store(db):
-    runs = queries.list_runs(db)
+    data = queries.load(db)
+    runs = queries.runs_frame(data)
     assert len(runs) == 10 and set(runs["status"]) == {"finished", "running"}
-    rep = queries.report_frame(db, ["ruler-L2048-B1"])
-    assert list(rep.columns) == queries.REPORT_COLUMNS
-    sp = rep[rep["method"] == "sparsespec-l"].iloc[0]
+    rows = [r for r in data.results if r["run_id"] == "ruler-L2048-B1"]
+    cells = queries.cells_frame(rows)
+    sp = cells[cells["method"] == "sparsespec-l"].iloc[0]
     assert sp["speedup"] == pytest.approx(1.25) and sp["speedup_total"] == pytest.approx(1.2)
     assert sp["alpha"] == pytest.approx(0.75) and sp["lossless_rate"] == 1.0
-    led = queries.ledger_frame(rep)
-    row = led[led["method"] == "sparsespec-l"].iloc[0]
+    led = queries.ledger_page_frame(rows)
+    row = led[led["variant"].str.startswith("sparsespec-l")].iloc[0]
     assert row["predicted_speedup"] == pytest.approx((0.75 * 2 + 1) / (2 * 0.1 + 1))
-    assert row["error"] == pytest.approx(1.25 / row["predicted_speedup"] - 1)
-    samples = queries.sample_frame(db, "ruler-L1024-B1")
+    assert row["gap"] == pytest.approx(1.25 / row["predicted_speedup"] - 1)
+    samples = queries.sample_rows(data, "ruler-L1024-B1")
     assert len(samples) == 6 and list(samples.columns) == queries.SAMPLE_COLUMNS
     assert samples[samples["method"] == "ar"]["speedup_vs_ar"].tolist() == [1.0, 1.0]
     assert samples[samples["method"] == "sparsespec-l"]["speedup_vs_ar"].tolist() == pytest.approx([0.8, 0.8])
-    assert queries.sample_frame(db, "no-such-run").empty
+    assert queries.sample_rows(data, "no-such-run").empty
 
 
 def test_filters_keep_ar_as_the_reference(db):
@@ -65,10 +66,6 @@ def test_filters_keep_ar_as_the_reference(db):
 def test_frames_on_an_empty_db(tmp_path):
     url = f"sqlite:///{tmp_path}/empty.db"
     open_store(url).close()
-    assert queries.list_runs(url).empty
-    rep = queries.report_frame(url)
-    assert rep.empty and list(rep.columns) == queries.REPORT_COLUMNS
-    assert queries.ledger_frame(rep).empty
     data = queries.load(url)
     assert queries.ledger_page_frame([]).empty and queries.s_vs_k_frame([]).empty
     assert queries.acceptance_frame([]).empty and queries.gates_frame([], queries.cq.GateThresholds()).empty
