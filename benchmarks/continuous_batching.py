@@ -13,7 +13,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sparsespec import Engine, SamplingParams  # noqa: E402
 from sparsespec.stats import derive  # noqa: E402
-from tests.helpers import book_prompt  # noqa: E402
+
+#: Alice in Wonderland (public domain), one of the shared offline books
+BOOK = Path(__file__).resolve().parents[2] / "shared" / "data" / "public_domain_books" / "11-0.txt"
+
+
+def book_prompt(tokenizer, offset: int, num_tokens: int, question: str) -> list[int]:
+    """A chat prompt: ``num_tokens`` tokens of the book from ``offset``, then ``question``."""
+    ids = tokenizer(BOOK.read_text(encoding="utf-8-sig"), add_special_tokens=False).input_ids
+    user = tokenizer.decode(ids[offset : offset + num_tokens]) + "\n\n" + question
+    text = tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False).input_ids
 
 
 def main(argv=None) -> int:

@@ -8,8 +8,8 @@ store, ``python -m evals.score --benchmark``, the sweep specs).
     score = bench.score_sample(samples[0], "prediction")       # official per-sample score in [0, 1]
 
 Every entry satisfies :class:`Benchmark`. The entries are module-level instances of small
-stateless classes (one per module of :mod:`evals.benchmarks`); they pickle as a reference to
-this registry, so a benchmark, its bound ``score_sample`` and the samples it builds travel to Ray
+stateless classes (one per module of :mod:`evals.benchmarks`, named ``benchmark`` there); they
+pickle as a reference to that module-level name, so a benchmark, its bound ``score_sample`` and the samples it builds travel to Ray
 workers. Importing this module imports the benchmark modules (standard library only; no torch,
 transformers, datasets, ray or sqlalchemy).
 """

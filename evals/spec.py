@@ -83,10 +83,10 @@ class BenchmarkBase:
     #: The benchmark-specific options (never the shared flags of the cluster CLI).
     OPTIONS: tuple[Option, ...] = ()
 
-    def __reduce__(self) -> tuple[Any, tuple[str]]:
-        from evals.registry import get_benchmark
-
-        return get_benchmark, (self.name,)
+    def __reduce__(self) -> str:
+        # pickled by reference: the module-level ``benchmark`` of the class's module (every
+        # benchmark module defines its entry so), which unpickling imports; no registry import
+        return "benchmark"
 
     def __repr__(self) -> str:
         return f"<benchmark {self.name!r} ({type(self).__module__}.{type(self).__qualname__})>"

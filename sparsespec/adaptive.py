@@ -13,7 +13,7 @@ The engine drives a policy once per step::
     policy.observe_costs(mean_draft_forward_s, verify_step_s)
 
 ``FixedK`` is the null object (always ``min(k, budget)`` drafts). ``EntropyAdaptive`` is the
-SparseSpec-L controller of DESIGN.md section 1: EMA centroids of the draft-token entropy of
+SparseSpec-L paper's entropy controller: EMA centroids of the draft-token entropy of
 accepted and of rejected tokens, a two-centroid soft classifier giving each draft token an
 acceptance probability ``p_i``, and the objective
 

@@ -17,7 +17,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (shapes in the DESIGN.md letters)."""
+    """Architecture of a Llama-family decoder (the shape letters of the shape comments: L layers, H heads, H_kv KV heads, D head dim, E hidden)."""
 
     model_type: str
     vocab_size: int  # V

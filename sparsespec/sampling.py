@@ -9,7 +9,7 @@ token, i.e. as plain autoregressive decoding with these parameters. Deterministi
 n-gram lookup) pass a one-hot ``q``.
 
 All functions are batched over any leading dimensions, run on the tensors' device and never
-synchronise with the host. Probabilities are float32 (DESIGN.md section 3) whatever the logits'
+synchronise with the host. Probabilities are float32 whatever the logits'
 dtype.
 """
 from __future__ import annotations

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
 import sys
 import time
@@ -269,9 +270,10 @@ def held_out_agreement(head: Eagle3Head, feats, finals, ids, steps: int, batch_s
 # ---------------------------------------------------------------------- the real-model pipeline
 def book_texts(held_out: bool = False) -> list[tuple[str, str]]:
     """(name, text) of the shipped public-domain books (the held-out one alone if ``held_out``)."""
-    from evals.common import shared_data_dir
-
-    folder = shared_data_dir("public_domain_books")
+    # the shared offline data ($SPARSESPEC_DATA_DIR, else ../shared/data beside the checkout);
+    # the engine does not import the benchmarks package (evals.common resolves it the same way)
+    root = os.environ.get("SPARSESPEC_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data"
+    folder = Path(root) / "public_domain_books"
     files = sorted(folder.glob("*.txt"))
     if not files:
         raise ValueError(f"no books in {folder}")
