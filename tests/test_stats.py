@@ -2,7 +2,8 @@
 import pytest
 
 from sparsespec.adaptive import EntropyAdaptive, StepCosts
-from sparsespec.stats import DERIVED_KEYS, derive, ledger_speedup, pool
+from sparsespec.stats import (DERIVED_KEYS, derive, itl_percentiles, ledger_speedup, mean_acceptance_length, pool,
+                              request_tpot)
 
 ONE = {"num_output_tokens": 11, "num_steps": 4, "num_drafting_steps": 3, "num_emitted": 10, "num_drafted": 12,
        "num_accepted": 6, "num_draft_forwards": 12, "draft_s": 0.24, "verify_s": 0.4, "other_s": 0.16,
@@ -42,6 +43,15 @@ def test_pool_sums_and_pooled_tpot_counts_each_request():
     # rows stored before num_drafting_steps: steps with k > 0 in the histogram
     old = {k: v for k, v in ONE.items() if k != "num_drafting_steps"} | {"accept_hist": {"4:2": 3, "0:0": 1}}
     assert derive(old)["mean_k"] == pytest.approx(4.0)
+
+
+def test_request_level_ratios_by_hand():
+    assert request_tpot(2.5, 0.5, 11) == pytest.approx(0.2)  # (E2EL - TTFT) / (tokens - 1)
+    assert request_tpot(2.5, 0.5, 1) is None and request_tpot(None, 0.5, 11) is None
+    assert mean_acceptance_length(6, 4) == pytest.approx(2.5) and mean_acceptance_length(3, 0) is None
+    assert itl_percentiles([0.1, 0.2, 0.3, 0.4, 1.0]) == pytest.approx(
+        {"itl_p50_s": 0.3, "itl_p95_s": 0.88, "itl_p99_s": 0.976})  # linear interpolation
+    assert itl_percentiles([]) == {"itl_p50_s": None, "itl_p95_s": None, "itl_p99_s": None}
 
 
 def test_ledger_speedup():

@@ -192,10 +192,10 @@ def build_index(scores: torch.Tensor, length: int, budget: int, n_sink: int, n_r
         length: number of cached positions S.
         budget: index size N (``<= length``).
         n_sink, n_recent: positions always kept at the start and the end.
-        kernel: use our CPU kernel (``sparsespec.kernels.cpu.build_index``: a radix select, 3.7x
-            faster than topk + sort on the AMD EPYC at 30 layers x 3 heads x 6K keys) when the scores are float64 on the CPU and it is built;
-            the same positions, except that of keys tied at the cut it keeps the earliest (topk
-            keeps any).
+        kernel: use our CPU kernel (``sparsespec.kernels.cpu.build_index``, a radix select: 3.7x
+            faster than topk + sort on the AMD EPYC at 30 layers x 3 heads x 6K keys) when the
+            scores are float64 on the CPU and it is built. The same positions, except that of
+            keys tied at the cut it keeps the earliest (topk keeps any).
 
     Returns:
         ``[L, B, H_kv, N]`` int64, sorted ascending, unique, in ``[0, length)``. When
