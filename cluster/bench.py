@@ -722,32 +722,31 @@ def _batch_decode_tokens_per_s(rows: Sequence[Mapping[str, Any]]) -> float | Non
 
 def e2e_rows(results: Sequence[Mapping[str, Any]], steps: Sequence[Mapping[str, Any]],
              cfg: BenchConfig) -> list[dict[str, Any]]:
-    """The bench's end-to-end rows: ``cluster.report.compute_report`` / ``compute_extras`` of the
-    sweep's result rows, one per (L, B, method), joined with the step timings of the same (L, B)
-    (``steps``: the ``steps`` and ``hf`` rows) for the roofline predictions."""
-    from cluster.report import GROUP_KEYS, batch_speedups, compute_extras, compute_report
-    from sparsespec.stats import derive, ledger_speedup, pool
+    """The bench's end-to-end rows: ``cluster.queries.cell_table`` of the sweep's result rows
+    (the report's numbers), one per (L, B, method), joined with the step timings of the same
+    (L, B) (``steps``: the ``steps`` and ``hf`` rows) for the roofline predictions."""
+    from cluster.queries import cell_table
+    from cluster.report import batch_speedups
+    from sparsespec.stats import ledger_speedup
 
     results = list(results)
-    extras = {tuple(e[k] for k in GROUP_KEYS): e for e in compute_extras(results)}
     by_group: dict[tuple, list[Mapping[str, Any]]] = defaultdict(list)
     for r in results:
         by_group[(r["context_length"], int(r.get("batch_size") or 1), r["method"])].append(r)
     step_at = {(s["context_len"], s["batch_size"]): s for s in steps if s.get("kind") == "steps"}
     out = []
-    for rep in compute_report(results):
+    for rep in cell_table(results):  # one aggregation, bootstrapped once
         L, B, method = rep["context_length"], rep["batch_size"], rep["method"]
-        ext = extras[tuple(rep[k] for k in GROUP_KEYS)]
         mine, ar_rows = by_group[(L, B, method)], by_group[(L, B, AR)]
         row: dict[str, Any] = {
             "kind": "e2e", "method": method, "context_len": L, "batch_size": B, "gen_tokens": cfg.gen_tokens,
             "k": 0 if method == AR else cfg.method_k, "n": rep["n"], "num_batches": len(
                 {(r["run_id"], (r.get("stats") or {}).get("batch_key")) for r in mine}),
             "decode_tokens_per_s": _batch_decode_tokens_per_s(mine),
-            "tpot_s": ext["tpot_s"], "tokens_per_s": ext["tokens_per_s"],
+            "tpot_s": rep["tpot_s"], "tokens_per_s": rep["tokens_per_s"],
             "speedup": rep["speedup"],
             "speedup_runs": [] if method == AR else batch_speedups(mine, ar_rows),
-            "speedup_total": ext["speedup_total"],
+            "speedup_total": rep["speedup_total"],
             "alpha": rep["alpha"], "tau": rep["tau"], "mean_k": rep["mean_k"], "gamma": rep["gamma"],
             "lossless_rate": rep["lossless_rate"],
             "lossless": None if rep["lossless_rate"] is None else rep["lossless_rate"] == 1.0,
@@ -756,12 +755,10 @@ def e2e_rows(results: Sequence[Mapping[str, Any]], steps: Sequence[Mapping[str, 
         st = step_at.get((L, B))
         if method != AR:
             tau, mean_k = rep["tau"], rep["mean_k"]
-            row["ledger_speedup"] = ext["predicted_speedup"]
+            row["ledger_speedup"] = rep["predicted_speedup"]
             # the run's own round times instead of the ledger's assumptions (verify == AR step,
             # nothing else per step): tau tokens per round of draft + verify + the rest
-            row["cycle_predicted_speedup"] = derive(pool(r.get("stats") or {} for r in mine),
-                                                    ar=pool(r.get("stats") or {} for r in ar_rows))[
-                "predicted_speedup_round"]
+            row["cycle_predicted_speedup"] = rep["predicted_speedup_round"]
             if st is not None:
                 # what the roofline allows at this acceptance (every step at its floor: the verify's
                 # at the run's own mean k), and what the measured step times predict
@@ -949,7 +946,7 @@ def markdown(result: dict[str, Any]) -> str:
                   "|---|---|---|---|---|---|---|"]
         for r in peers:
             spec = r.get("spec_decode") or {}
-            note = r.get("error") or (f"accept rate {spec['acceptance_rate']:.2f}" if spec.get("acceptance_rate") else "")
+            note = r.get("error") or r.get("note") or (f"accept rate {spec['acceptance_rate']:.2f}" if spec.get("acceptance_rate") else "")
             lines.append(f"| {r['context_len']} | {r['batch_size']} | {r['method']} "
                          f"| {_f(r.get('decode_ms_per_step'), '.1f')} | {_f(r.get('over_ours_ar'), '.2f')} "
                          f"| {_f(r.get('same_tokens_as_ours'))} | {note} |")
