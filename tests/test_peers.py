@@ -218,6 +218,15 @@ def test_decode_timing_is_the_wall_difference_per_step():
     assert 9.0 < t["decode_ms_per_step"] < 15.0 and 0.05 <= t["ttft_s"] < 0.08 and t["token_ids"] == [[7] * 6]
     with pytest.raises(ValueError):
         decode_timing(run, 1, 1)
+    # prefill noise larger than the decode time: no (negative) number, a reason
+    walls = iter([0.0, 0.09, 0.05])  # warm-up, then the 1-token wall slower than the 6-token one
+
+    def noisy(m):
+        time.sleep(next(walls))
+        return [[7] * m]
+
+    t = decode_timing(noisy, 6, reps=1)
+    assert t["decode_ms_per_step"] is None and "prefill noise" in t["note"]
 
 
 def test_compare_tokens_checks_every_row_against_our_ar_in_its_cell():

@@ -39,7 +39,12 @@ def decode_timing(run: Callable[[int], list[list[int]]], n: int, reps: int) -> d
             best[m] = min(best[m], time.perf_counter() - t0)
             if m == n:
                 tokens = out
-    return {"decode_ms_per_step": (best[n] - best[1]) / (n - 1) * 1e3, "ttft_s": best[1], "token_ids": tokens}
+    out = {"decode_ms_per_step": (best[n] - best[1]) / (n - 1) * 1e3, "ttft_s": best[1], "token_ids": tokens}
+    if best[n] <= best[1]:  # the prefill's noise exceeded the decode time: no number, a reason
+        out["decode_ms_per_step"] = None
+        out["note"] = (f"the {n}-token wall ({best[n]:.3f} s) did not exceed the 1-token wall ({best[1]:.3f} s): "
+                       "prefill noise; raise --peer-tokens or --peer-reps")
+    return out
 
 
 def _row(engine: str, method: str, L: int, B: int, **kw: Any) -> dict[str, Any]:
@@ -130,7 +135,7 @@ def compare_tokens(rows: Sequence[dict[str, Any]], n: int) -> None:
         toks = r.get("token_ids")
         if mine is not None and toks is not None:
             r["same_tokens_as_ours"] = all(a[: n - 1] == b[: n - 1] for a, b in zip(toks, mine["token_ids"]))
-            if r.get("decode_ms_per_step"):
+            if r.get("decode_ms_per_step") and mine.get("decode_ms_per_step"):
                 r["over_ours_ar"] = r["decode_ms_per_step"] / mine["decode_ms_per_step"]
     for r in rows:
         r.pop("token_ids", None)
