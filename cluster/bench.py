@@ -154,13 +154,13 @@ class BenchConfig:
     #: and ``ngram`` always, then ``transformers`` (generate, prompt lookup) and ``vllm`` (its CPU
     #: build from ``make peers``: ar and its ngram); () = no peer table
     peers: tuple[str, ...] = ("transformers", "vllm")
-    #: tokens generated per peer timing (decode ms/step from N- and 1-token generates)
+    #: tokens generated per peer timing (decode ms/step from each engine's token times)
     peer_tokens: int = 32
     #: the drafts of every engine's prompt lookup / ngram (ours, transformers', vLLM's)
     peer_ngram_k: int = 4
     peer_reps: int = 3
-    #: peer cells only where batch x context <= this (each peer timing prefills the batch five
-    #: times per engine and method); None = every cell
+    #: peer cells only where batch x context <= this (each peer timing prefills the batch
+    #: reps + 1 times per engine and method); None = every cell
     peer_max_tokens: int | None = None
     seed: int = 0
     text: str | None = None
@@ -939,9 +939,10 @@ def markdown(result: dict[str, Any]) -> str:
         )
     peers = [r for r in result["rows"] if r["kind"] == "peer"]
     if peers:
-        lines += ["", f"peers: the same prompts, model, dtype and threads; decode ms per step = (wall of "
-                      f"{meta['config'].get('peer_tokens', 'N')} tokens - wall of 1) / (N - 1), best of interleaved "
-                      "reps; tokens compared with our ar's (first N - 1)", "",
+        lines += ["", f"peers: the same prompts, model, dtype and threads, N = {meta['config'].get('peer_tokens', 'N')} "
+                      "tokens; decode ms per step = (last emission of any row - first emission of the last row) / "
+                      "output positions after the first emission, from each engine's own token times (no prefill "
+                      "in it), best of reps; tokens compared with our ar's (first N - 1)", "",
                   "| ctx | B | engine:method | decode ms/step | x our ar | same tokens as our ar | note |",
                   "|---|---|---|---|---|---|---|"]
         for r in peers:
@@ -1054,9 +1055,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, argparse
                    help="end-to-end cells only where batch x context <= this (prefill of every row is slow on CPU)")
     p.add_argument("--peers", default="transformers,vllm",
                    help="external engines timed beside our ar and ngram: comma list of transformers, vllm; 'none'")
-    p.add_argument("--peer-tokens", type=int, default=32, help="tokens per peer timing (N of the N- and 1-token walls)")
+    p.add_argument("--peer-tokens", type=int, default=32, help="tokens per peer timing (decode ms/step from each engine's token times)")
     p.add_argument("--peer-ngram-k", type=int, default=4, help="drafts of every engine's prompt lookup / ngram")
-    p.add_argument("--peer-reps", type=int, default=3, help="interleaved repetitions of every peer timing (best of)")
+    p.add_argument("--peer-reps", type=int, default=3, help="timed repetitions of every peer timing, after one warm-up (best of)")
     p.add_argument("--peer-max-tokens", type=int, default=None,
                    help="peer cells only where batch x context <= this (default: every cell)")
     p.add_argument("--text", default=None,

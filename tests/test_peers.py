@@ -201,32 +201,80 @@ def test_runner_thread_env_binds_the_first_allowed_cpus(tmp_path):
 
 
 # ---------------------------------------------------------------- the comparison (cluster.peers.compare)
-def test_decode_timing_is_the_wall_difference_per_step():
-    import time
+def test_decode_span_starts_when_every_row_has_its_first_token():
+    from cluster.peers.compare import decode_span
 
+    # two rows, AR: row 0 prefilled at 1.0 s, row 1 at 1.2 s; 5 more tokens each, 10 ms apart
+    rows = [[(1.0, 1)] + [(1.2 + 0.01 * i, 1) for i in range(1, 6)],
+            [(1.2, 1)] + [(1.2 + 0.01 * i, 1) for i in range(1, 6)]]
+    s = decode_span(rows)
+    assert s["decode_ms_per_step"] == pytest.approx(10.0) and s["positions"] == 5
+    assert s["ttft_s"] == pytest.approx(1.2) and s["first_emit_spread_s"] == pytest.approx(0.2)
+    # vLLM's form: only the first and the last token times; a speculative first round of 3 tokens
+    assert decode_span([[(0.5, 1), (0.9, 7)]])["decode_ms_per_step"] == pytest.approx(400 / 7)
+    assert decode_span([[(0.5, 3), (0.6, 2), (0.8, 3)]])["decode_ms_per_step"] == pytest.approx(300 / 5)
+    one = decode_span([[(0.5, 1)]])
+    assert one["decode_ms_per_step"] is None and "no decode step" in one["note"]
+    for bad in ([], [[]], [[(0.5, 0)]], [[(0.5, 1), (0.4, 1)]]):
+        with pytest.raises(ValueError):
+            decode_span(bad)
+
+
+def test_decode_timing_takes_the_best_rep_after_a_warm_up():
     from cluster.peers.compare import decode_timing
 
     calls = []
+    steps_ms = iter([99.0, 12.0, 10.0, 11.0])  # the warm-up is slowest and is not timed
 
-    def run(m):  # 50 ms of "prefill" + 10 ms per further token
+    def run(m):  # 50 ms of "prefill" (not in the span) + a per-token step
         calls.append(m)
-        time.sleep(0.05 + 0.01 * (m - 1))
-        return [[7] * m]
+        step = next(steps_ms) / 1e3
+        return [[7] * m], [[(0.05, 1)] + [(0.05 + step * i, 1) for i in range(1, m)]]
 
-    t = decode_timing(run, 6, reps=2)
-    assert calls == [6, 1, 6, 6, 1]  # a warm-up, then interleaved pairs, alternating which goes first
-    assert 9.0 < t["decode_ms_per_step"] < 15.0 and 0.05 <= t["ttft_s"] < 0.08 and t["token_ids"] == [[7] * 6]
+    t = decode_timing(run, 6, reps=3)
+    assert calls == [6, 6, 6, 6]
+    assert t["decode_ms_per_step"] == pytest.approx(10.0) and t["ttft_s"] == pytest.approx(0.05)
+    assert t["token_ids"] == [[7] * 6] and t["deterministic"] and t["reps"] == 3
     with pytest.raises(ValueError):
         decode_timing(run, 1, 1)
-    # prefill noise larger than the decode time: no (negative) number, a reason
-    walls = iter([0.0, 0.09, 0.05])  # warm-up, then the 1-token wall slower than the 6-token one
 
-    def noisy(m):
-        time.sleep(next(walls))
-        return [[7] * m]
 
-    t = decode_timing(noisy, 6, reps=1)
-    assert t["decode_ms_per_step"] is None and "prefill noise" in t["note"]
+def test_clock_streamer_counts_greedy_steps_and_assisted_rounds():
+    import torch
+
+    from cluster.peers.compare import _ClockStreamer
+
+    c = _ClockStreamer(2)
+    c.put(torch.zeros(2, 9, dtype=torch.long))  # the prompt: not an emission
+    c.put(torch.tensor([5, 6]))  # a greedy step: one token per row
+    c.put(torch.tensor([7, 8]))
+    c.end()
+    assert [[n for _, n in row] for row in c.emissions] == [[1, 1], [1, 1]]
+    a = _ClockStreamer(1)
+    a.put(torch.zeros(1, 9, dtype=torch.long))
+    a.put(torch.tensor([[1, 2, 3]]))  # an assisted round: 3 accepted tokens
+    a.put(torch.tensor([[4]]))
+    assert [n for _, n in a.emissions[0]] == [3, 1]
+    t = [t for t, _ in a.emissions[0]]
+    assert 0 <= t[0] <= t[1]
+
+
+def test_vllm_emissions_come_from_its_engine_core_token_times(tmp_path):
+    from types import SimpleNamespace as NS
+
+    runner = load_runner()
+
+    def out(sched, first, last, n):
+        return NS(metrics=NS(scheduled_ts=sched, first_token_ts=first, last_token_ts=last),
+                  outputs=[NS(token_ids=list(range(n)))])
+
+    rows, spread = runner.emissions_of([out(100.0, 101.0, 102.0, 8), out(100.5, 101.0, 102.5, 8)])
+    assert rows == [[[1.0, 1], [2.0, 7]], [[1.0, 1], [2.5, 7]]] and spread == 0.0
+    with pytest.raises(RuntimeError, match="no token timestamps"):
+        runner.emissions_of([NS(metrics=None, outputs=[NS(token_ids=[1, 2])])])
+    from cluster.peers.compare import decode_span
+
+    assert decode_span(rows)["decode_ms_per_step"] == pytest.approx(1500 / 7)
 
 
 def test_compare_tokens_checks_every_row_against_our_ar_in_its_cell():

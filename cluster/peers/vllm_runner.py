@@ -10,8 +10,7 @@ Request (JSON object; defaults in brackets):
     prompts             list of token-id lists, all generated as one batch (required, unless `cases`)
     cases               several batches timed on one engine (vLLM's startup is ~100 s): a list of
                         {"label": str, "prompts": [...]}, each timed as below; the result then has
-                        "cases": [{"label", token_ids, deterministic, reps, wall_s, ttft_s,
-                        decode_ms_per_step, spec_decode, notes}] (a case that fails: {"label", "error"})
+                        "cases": [{"label", token_ids, deterministic, reps, spec_decode, notes}] (a case that fails: {"label", "error"})
     max_tokens          tokens generated per prompt, >= 2 (required); greedy, ignore_eos, min_tokens=max_tokens
     dtype               ["float32"]
     threads             OpenMP threads of vLLM's CPU worker [all CPUs this process may use]
@@ -32,15 +31,15 @@ Request (JSON object; defaults in brackets):
     engine_kwargs       extra keyword arguments for vllm.LLM [{}]
     env                 extra environment variables, set before vllm is imported [{}]
 
-Timing: each rep runs generate(max_tokens=1) and generate(max_tokens=N) on the same prompts (their
-order alternates between reps); ttft_s is the wall of the first, wall_s of the second, and
-decode_ms_per_step = (wall_s - ttft_s) / (N - 1) * 1000, i.e. per output position (TPOT; for ngram a
-verify step emits several). best = min over reps, median = median over reps.
+Timing: ``warmup`` untimed generates, then ``reps`` timed ones of N tokens each. Every timed rep
+gives, per prompt, its emissions ``[[t_first_s, 1], [t_last_s, N - 1]]`` from vLLM's own engine-core
+token timestamps (seconds since the batch was scheduled; no prefill enters the decode span), and
+its wall. The caller (``cluster.peers.compare.decode_span``) turns them into ms per decode step.
 
 Result: vllm/torch/transformers versions, startup_s (LLM construction), token_ids per prompt (of the
-first timed N-token generate; `deterministic` says whether every N-token generate gave the same),
-reps, best/median, and spec_decode: deltas of vLLM's Prometheus counters (LLM.get_metrics(),
-needs disable_log_stats=False) summed over the timed N-token generates, plus vLLM's per-request
+first timed generate; `deterministic` says whether every timed generate gave the same), reps (wall_s,
+emissions, first_token_spread_s), notes, and spec_decode: deltas of vLLM's Prometheus counters (LLM.get_metrics(),
+needs disable_log_stats=False) summed over the timed generates, plus vLLM's per-request
 summary (observability per_request_spec_decode_metrics="summary") of the first timed one.
 Any failure: {"error": "<one line>"} and exit status 1.
 """
@@ -50,7 +49,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -135,7 +133,7 @@ def parse_request(raw: object) -> dict:
     else:
         check_prompts(req["prompts"], "prompts")
     if not isinstance(req["max_tokens"], int) or req["max_tokens"] < 2:
-        raise RequestError("max_tokens must be an int >= 2 (decode time needs N and 1)")
+        raise RequestError("max_tokens must be an int >= 2 (a decode span needs a token after the first)")
     if req["method"] not in ("ar", "ngram"):
         raise RequestError(f"method must be 'ar' or 'ngram', not {req['method']!r}")
     for key, low in (("reps", 1), ("warmup", 0), ("k", 1), ("kv_cache_gib", 1)):
@@ -224,10 +222,6 @@ def _spec_delta(after: dict, before: dict) -> dict:
     return delta
 
 
-def _stats(values: list[float]) -> dict:
-    return {"best": min(values), "median": statistics.median(values)}
-
-
 def run(req: dict) -> dict:
     env = thread_env(req)
     env.update({str(k): str(v) for k, v in req["env"].items()})
@@ -314,38 +308,46 @@ def _cases(req: dict) -> list[dict]:
     return req["cases"] if req["cases"] is not None else [{"prompts": req["prompts"]}]
 
 
+def emissions_of(outs) -> tuple[list[list[list[float]]], float]:
+    """Per request, ``[[t_first_s, 1], [t_last_s, n - 1]]`` (the second pair only when n > 1), in
+    seconds since the earliest ``scheduled_ts`` of the batch: vLLM's engine-core timestamps
+    (``RequestOutput.metrics``, a ``RequestStateStats``; needs disable_log_stats=False). Also
+    returns the spread of the first-token times (0 when every prompt was prefilled in one step)."""
+    stats = [o.metrics for o in outs]
+    if any(m is None or not getattr(m, "first_token_ts", 0.0) or not getattr(m, "last_token_ts", 0.0) for m in stats):
+        raise RuntimeError("vLLM returned no token timestamps (RequestOutput.metrics); log stats must be on")
+    t0 = min(m.scheduled_ts or m.first_token_ts for m in stats)
+    rows = []
+    for o, m in zip(outs, stats):
+        n = len(o.outputs[0].token_ids)
+        row = [[m.first_token_ts - t0, 1]]
+        if n > 1:
+            row.append([m.last_token_ts - t0, n - 1])
+        rows.append(row)
+    firsts = [m.first_token_ts for m in stats]
+    return rows, max(firsts) - min(firsts)
+
+
 def time_case(req: dict, token_prompts: list, n: int, timed, TokensPrompt) -> dict:
     """One batch's timing on the built engine (see the module docstring)."""
     prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in token_prompts]
     for _ in range(req["warmup"]):
-        timed(1, prompts)
         timed(n, prompts)
 
     reps, token_sets, spec_total, per_request = [], [], None, None
-    for rep in range(req["reps"]):
-        order = (1, n) if rep % 2 == 0 else (n, 1)
-        walls = {}
-        for max_tokens in order:
-            wall, outs, delta = timed(max_tokens, prompts)
-            walls[max_tokens] = wall
-            if max_tokens == n:
-                token_sets.append([list(o.outputs[0].token_ids) for o in outs])
-                if spec_total is None:
-                    spec_total = delta
-                    per_request = [getattr(o.outputs[0], "spec_decode_metrics", None) for o in outs]
-                else:
-                    spec_total = {
-                        key: ([x + y for x, y in zip(val, delta[key])] if isinstance(val, list) else val + delta[key])
-                        for key, val in spec_total.items()
-                    }
-        reps.append(
-            {
-                "wall_s": walls[n],
-                "ttft_s": walls[1],
-                "decode_ms_per_step": (walls[n] - walls[1]) / (n - 1) * 1000.0,
-                "order": "1,N" if order[0] == 1 else "N,1",
+    for _ in range(req["reps"]):
+        wall, outs, delta = timed(n, prompts)
+        token_sets.append([list(o.outputs[0].token_ids) for o in outs])
+        emissions, spread = emissions_of(outs)
+        reps.append({"wall_s": wall, "emissions": emissions, "first_token_spread_s": spread})
+        if spec_total is None:
+            spec_total = delta
+            per_request = [getattr(o.outputs[0], "spec_decode_metrics", None) for o in outs]
+        else:
+            spec_total = {
+                key: ([x + y for x, y in zip(val, delta[key])] if isinstance(val, list) else val + delta[key])
+                for key, val in spec_total.items()
             }
-        )
 
     tokens = token_sets[0]
     bad = [i for i, t in enumerate(tokens) if len(t) != n]
@@ -358,21 +360,19 @@ def time_case(req: dict, token_prompts: list, n: int, timed, TokensPrompt) -> di
         "token_ids": tokens,
         "deterministic": all(t == tokens for t in token_sets),
         "reps": reps,
-        "wall_s": _stats([r["wall_s"] for r in reps]),
-        "ttft_s": _stats([r["ttft_s"] for r in reps]),
-        "decode_ms_per_step": _stats([r["decode_ms_per_step"] for r in reps]),
     }
     notes = []
     if req["warmup"] == 0:
         notes.append("warmup=0: the first generates carry one-off costs (lazy compilation, JIT)")
-    if any(r["decode_ms_per_step"] <= 0 for r in reps):
-        notes.append("a rep's N-token generate took no longer than its 1-token one: its decode time is noise")
+    if any(r["first_token_spread_s"] > 0 for r in reps):
+        notes.append("the rows got their first tokens at different steps (vLLM's engine core schedules each "
+                     "request as it arrives): the decode span starts at the last row's first token")
     result["notes"] = notes
     if req["method"] == "ngram":
         spec = dict(spec_total or {})
         drafts, drafted, accepted = (spec.get(k, 0) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"))
         spec.update(
-            source="LLM.get_metrics() deltas over the timed N-token generates",
+            source="LLM.get_metrics() deltas over the timed generates",
             generates=len(reps),
             acceptance_rate=accepted / drafted if drafted else None,
             mean_acceptance_length=1.0 + accepted / drafts if drafts else None,
