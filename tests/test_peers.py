@@ -297,7 +297,26 @@ def test_vllm_peer_without_the_venv_is_one_error_row_per_cell(tmp_path, monkeypa
     from cluster.peers.compare import vllm_peer
 
     monkeypatch.setenv("SPARSESPEC_PEERS_VENV", str(tmp_path / "absent"))
+    no_config = vllm_peer(tmp_path, "float32", 2, {(512, 1): [[1, 2]]}, 8, 1, 4, timeout_s=5)
+    assert len(no_config) == 2 and all("cannot size vLLM's KV cache" in r["error"] for r in no_config)
+    (tmp_path / "config.json").write_text('{"num_attention_heads": 4, "hidden_size": 64, "num_hidden_layers": 2}')
     rows = vllm_peer(tmp_path, "float32", 2, {(512, 1): [[1, 2]], (512, 4): [[1, 2]] * 4}, 8, 1, 4, timeout_s=5)
     assert [(r["method"], r["batch_size"]) for r in rows] == [("vllm:ar", 1), ("vllm:ar", 4), ("vllm:ngram", 1),
                                                               ("vllm:ngram", 4)]
     assert all("make peers" in r["error"] for r in rows)
+
+
+def test_kv_cache_gib_follows_the_models_attention_shape(tmp_path):
+    import json
+
+    from cluster.peers.compare import kv_cache_gib
+
+    # SmolLM2-135M: 30 layers x 3 KV heads x 64 x 2 x 4 bytes = 46,080 bytes per fp32 token
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 9, "hidden_size": 576,
+                                                      "num_hidden_layers": 30, "num_key_value_heads": 3}))
+    assert kv_cache_gib(tmp_path, "float32", 4 * 8224) == 3  # 1.41 GiB x 2 headroom
+    assert kv_cache_gib(tmp_path, "bfloat16", 4 * 8224) == 2
+    assert kv_cache_gib(tmp_path, "float32", 10) == 1
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 576}))
+    with pytest.raises(ValueError, match="attention shape"):
+        kv_cache_gib(tmp_path, "float32", 10)

@@ -21,6 +21,7 @@ Rows (``kind="peer"``) go into ``cluster.bench``'s result and store, keyed by
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -185,6 +186,25 @@ def transformers_peer(folder, dtype: str, cells: Mapping[tuple[int, int], list[l
     return rows
 
 
+def kv_cache_gib(folder, dtype: str, tokens: int, headroom: float = 2.0) -> int:
+    """GiB of KV cache for vLLM to hold ``tokens`` tokens of the model in ``folder`` (its
+    ``config.json``: layers x KV heads x head dim x 2 (K and V) x the dtype's bytes per token),
+    times ``headroom`` (vLLM allocates in blocks), at least 1. Raises ValueError for a config
+    without those fields."""
+    import json
+    from pathlib import Path
+
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    try:
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        per_token = cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * 2
+    except (KeyError, TypeError, ZeroDivisionError) as e:
+        raise ValueError(f"{folder}/config.json lacks the attention shape: {e!r}") from None
+    nbytes = per_token * {"float32": 4, "bfloat16": 2, "float16": 2}[dtype] * tokens * headroom
+    return max(1, math.ceil(nbytes / 2**30))
+
+
 def vllm_peer(folder, dtype: str, threads: int, cells: Mapping[tuple[int, int], list[list[int]]], n: int, reps: int,
               k: int, timeout_s: float = 3600.0) -> list[dict[str, Any]]:
     """vLLM's CPU build (``make peers``), one engine per method for every cell (its startup is
@@ -197,7 +217,11 @@ def vllm_peer(folder, dtype: str, threads: int, cells: Mapping[tuple[int, int], 
     # first tokens a step apart (decode_span starts at the last one). Prefix caching keeps the reps'
     # prefills short (the warm-up caches every prompt): vLLM's ttft_s here is not a cold prefill.
     batched = max(max_len, *(sum(len(x) for x in p) for p in cells.values()))
-    kv_gib = max(1, -(-4 * max(sum(len(x) + n for x in p) for p in cells.values()) // 20000))  # ~46 KB/token (SmolLM2) x 4
+    try:
+        kv_gib = kv_cache_gib(folder, dtype, max(sum(len(x) + n for x in p) for p in cells.values()))
+    except (OSError, ValueError) as e:
+        return [_row("vllm", m, L, B, error=f"cannot size vLLM's KV cache: {e}"[:300])
+                for m in ("ar", "ngram") for (L, B) in cells]
     for method in ("ar", "ngram"):
         req = {"model": str(folder), "dtype": dtype, "threads": threads, "method": method, "k": k,
                "prompt_lookup_min": 1, "prompt_lookup_max": 4, "reps": reps, "warmup": 1, "max_model_len": max_len,
