@@ -111,7 +111,7 @@ fi
 
 log "timing: paired end to end (benchmarks/paired_e2e.py: llama-3.1-8b shape, random weights, bf16, batch 1-16 x 16K-64K)"
 if "$PY" benchmarks/paired_e2e.py --shape llama-3.1-8b --device cuda --dtype bfloat16 --batch-sizes 1,4,16 \
-        --context-lengths 16384,32768,65536 --methods sparsespec-l:auto,sparsespec-l:4 --gen-tokens 32 --reps 1 --max-batch-tokens 262144 \
+        --context-lengths 16384,32768,65536 --methods sparsespec-l:auto,sparsespec-l:4 --gen-tokens 32 --reps 1 --schedule run --max-batch-tokens 262144 \
         --json-out "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log"; then
     log "timing: paired e2e done"
 else
