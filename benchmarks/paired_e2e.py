@@ -229,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 reps = []
                 for rep in range(a.reps):
                     order = methods if rep % 2 == 0 else methods[:1] + methods[1:][::-1]
-                    reps.append(run_cell(engine, order, prompts, a.gen_tokens, L + 16, a.schedule))
+                    reps.append(run_cell(engine, order, prompts, a.gen_tokens, L, a.schedule))
             except torch.OutOfMemoryError as e:  # a cell that does not fit is reported, not fatal
                 print(f"| {B} | {L} | (out of memory: {str(e).splitlines()[0]}) |||||||||")
                 torch.cuda.empty_cache()

@@ -99,15 +99,18 @@ def test_main_writes_a_row_per_method_with_the_machine(tmp_path, monkeypatch, ca
     monkeypatch.setattr(sparsespec.roofline, "measure_machine",
                         lambda device, dtype, reps=3: {"read_bytes_per_s": 2e10, "gemm_flops_per_s": 1e11})
     out = tmp_path / "e2e.json"
-    assert paired.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--batch-sizes", "2",
-                        "--context-lengths", "56,4096", "--max-batch-tokens", "1000", "--methods",
+    # 4096 = the tiny shape's whole window (prompt + generated tokens fill it exactly)
+    assert paired.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--batch-sizes", "1,2",
+                        "--context-lengths", "56,4096", "--max-batch-tokens", "4096", "--methods",
                         "sparsespec-l:2", "--gen-tokens", "8", "--reps", "2", "--json-out", str(out)]) == 0
     import json
 
     data = json.loads(out.read_text())
     assert data["meta"]["cpu"] and data["meta"]["isa"] is not None and data["meta"]["schedule"] == "step"
     assert data["meta"]["read_bytes_per_s"] == 2e10
-    assert [(r["method"], r["k"], r["context_len"]) for r in data["rows"]] == [("ar", 0, 56), ("sparsespec-l", 2, 56)]
+    assert [(r["batch_size"], r["context_len"], r["method"], r["k"]) for r in data["rows"]] == [
+        (1, 56, "ar", 0), (1, 56, "sparsespec-l", 2), (1, 4096, "ar", 0), (1, 4096, "sparsespec-l", 2),
+        (2, 56, "ar", 0), (2, 56, "sparsespec-l", 2)]
     assert all(r["same_tokens"] for r in data["rows"]) and len(data["rows"][1]["speedups"]) == 2
     printed = capsys.readouterr().out
-    assert "skipped: 2 x 4096 > --max-batch-tokens 1000" in printed and "| 2 | 56 | sparsespec-l k=2 |" in printed
+    assert "skipped: 2 x 4096 > --max-batch-tokens 4096" in printed and "| 2 | 56 | sparsespec-l k=2 |" in printed

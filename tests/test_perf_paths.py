@@ -216,6 +216,26 @@ def test_verify_cost_model_fits_the_roofline_terms():
     assert m.predict(8, 17, 8192) == pytest.approx(want, rel=1e-6)  # extrapolates along the terms
 
 
+def test_verify_cost_model_refits_every_few_rounds_and_predicts_many_at_once():
+    c = [2e-3, 1e-4, 3e-8, 5e-7]
+    m = VerifyCostModel(refit_every=4)
+    for B, w, S in [(1, 1, 64), (4, 1, 64), (4, 9, 64), (4, 1, 1024), (4, 9, 1024)]:
+        m.observe(B, w, S, sum(ci * f for ci, f in zip(c, VerifyCostModel.features(B, w, S))), calibration=True)
+    before = m.predict(4, 3, 2048)
+    ws, Ss = np.array([1.0, 2.0, 3.0, 9.0]), np.array([100.0, 2048.0, 2048.0, 512.0])
+    np.testing.assert_allclose(m.predict_many(4, ws, Ss), [m.predict(4, w, S) for w, S in zip(ws, Ss)], rtol=1e-12)
+    for _ in range(3):  # three rounds twice as slow: the fit waits for the fourth
+        m.observe(4, 3, 2048, 2 * before)
+        assert m.predict(4, 3, 2048) == before
+    m.observe(4, 3, 2048, 2 * before)
+    assert m.predict(4, 3, 2048) > 1.2 * before
+    m.observe(4, 1, 64, 1.0, calibration=True)  # a calibration point refits at once
+    fitted = m.predict(4, 1, 64)
+    m._fit()
+    assert m.predict(4, 1, 64) == fitted
+    assert VerifyCostModel().predict_many(1, ws, 10.0) is None  # nothing measured
+
+
 def test_expected_tokens_geometric():
     assert expected_tokens_geometric(1.0, 5) == 6.0
     assert expected_tokens_geometric(0.0, 5) == 1.0
@@ -288,6 +308,28 @@ def test_controller_explores_new_rows_and_probes_after_skipping():
     assert later.learned_prior == 0.25 and later.draft_ratio == pytest.approx(3.0)
     assert not later.exploring(_rows(0.9, 1, labels=0))
     assert later.alphas([RowAcceptance(8)]) == [0.25]
+
+
+def test_controller_neither_explores_nor_probes_where_even_full_acceptance_cannot_pay():
+    # flat verify 10 ms; a measured draft forward of 5x: k drafts cost 10 + 50 k ms for at most
+    # k + 1 tokens, below AR's 1 per 10 ms at any alpha
+    ctl = _controller([10e-3, 0.0, 0.0, 0.0], draft_ratio=1.0, probe_every=2, explore_k=4, probe_k=2)
+    d1 = ctl.verify_cost.predict(1, 1, 100 + 1)
+    ctl.observe_round(1, 100, 100, 2, 2 * 5.0 * d1, 10e-3, 0.0)
+    assert ctl.draft_measured and ctl.draft_ratio == pytest.approx(5.0)
+    assert ctl.futile([8], 1, 100, 100)
+    assert ctl.plan(_rows(0.9, 1, labels=0), [8], [100], [100]) == [0]  # no exploring
+    assert [ctl.plan(_rows(0.9, 1), [8], [100], [100])[0] for _ in range(16)] == [0] * 16  # no probes
+    assert ctl.num_skipped == 17
+    # a measured draft of 0.95x: at alpha 0.9 every k loses (k = 1: 1.9 tokens / 19.5 ms), at
+    # alpha 1 every k wins (k = 1: 2 tokens / 19.5 ms): acceptance matters, so probes go on
+    ctl = _controller([10e-3, 0.0, 0.0, 0.0], draft_ratio=1.0, probe_every=2, probe_k=2)
+    ctl.observe_round(1, 100, 100, 2, 2 * 0.95 * d1, 10e-3, 0.0)
+    assert not ctl.futile([8], 1, 100, 100)
+    assert ctl.futile([0], 1, 100, 100) is False  # nothing may be drafted: nothing to decide
+    assert [ctl.plan(_rows(0.9, 1), [8], [100], [100])[0] for _ in range(6)] == [0, 2, 0, 0, 0, 2]
+    # a prior alone never rules drafting out (it would never be measured)
+    assert not _controller([10e-3, 0.0, 0.0, 0.0], draft_ratio=5.0).futile([8], 1, 100, 100)
 
 
 def test_controller_alpha_shrinks_towards_the_batch():
