@@ -218,9 +218,12 @@ class EngineCore:
     # ------------------------------------------------------------------ calibration
     @property
     def _controller_key(self) -> tuple:
-        """Cores of one engine share controller measurements per method and draft settings."""
+        """Cores of one engine share controller measurements per method, draft settings, slots
+        and capacity bucket (a draft forward's cost relative to a dense one moves with the batch:
+        weight-bound at one row, not at eight)."""
         spec = dataclasses.asdict(self.spec) if self.spec is not None else {}
-        return (self.method, tuple(sorted((k, str(v)) for k, v in spec.items())))
+        bucket = 1 << max(0, self.cache.capacity - 1).bit_length()
+        return (self.method, tuple(sorted((k, str(v)) for k, v in spec.items())), self.max_num_seqs, bucket)
 
     def _calibrate(self) -> None:
         """The cost controller's starting point: a few timed dense forwards of this core's shapes
