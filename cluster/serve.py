@@ -9,13 +9,19 @@ Layout (the Ray layer stays thin):
 
 ``Router`` (the ingress, FastAPI)
     ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true``: server-sent events
-    in OpenAI's chunk format ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /healthz``.
+    in OpenAI's chunk format ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /healthz``
+    (each arm's state), and vLLM's server routes: ``GET /health`` (200, empty body; 503 when an
+    arm is down), ``GET /version``, ``POST /tokenize`` / ``POST /detokenize`` (vLLM's request and
+    response shapes) and ``GET /metrics`` (vLLM's Prometheus metrics per arm: ``VllmArmMetrics``,
+    merged by ``MetricsBoard``).
     It tokenises (chat template for chat), validates everything it can before an arm sees the
-    request (OpenAI-style 4xx body naming the field), checks the optional API key (vLLM's
-    convention: ``Authorization: Bearer <key>`` on ``/v1`` routes, else 401), and picks the arm:
-    an explicit one (``model: "<model>:<arm>"`` or an ``x-arm`` header), else by weight from a
-    hash of the session (``x-session-id`` header, else the OpenAI ``user`` field), so a session
-    always lands on the same arm; a request without a session is split at random by weight.
+    request (OpenAI-style 4xx body naming the field; a feature we do not implement, such as
+    ``response_format`` json, ``logprobs`` or ``tools``, is refused, never ignored), checks the
+    optional API key (vLLM's convention: ``Authorization: Bearer <key>`` on ``/v1`` routes, else
+    401), and picks the arm: an explicit one (``model: "<model>:<arm>"`` or an ``x-arm``
+    header), else by weight from a hash of the session (``x-session-id`` header, else the OpenAI
+    ``user`` field), so a session always lands on the same arm; a request without a session is
+    split at random by weight.
 ``Arm`` (one deployment per arm, ``arm-<name>``)
     One ``EngineCore`` with continuous batching, stepped by one engine thread: concurrent
     requests share every forward. ``num_gpus=1`` per replica on a cluster with GPUs, CPU threads
@@ -28,8 +34,10 @@ Every request (answered or refused) is written to the results database's ``serve
 table by a background writer (batched, off the request path). Response headers
 ``x-sparsespec-arm`` / ``x-sparsespec-method`` and the body fields ``arm`` / ``method`` say who
 served it; the body's ``speculation`` object has vLLM's per-request names
-(``sparsespec.stats.spec_decode_metrics``). Prometheus metrics (``sparsespec_*``) go through
-Ray's metrics export (scraped from each node's ``--metrics-export-port``).
+(``sparsespec.stats.spec_decode_metrics``). Prometheus metrics leave two ways, both fed by the
+arm from the row it stores: vLLM's (``vllm:*``, labelled ``model_name``, ``arm``, ``method``) at
+``GET /metrics`` on the serving port, and ours (``sparsespec_*``) through Ray's metrics export
+(scraped from each node's ``--metrics-export-port``).
 
 Overload: Serve's ``max_ongoing_requests`` / ``max_queued_requests`` bound every queue; a full
 arm answers 503 (``BackPressureError``), and so does a full ingress (Serve's proxy).
@@ -50,7 +58,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from ray import serve
 
@@ -323,6 +331,11 @@ class ArmServer:
         self.num_aborted = 0
         self.max_batch_seen = 0
         self._metrics = _arm_metrics()
+        self.replica_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # one per replica instance (restarts included)
+        self.vllm_metrics = VllmArmMetrics(cfg.model_id, self.arm.name, self.arm.method,
+                                           int(getattr(self.core, "max_model_len", 0) or cfg.max_model_len or 2048),
+                                           int(getattr(self.core, "k_max", 0) or 0), self._num_running,
+                                           self._num_waiting)
         self._thread = threading.Thread(target=self._engine_loop, name=f"engine-{arm_name}", daemon=True)
         self._thread.start()
 
@@ -487,7 +500,13 @@ class ArmServer:
                 self._done(row)
 
     def _done(self, row: dict, spec: Mapping[str, Any] | None = None, timing: Mapping[str, Any] | None = None) -> None:
+        """Every request ends here, once: its row goes to the store, and the same row feeds the
+        Prometheus metrics (Ray's ``sparsespec_*`` and vLLM's ``vllm:*``)."""
         self.log.put(row)
+        try:
+            self.vllm_metrics.observe(row, spec)
+        except Exception as e:  # noqa: BLE001 - metrics must never fail a request
+            log.debug("vllm metrics: %s", e)
         m = self._metrics
         if m is None:
             return
@@ -516,6 +535,18 @@ class ArmServer:
                 "free_slots": self.args.max_num_seqs - running, "num_steps": self.num_steps,
                 "num_aborted": self.num_aborted, "max_batch_seen": self.max_batch_seen,
                 "open_streams": len(self._streams), "rows_written": self.log.written}
+
+    def _num_running(self) -> int:
+        return len(getattr(self.core, "running", []))
+
+    def _num_waiting(self) -> int:
+        """Requests this replica has accepted that are not in the running batch (the core's queue
+        and adds the engine thread has not applied yet)."""
+        return max(0, len(self._streams) - self._num_running())
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        """This replica's vLLM metrics for the ``Router``'s ``/metrics`` (see ``VllmArmMetrics``)."""
+        return {"arm": self.arm.name, "replica": self.replica_id, "families": self.vllm_metrics.snapshot()}
 
     def check_health(self) -> None:
         """Serve's health check: a dead engine thread makes Serve replace the replica."""
@@ -556,6 +587,239 @@ def _arm_metrics() -> dict[str, Any] | None:
         return None
 
 
+# ====================================================================== vLLM's metrics (/metrics)
+# vLLM's names, label values and buckets (vllm/v1/metrics/loggers.py, vllm/v1/spec_decode/metrics.py)
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0)
+_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                            240.0, 480.0, 960.0, 1920.0, 7680.0)
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+VLLM_LABELS = ("model_name", "arm", "method")
+
+
+def buckets_1_2_5(max_value: int) -> list[int]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to ``max_value``."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return out
+            out.append(m * scale)
+        scale *= 10
+
+
+class VllmArmMetrics:
+    """vLLM's Prometheus metrics for one arm replica, in its own ``CollectorRegistry``: the
+    series a vLLM Grafana dashboard reads, labelled ``model_name`` (the served model id, as vLLM
+    does), ``arm`` and ``method``.
+
+    ``observe(row, spec)`` is called by ``ArmServer._done`` with the request row it stores and
+    vLLM's per-request speculation fields (``sparsespec.stats.spec_decode_metrics``), so every
+    number here is a count or a time the request path measured and stored; nothing is derived.
+
+    * ``vllm:num_requests_running`` / ``vllm:num_requests_waiting`` (gauges): read at scrape time
+      from the replica (the running batch; accepted requests not in it).
+    * ``vllm:request_success_total{finished_reason}``: a row of status 200 counts under its
+      finish reason (``stop``/``length``), 499 (the client went away) under ``abort``, 500 (the
+      engine failed) under ``error``; refusals (4xx, 503) never reached the engine and do not count.
+    * ``vllm:prompt_tokens_total`` / ``vllm:generation_tokens_total``: the prompt and generated
+      tokens of every request that reached the engine (200, 499).
+    * ``vllm:time_to_first_token_seconds``: the row's TTFT (arrival at the arm -> first token).
+    * ``vllm:inter_token_latency_seconds`` (and its pre-0.11 name
+      ``vllm:time_per_output_token_seconds``, the same observations, as vLLM 0.11 exposed both):
+      the gaps between the request's successive engine steps that committed tokens
+      (``stats.chunk_gaps_s``): one observation per step, as vLLM observes one per iteration (a
+      speculative step commits several tokens).
+    * ``vllm:request_time_per_output_token_seconds``, ``vllm:e2e_request_latency_seconds``,
+      ``vllm:request_prompt_tokens``, ``vllm:request_generation_tokens``,
+      ``vllm:request_params_max_tokens``: per finished request (status 200), from the row's
+      ``tpot_s`` ((E2EL - TTFT) / (tokens - 1), vLLM's decode time per token), ``e2el_s``, token
+      counts and ``max_tokens``.
+    * Not exposed, because nothing measures them with vLLM's meaning: the queue, prefill,
+      decode and inference phase times (the row's ``queue_s`` ends when the core accepts the
+      request, not when it gets a slot), KV-cache usage, prefix-cache and preemption counters.
+    * Speculative decoding, only on arms that draft (vLLM exposes them only with a speculative
+      config): ``vllm:spec_decode_num_drafts_total`` (drafting steps), ``..._num_draft_tokens_total``,
+      ``..._num_accepted_tokens_total`` and ``..._num_accepted_tokens_per_pos_total{position}``
+      (drafting steps that accepted at least ``position + 1`` draft tokens, from the request's
+      acceptance histogram; positions ``0 .. k_max - 1`` exist from the start). Drafts of a
+      request that was aborted are not counted: the core reports them with the final output.
+
+    Args:
+        model_name, arm, method: the label values.
+        max_model_len: the window (top of the token-count buckets).
+        k_max: the arm's largest draft (0: the arm does not draft).
+        running, waiting: callables read at scrape time.
+    """
+
+    def __init__(self, model_name: str, arm: str, method: str, max_model_len: int, k_max: int,
+                 running: Any, waiting: Any) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = reg = CollectorRegistry(auto_describe=True)
+        lv = (model_name, arm, method)
+        names = list(VLLM_LABELS)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, names, registry=reg).labels(*lv)
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Any:
+            return Histogram(name, doc, names, buckets=list(buckets), registry=reg).labels(*lv)
+
+        Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", names,
+              registry=reg).labels(*lv).set_function(running)
+        Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", names,
+              registry=reg).labels(*lv).set_function(waiting)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          names + ["finished_reason"], registry=reg)
+        self.success = {r: success.labels(*lv, r) for r in FINISHED_REASONS}
+        tokens = buckets_1_2_5(max(1, int(max_model_len)))
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                               tokens)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
+                                                   "Number of generation tokens processed.", tokens)
+        self.max_tokens = histogram("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+                                    tokens)
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              _TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             _ITL_BUCKETS)
+        self.tpot_legacy = histogram("vllm:time_per_output_token_seconds",
+                                     "Histogram of time per output token in seconds."
+                                     "DEPRECATED: Use vllm:inter_token_latency_seconds instead.", _ITL_BUCKETS)
+        self.request_tpot = histogram("vllm:request_time_per_output_token_seconds",
+                                      "Histogram of time_per_output_token_seconds per request.", _ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             _REQUEST_LATENCY_BUCKETS)
+        self.spec = k_max > 0
+        if self.spec:
+            self.drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+            self.draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+            self.accepted = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+            self._per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                    "Accepted tokens per draft position.", names + ["position"], registry=reg)
+            self._lv = lv
+            self.per_pos = [self._per_pos.labels(*lv, str(p)) for p in range(k_max)]
+
+    def observe(self, row: Mapping[str, Any], spec: Mapping[str, Any] | None = None) -> None:
+        """One finished request: its ``serve_requests`` row (and speculation fields, if it finished)."""
+        status = row.get("status")
+        if status == 200:
+            reason = row.get("finish_reason") or "stop"
+        elif status == 499:
+            reason = "abort"
+        elif status == 500:
+            reason = "error"
+        else:
+            return
+        if reason not in self.success:  # the core's reasons are stop and length
+            reason = "stop"
+        self.success[reason].inc()
+        if status in (200, 499):
+            self.prompt_tokens.inc(int(row.get("prompt_tokens") or 0))
+            self.generation_tokens.inc(int(row.get("output_tokens") or 0))
+        if row.get("ttft_s") is not None:
+            self.ttft.observe(float(row["ttft_s"]))
+        stats = row.get("stats") or {}
+        for gap in stats.get("chunk_gaps_s") or ():
+            self.itl.observe(float(gap))
+            self.tpot_legacy.observe(float(gap))
+        if status == 200:
+            self.request_prompt_tokens.observe(int(row.get("prompt_tokens") or 0))
+            self.request_generation_tokens.observe(int(row.get("output_tokens") or 0))
+            if row.get("max_tokens"):
+                self.max_tokens.observe(int(row["max_tokens"]))
+            if row.get("e2el_s") is not None:
+                self.e2e.observe(float(row["e2el_s"]))
+            if stats.get("tpot_s") is not None:
+                self.request_tpot.observe(float(stats["tpot_s"]))
+        if self.spec and spec:
+            self.drafts.inc(int(spec.get("num_spec_steps") or 0))
+            self.draft_tokens.inc(int(spec.get("num_draft_tokens") or 0))
+            self.accepted.inc(int(spec.get("num_accepted_draft_tokens") or 0))
+            hist = list(spec.get("acceptance_histogram") or ())  # hist[i]: drafting steps that accepted exactly i
+            for pos in range(len(hist) - 1):  # steps that accepted at least pos + 1 tokens
+                n = sum(hist[pos + 1:])
+                while pos >= len(self.per_pos):
+                    self.per_pos.append(self._per_pos.labels(*self._lv, str(len(self.per_pos))))
+                if n:
+                    self.per_pos[pos].inc(n)
+
+    def snapshot(self) -> list[tuple[str, str, str, list[tuple[str, dict[str, str], float]]]]:
+        """Every family as plain data (picklable across Ray): ``(name, type, help, samples)``,
+        each sample ``(name, labels, value)``; ``*_created`` timestamps are left out (vLLM turns
+        them off, and they cannot be summed across replicas)."""
+        out = []
+        for fam in self.registry.collect():
+            samples = [(s.name, dict(s.labels), float(s.value)) for s in fam.samples if not s.name.endswith("_created")]
+            out.append((fam.name, fam.type, fam.documentation, samples))
+        return out
+
+
+class MetricsBoard:
+    """The ``Router``'s ``/metrics``: the latest snapshot (``ArmServer.metrics_snapshot``) of every
+    arm replica it has heard from, merged into one exposition by ``prometheus_client`` (its own
+    ``CollectorRegistry``; this object is the registry's collector).
+
+    Where the numbers live: each arm replica counts its own requests (``ArmServer._done``, the
+    place that writes the request row and Ray's metrics; the running/waiting gauges can only be
+    read there), and the ``Router`` pulls a snapshot from each arm at scrape time. A Serve handle
+    call reaches one replica of an arm, so the board keeps the latest snapshot per replica (by
+    ``replica_id``) and sums them per label set: counters and histograms over every replica it
+    has seen (they stay monotonic when a replica is replaced, and an arm with several replicas
+    is complete once each has answered a scrape), gauges only over replicas heard from in the
+    last ``gauge_ttl_s`` seconds (a dead replica runs nothing). An arm that does not answer in
+    time keeps its last counts. With one replica per arm (the default) every scrape is exact.
+    The alternative, the ``Router`` counting as it streams, would see neither the engine's
+    batch nor requests that reached the arm through another ingress replica, and would be a
+    second place deciding what a request counts as.
+    """
+
+    def __init__(self, gauge_ttl_s: float = 60.0, clock: Any = time.monotonic) -> None:
+        from prometheus_client import CollectorRegistry
+
+        self.gauge_ttl_s, self.clock = gauge_ttl_s, clock
+        self._latest: dict[tuple[str, str], tuple[float, list]] = {}
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    def update(self, snapshot: Mapping[str, Any]) -> None:
+        self._latest[(str(snapshot["arm"]), str(snapshot["replica"]))] = (self.clock(), list(snapshot["families"]))
+
+    def collect(self):
+        """The merged families (``prometheus_client``'s collector protocol)."""
+        from prometheus_client import Metric
+
+        now = self.clock()
+        merged: dict[str, tuple[str, str, dict[tuple, float]]] = {}
+        for seen, families in self._latest.values():
+            for name, kind, doc, samples in families:
+                if kind == "gauge" and now - seen > self.gauge_ttl_s:
+                    continue
+                _, _, acc = merged.setdefault(name, (kind, doc, {}))
+                for sname, labels, value in samples:
+                    key = (sname, tuple(sorted(labels.items())))
+                    acc[key] = acc.get(key, 0.0) + value
+        for name, (kind, doc, acc) in merged.items():
+            fam = Metric(name, doc, kind)
+            for (sname, labels), value in acc.items():
+                fam.add_sample(sname, dict(labels), value)
+            yield fam
+
+    def exposition(self, accept: str | None = None) -> tuple[bytes, str]:
+        """The body and its content type, negotiated from the ``Accept`` header as
+        ``prometheus_client``'s own handler does (Prometheus text 0.0.4 by default, OpenMetrics
+        when asked for)."""
+        from prometheus_client.exposition import choose_encoder
+
+        encode, content_type = choose_encoder(accept or "")
+        return encode(self.registry), content_type
+
+
 @serve.deployment(max_ongoing_requests=8, max_queued_requests=32, health_check_period_s=2,
                   health_check_timeout_s=30, graceful_shutdown_timeout_s=5)
 class Arm(ArmServer):
@@ -582,11 +846,17 @@ class APIError(Exception):
 class _StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
+    continuous_usage_stats: bool | None = None  # vLLM extension (usage in every chunk): refused
+
+
+def _is_set(v: Any) -> bool:
+    return v is not None and v is not False and v != [] and v != {}
 
 
 class _CommonRequest(BaseModel):
     """Fields shared by both routes; unknown fields are ignored (OpenAI clients send many),
-    known-but-unsupported ones are refused unless left at their no-op value."""
+    known-but-unsupported ones are refused (400 naming the field) unless left at their no-op
+    value, so a client never gets an answer that silently ignored what it asked for."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -607,6 +877,22 @@ class _CommonRequest(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    # vLLM extensions that would change what is sampled or returned
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    use_beam_search: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    prompt_logprobs: int | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     def check_supported(self) -> None:
         if self.n != 1:
@@ -618,6 +904,34 @@ class _CommonRequest(BaseModel):
             raise APIError(400, "logit_bias is not supported", "logit_bias")
         if self.stop is not None and any(not s for s in ([self.stop] if isinstance(self.stop, str) else self.stop)):
             raise APIError(400, "stop strings must be non-empty", "stop")
+        rf = self.response_format
+        if rf is not None and rf.get("type", "text") != "text":
+            raise APIError(400, f"response_format type {rf.get('type')!r} is not supported (only 'text': no "
+                           "constrained decoding)", "response_format")
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} are not supported (no tool calling)", name)
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                raise APIError(400, f"{name} is not supported (no tool calling)", name)
+        if self.min_p:
+            raise APIError(400, "min_p is not supported", "min_p")
+        if self.repetition_penalty not in (None, 1.0):
+            raise APIError(400, "repetition_penalty is not supported (it would change the target distribution)",
+                           "repetition_penalty")
+        if self.use_beam_search:
+            raise APIError(400, "use_beam_search is not supported", "use_beam_search")
+        if self.include_stop_str_in_output:
+            raise APIError(400, "include_stop_str_in_output is not supported (stop strings are cut from the text)",
+                           "include_stop_str_in_output")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise APIError(400, "stream_options.continuous_usage_stats is not supported (usage comes in the last "
+                           "chunk with include_usage)", "stream_options.continuous_usage_stats")
+        if self.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs is not supported", "prompt_logprobs")
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
+            if _is_set(getattr(self, name)):
+                raise APIError(400, f"{name} is not supported (no constrained decoding)", name)
 
 
 class CompletionRequest(_CommonRequest):
@@ -641,18 +955,83 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class ChatRequest(_CommonRequest):
+class _ChatTemplateFields(BaseModel):
+    """vLLM's chat-template switches (chat completions and ``/tokenize``)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_template(self) -> None:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise APIError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                           "continue_final_message")
+        for name in ("chat_template", "chat_template_kwargs"):
+            if _is_set(getattr(self, name)):
+                raise APIError(400, f"{name} is not supported (the model's own template is used)", name)
+
+
+class ChatRequest(_CommonRequest, _ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    tools: list[Any] | None = None
+    top_logprobs: int | None = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    reasoning_effort: str | None = None
+    web_search_options: Any = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.logprobs:
             raise APIError(400, "logprobs is not supported", "logprobs")
-        if self.tools:
-            raise APIError(400, "tools are not supported", "tools")
+        if self.top_logprobs:
+            raise APIError(400, "top_logprobs is not supported", "top_logprobs")
+        if self.modalities is not None and list(self.modalities) != ["text"]:
+            raise APIError(400, "only the text modality is supported", "modalities")
+        for name in ("audio", "prediction", "reasoning_effort", "web_search_options"):
+            if _is_set(getattr(self, name)):
+                raise APIError(400, f"{name} is not supported", name)
+        self.check_template()
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """``POST /tokenize`` with a prompt (vLLM's ``TokenizeCompletionRequest``)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_ChatTemplateFields):
+    """``POST /tokenize`` with messages (vLLM's ``TokenizeChatRequest``; ``add_special_tokens``
+    defaults to false there: the template adds them)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+    tools: list[Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        self.check_template()
+        for name in ("tools", "mm_processor_kwargs"):
+            if _is_set(getattr(self, name)):
+                raise APIError(400, f"{name} is not supported", name)
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's ``DetokenizeRequest``)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]
 
 
 def _validation_error(e: ValidationError) -> APIError:
@@ -706,20 +1085,30 @@ class Gateway:
         if self._h(headers).get("authorization", "") != f"Bearer {self.api_key}":
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", None)
 
-    def parse(self, raw: bytes, chat: bool) -> Any:
-        """The validated request body (``ChatRequest`` or ``CompletionRequest``)."""
+    @staticmethod
+    def _json_object(raw: bytes) -> dict[str, Any]:
         try:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"the request body is not valid JSON: {e}", None, "invalid_json") from None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object", None, "invalid_json")
+        return data
+
+    @staticmethod
+    def _validated(model: type[BaseModel], data: Mapping[str, Any]) -> Any:
         try:
-            body = (ChatRequest if chat else CompletionRequest)(**data)
+            body = model(**data)
         except ValidationError as e:
             raise _validation_error(e) from None
-        body.check_supported()
+        check = getattr(body, "check_supported", None)
+        if check is not None:
+            check()
         return body
+
+    def parse(self, raw: bytes, chat: bool) -> Any:
+        """The validated request body (``ChatRequest`` or ``CompletionRequest``)."""
+        return self._validated(ChatRequest if chat else CompletionRequest, self._json_object(raw))
 
     def session(self, headers: Mapping[str, str], body: Any) -> str | None:
         return self._h(headers).get(SESSION_HEADER) or getattr(body, "user", None) or None
@@ -759,27 +1148,35 @@ class Gateway:
                          "options": a.options, "weight": a.weight})
         return {"object": "list", "data": data}
 
+    def chat_ids(self, body: Any, add_special_tokens: bool = False) -> list[int]:
+        """The token ids of ``body.messages`` through the tokenizer's chat template (with
+        ``add_generation_prompt`` / ``continue_final_message`` as the body says)."""
+        tok = self.tokenizer
+        msgs = []
+        for i, m in enumerate(body.messages):
+            content = m.content
+            if isinstance(content, list):
+                parts = []
+                for p in content:
+                    if p.get("type") != "text" or not isinstance(p.get("text"), str):
+                        raise APIError(400, "only text content parts are supported", f"messages.{i}.content")
+                    parts.append(p["text"])
+                content = "".join(parts)
+            msgs.append({"role": m.role, "content": content or ""})
+        kw = {"continue_final_message": True} if body.continue_final_message else {}
+        try:
+            text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=body.add_generation_prompt,
+                                           **kw)
+        except Exception as e:  # noqa: BLE001 - a template that refuses these roles
+            raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
+        return list(tok(text, add_special_tokens=add_special_tokens)["input_ids"])
+
     def prompt_ids(self, body: Any, chat: bool) -> tuple[list[int], str]:
-        """The prompt's token ids (chat: the tokenizer's template with the generation prompt) and
-        the field to name in errors."""
+        """The prompt's token ids (chat: the tokenizer's template, by default with the generation
+        prompt) and the field to name in errors."""
         tok = self.tokenizer
         if chat:
-            msgs = []
-            for i, m in enumerate(body.messages):
-                content = m.content
-                if isinstance(content, list):
-                    parts = []
-                    for p in content:
-                        if p.get("type") != "text" or not isinstance(p.get("text"), str):
-                            raise APIError(400, "only text content parts are supported", f"messages.{i}.content")
-                        parts.append(p["text"])
-                    content = "".join(parts)
-                msgs.append({"role": m.role, "content": content or ""})
-            try:
-                text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-            except Exception as e:  # noqa: BLE001 - a template that refuses these roles
-                raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
-            return list(tok(text, add_special_tokens=False)["input_ids"]), "messages"
+            return self.chat_ids(body), "messages"
         p = body.prompt
         if isinstance(p, list) and p and isinstance(p[0], (list, str)):
             if len(p) != 1:
@@ -793,6 +1190,46 @@ class Gateway:
         if min(p) < 0 or max(p) >= vocab:
             raise APIError(400, f"prompt has token ids outside [0, {vocab})", "prompt")
         return list(p), "prompt"
+
+    # ------------------------------------------------------------ vLLM's server routes
+    def check_model(self, model: str | None) -> None:
+        """An optional ``model`` must be one this server has (404 otherwise, as vLLM answers)."""
+        if model is not None and model not in self.model_ids():
+            raise APIError(404, f"the model '{model}' does not exist; this server has "
+                           f"{', '.join(self.model_ids())}", "model")
+
+    def tokenize(self, raw: bytes) -> dict[str, Any]:
+        """``POST /tokenize``: vLLM's ``TokenizeResponse`` (``count``, ``max_model_len``,
+        ``tokens``, ``token_strs``) for ``{"prompt": ...}`` or ``{"messages": [...]}``. With the
+        defaults the ids are those the completion / chat routes send to the arm."""
+        data = self._json_object(raw)
+        body = self._validated(TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest, data)
+        self.check_model(body.model)
+        if isinstance(body, TokenizeChatRequest):
+            ids = self.chat_ids(body, add_special_tokens=body.add_special_tokens)
+        else:
+            ids = list(self.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
+        strs = list(self.tokenizer.convert_ids_to_tokens(ids)) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.window, "tokens": ids, "token_strs": strs}
+
+    def detokenize(self, raw: bytes) -> dict[str, Any]:
+        """``POST /detokenize``: vLLM's ``DetokenizeResponse`` (``prompt``) for ``{"tokens": [...]}``."""
+        body = self._validated(DetokenizeRequest, self._json_object(raw))
+        self.check_model(body.model)
+        vocab = len(self.tokenizer)
+        if body.tokens and (min(body.tokens) < 0 or max(body.tokens) >= vocab):
+            raise APIError(400, f"tokens has token ids outside [0, {vocab})", "tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
+    @staticmethod
+    def version_body() -> dict[str, str]:
+        """``GET /version``: ``{"version": ...}`` as vLLM answers, with sparsespec's version."""
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return {"version": version("sparsespec")}
+        except PackageNotFoundError:
+            return {"version": "unknown"}
 
     def sampling(self, body: Any, n_prompt: int, prompt_param: str, chat: bool) -> dict[str, Any]:
         """``SamplingParams`` fields of the request, checked against the window."""
@@ -924,15 +1361,19 @@ class Router:
         folder = resolve_model(cfg.model)
         window = AutoConfig.from_pretrained(folder).max_position_embeddings
         api_key = cfg.api_key if cfg.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
-        self.gw = Gateway(cfg, AutoTokenizer.from_pretrained(folder), min(cfg.max_model_len or window, window),
-                          api_key)
-        self.args = cfg
-        self.arms = dict(arms)  # arm name -> DeploymentHandle
-        self.log = RequestLog(cfg.db)
+        self._setup(Gateway(cfg, AutoTokenizer.from_pretrained(folder), min(cfg.max_model_len or window, window),
+                            api_key), arms)
 
-    @fastapi_app.get("/healthz")
-    async def healthz(self) -> JSONResponse:
-        """200 when every arm answers, else 503 with each arm's state or error."""
+    def _setup(self, gw: "Gateway", arms: Mapping[str, Any]) -> None:
+        """Everything but loading the tokenizer (tests build a ``Router`` over a ``Gateway`` and
+        stand-in arms this way, without Ray)."""
+        self.gw, self.args = gw, gw.args
+        self.arms = dict(arms)  # arm name -> DeploymentHandle
+        self.log = RequestLog(self.args.db)
+        self.board = MetricsBoard()
+
+    async def _arm_states(self) -> tuple[dict[str, Any], bool]:
+        """Each arm's ``state()`` (or its error) and whether every arm is alive."""
         states, ok = {}, True
 
         async def one(name: str, handle: Any) -> None:
@@ -944,8 +1385,52 @@ class Router:
                 states[name], ok = {"alive": False, "error": f"{type(e).__name__}: {e}"[:300]}, False
 
         await asyncio.gather(*(one(n, h) for n, h in self.arms.items()))
+        return states, ok
+
+    @fastapi_app.get("/healthz")
+    async def healthz(self) -> JSONResponse:
+        """200 when every arm answers, else 503 with each arm's state or error."""
+        states, ok = await self._arm_states()
         return JSONResponse({"status": "ok" if ok else "degraded", "model": self.args.model_id, "arms": states},
                             status_code=200 if ok else 503)
+
+    @fastapi_app.get("/health")
+    async def health(self) -> Response:
+        """vLLM's health check: 200 with an empty body when every arm answers, else 503."""
+        _, ok = await self._arm_states()
+        return Response(status_code=200 if ok else 503)
+
+    @fastapi_app.get("/version")
+    async def version(self) -> JSONResponse:
+        return JSONResponse(self.gw.version_body())
+
+    @fastapi_app.post("/tokenize")
+    async def tokenize(self, request: Request) -> JSONResponse:
+        try:
+            return JSONResponse(self.gw.tokenize(await request.body()))
+        except APIError as e:
+            return e.response()
+
+    @fastapi_app.post("/detokenize")
+    async def detokenize(self, request: Request) -> JSONResponse:
+        try:
+            return JSONResponse(self.gw.detokenize(await request.body()))
+        except APIError as e:
+            return e.response()
+
+    @fastapi_app.get("/metrics")
+    async def metrics(self, request: Request) -> Response:
+        """vLLM's Prometheus metrics of every arm (see ``MetricsBoard``), pulled now."""
+
+        async def one(name: str, handle: Any) -> None:
+            try:
+                self.board.update(await asyncio.wait_for(handle.metrics_snapshot.remote(), timeout=5.0))
+            except Exception as e:  # noqa: BLE001 - the arm keeps its last counts on the board
+                log.warning("metrics: arm %s did not answer: %s: %s", name, type(e).__name__, e)
+
+        await asyncio.gather(*(one(n, h) for n, h in self.arms.items()))
+        body, content_type = self.board.exposition(request.headers.get("accept"))
+        return Response(body, media_type=content_type)
 
     @fastapi_app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:

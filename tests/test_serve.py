@@ -334,6 +334,45 @@ def test_prometheus_metrics_are_exported_through_ray(served):
     assert any(k.startswith("ray_sparsespec_tpot_seconds") for k in found)
 
 
+def test_vllm_server_routes_and_metrics_through_serve(served):
+    """vLLM's routes on the deployed app (the unit tests drive them without Ray): /health and
+    /version need no key (vLLM guards /v1 only), and /metrics pulls each arm replica's counts
+    over Serve: a request made between two scrapes moves them by exactly its own numbers."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    base, c, m = served["base"], served["client"], served["model"]
+    h = httpx.get(base + "/health")
+    assert h.status_code == 200 and h.content == b""
+    assert httpx.get(base + "/version").json()["version"]
+    tok = httpx.post(base + "/tokenize", json={"model": m, "prompt": "metrics"}).json()
+    assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == 512
+
+    def scrape():
+        r = httpx.get(base + "/metrics")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        return {(s.name, s.labels.get("arm"), s.labels.get("finished_reason")): s.value
+                for fam in text_string_to_metric_families(r.text) for s in fam.samples
+                if "position" not in s.labels and "le" not in s.labels}
+
+    before = scrape()
+    r = c.post("/v1/completions", json={"model": f"{m}:sparsespec-l", "prompt": tok["tokens"], "max_tokens": 6,
+                                        "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200
+    after = scrape()
+
+    def moved(name, reason=None):
+        key = (name, "sparsespec-l", reason)
+        return after[key] - before.get(key, 0.0)
+
+    assert moved("vllm:generation_tokens_total") == 6 and moved("vllm:prompt_tokens_total") == tok["count"]
+    assert moved("vllm:request_success_total", "length") == 1
+    assert moved("vllm:time_to_first_token_seconds_count") == 1
+    assert moved("vllm:spec_decode_num_draft_tokens_total") == r.json()["speculation"]["num_draft_tokens"]
+    assert ("vllm:num_requests_running", "ar", None) in after and ("vllm:spec_decode_num_drafts_total", "ar",
+                                                                   None) not in after
+
+
 def test_a_killed_replica_is_restarted_while_the_other_arm_answers(served):
     c, m = served["client"], served["model"]
     pid = c.get("/healthz").json()["arms"]["ar"]["pid"]

@@ -1,6 +1,8 @@
 """The Serve app's pure parts, without Ray: the args, the weighted sticky split, vLLM's
 per-request speculation fields, and an arm's engine thread driven in-process (continuous
-batching shares steps, an abandoned request frees its slot, outputs equal a fresh AR decode)."""
+batching shares steps, an abandoned request frees its slot, outputs equal a fresh AR decode);
+vLLM's server conventions (/health, /version, /tokenize, /detokenize, /metrics, unsupported
+features refused), the routes driven over FastAPI's TestClient with in-process arms."""
 import asyncio
 import random
 from collections import Counter
@@ -177,6 +179,14 @@ def test_an_abandoned_request_frees_its_slot(tiny, tmp_path):
         # the slot is usable again: a new request completes
         final = asyncio.run(_collect(arm, _payload("next", [5, 6, 7], 3)))[-1]
         assert final["type"] == "final" and final["usage"]["completion_tokens"] == 3
+        from cluster.serve import MetricsBoard  # vLLM's metrics count the abort as vLLM does
+
+        board = MetricsBoard()
+        board.update(arm.metrics_snapshot())
+        f = _families(board.exposition()[0].decode())
+        assert _value(f, "vllm:request_success_total", finished_reason="abort") == 1
+        assert _value(f, "vllm:request_success_total", finished_reason="length") == 1
+        assert _value(f, "vllm:prompt_tokens_total") == 4 + 3
     finally:
         arm.shutdown()
     from cluster.store import open_store
@@ -268,6 +278,36 @@ BAD = [
     ({"model": "M", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, True, 400, "logprobs"),
     ({"model": "M", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, True, 400,
      "tools"),
+    # features we do not implement: a 400 naming the field, never silently ignored
+    ({"model": "M", "prompt": "x", "response_format": {"type": "json_object"}}, False, 400, "response_format"),
+    ({"model": "M", "messages": [{"role": "user", "content": "x"}],
+      "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}}}}, True, 400,
+     "response_format"),
+    ({"model": "M", "prompt": "x", "tools": [{"type": "function"}]}, False, 400, "tools"),
+    ({"model": "M", "messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, True, 400, "tool_choice"),
+    ({"model": "M", "messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, True, 400,
+     "functions"),
+    ({"model": "M", "messages": [{"role": "user", "content": "x"}], "function_call": "auto"}, True, 400,
+     "function_call"),
+    ({"model": "M", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, True, 400, "top_logprobs"),
+    ({"model": "M", "prompt": "x", "min_p": 0.1}, False, 400, "min_p"),
+    ({"model": "M", "prompt": "x", "repetition_penalty": 1.2}, False, 400, "repetition_penalty"),
+    ({"model": "M", "prompt": "x", "use_beam_search": True}, False, 400, "use_beam_search"),
+    ({"model": "M", "prompt": "x", "include_stop_str_in_output": True}, False, 400, "include_stop_str_in_output"),
+    ({"model": "M", "prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}, False, 400,
+     "stream_options.continuous_usage_stats"),
+    ({"model": "M", "prompt": "x", "prompt_logprobs": 1}, False, 400, "prompt_logprobs"),
+    ({"model": "M", "prompt": "x", "guided_json": {"type": "object"}}, False, 400, "guided_json"),
+    ({"model": "M", "prompt": "x", "structured_outputs": {"regex": "a+"}}, False, 400, "structured_outputs"),
+    ({"model": "M", "messages": [{"role": "user", "content": "x"}], "chat_template": "{{ x }}"}, True, 400,
+     "chat_template"),
+    ({"model": "M", "messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, True, 400,
+     "continue_final_message"),  # with the default add_generation_prompt=true: vLLM refuses the pair
+    ({"model": "M", "messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]}, True, 400,
+     "modalities"),
+    ({"model": "M", "messages": [{"role": "user", "content": "x"}], "audio": {"voice": "x"}}, True, 400, "audio"),
+    ({"model": "M", "messages": [{"role": "user", "content": "x"}], "reasoning_effort": "high"}, True, 400,
+     "reasoning_effort"),
 ]
 
 
@@ -286,6 +326,23 @@ def test_bad_input_is_refused_naming_the_field(gw, tiny, body, chat, status, par
 
     err = _json.loads(resp.body)["error"]
     assert resp.status_code == status and err["param"] == param and err["message"] and err["type"] and err["code"]
+
+
+def test_no_op_values_of_unsupported_fields_are_accepted(gw, tiny):
+    m = str(tiny)
+    msgs = [{"role": "user", "content": "x"}]
+    for extra in ({"response_format": {"type": "text"}}, {"tool_choice": "none"}, {"top_logprobs": 0},
+                  {"modalities": ["text"]}, {"repetition_penalty": 1.0, "min_p": 0.0}, {"logprobs": False},
+                  {"tools": []}, {"guided_json": None}, {"min_p": None, "repetition_penalty": None}):
+        assert _prep(gw, {"model": m, "messages": msgs, **extra}, chat=True)[1] in ("ar", "sparsespec-l"), extra
+    assert _prep(gw, {"model": m, "prompt": "x", "response_format": {"type": "text"}})[2]["prompt_ids"]
+    # vLLM's chat-template switches are honoured, not ignored
+    tok = gw.tokenizer
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
+    ids = _prep(gw, {"model": m, "messages": msgs, "add_generation_prompt": False, "continue_final_message": True},
+                chat=True)[2]["prompt_ids"]
+    want = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False, continue_final_message=True)
+    assert ids == tok(want, add_special_tokens=False).input_ids and tok.decode(ids).endswith("Hel")
 
 
 def test_api_key(gw, tiny):
@@ -444,3 +501,280 @@ def test_refusal_row_fits_the_store(gw, tmp_path):
     assert busy["arm"] == "sparsespec-l" and busy["method"] == "sparsespec-l" and busy["request_id"] == "cmpl-9"
     store = open_store(f"sqlite:///{tmp_path}/r.db")
     assert store.add_serve_requests([row, busy]) == 2
+
+
+# ---------------------------------------------------------------- vLLM's server routes (Gateway)
+def test_tokenize_and_detokenize_give_the_ids_the_routes_send(gw, tiny):
+    import importlib.metadata
+    import json as _json
+
+    m, tok = str(tiny), gw.tokenizer
+    t = gw.tokenize(_json.dumps({"model": m, "prompt": "Hello world"}).encode())
+    assert set(t) == {"count", "max_model_len", "tokens", "token_strs"}  # vLLM's TokenizeResponse
+    assert t["tokens"] == _prep(gw, {"model": m, "prompt": "Hello world"})[2]["prompt_ids"]
+    assert t["count"] == len(t["tokens"]) and t["max_model_len"] == 512 and t["token_strs"] is None
+    plain = gw.tokenize(_json.dumps({"prompt": "Hello world", "add_special_tokens": False,
+                                     "return_token_strs": True}).encode())  # model is optional
+    assert plain["tokens"] == tok("Hello world", add_special_tokens=False).input_ids
+    assert plain["token_strs"] == tok.convert_ids_to_tokens(plain["tokens"])
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    c = gw.tokenize(_json.dumps({"model": f"{m}:ar", "messages": msgs}).encode())
+    assert c["tokens"] == _prep(gw, {"model": m, "messages": msgs}, chat=True)[2]["prompt_ids"]
+    no_gen = gw.tokenize(_json.dumps({"messages": msgs, "add_generation_prompt": False}).encode())
+    assert c["tokens"][:no_gen["count"]] == no_gen["tokens"] and no_gen["count"] < c["count"]
+    assert gw.detokenize(_json.dumps({"model": m, "tokens": plain["tokens"]}).encode()) == {"prompt": "Hello world"}
+    assert gw.detokenize(b'{"tokens": []}') == {"prompt": ""}
+    assert gw.version_body() == {"version": importlib.metadata.version("sparsespec")}
+
+
+TOKENIZE_BAD = [
+    ("tokenize", b"{not json", 400, None),
+    ("tokenize", {}, 400, "prompt"),
+    ("tokenize", {"prompt": 5}, 400, "prompt"),
+    ("tokenize", {"model": "nosuch", "prompt": "x"}, 404, "model"),
+    ("tokenize", {"messages": []}, 400, "messages"),
+    ("tokenize", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, 400,
+     "continue_final_message"),
+    ("tokenize", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ x }}"}, 400, "chat_template"),
+    ("tokenize", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "tools"),
+    ("detokenize", {}, 400, "tokens"),
+    ("detokenize", {"tokens": "abc"}, 400, "tokens"),
+    ("detokenize", {"tokens": [1, -1]}, 400, "tokens"),
+    ("detokenize", {"tokens": [1, 49152]}, 400, "tokens"),  # == the vocabulary size
+    ("detokenize", {"model": "M:nosuch", "tokens": [1]}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("route, body, status, param", TOKENIZE_BAD)
+def test_tokenize_bad_input_is_refused_naming_the_field(gw, route, body, status, param):
+    import json as _json
+
+    from cluster.serve import APIError
+
+    raw = body if isinstance(body, bytes) else _json.dumps(body).encode()
+    with pytest.raises(APIError) as e:
+        getattr(gw, route)(raw)
+    assert (e.value.status, e.value.param) == (status, param), e.value.message
+
+
+# ---------------------------------------------------------------- vLLM's metrics (arm and board)
+def _families(text):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def _value(fams, name, **labels):
+    got = [v for lab, v in fams.get(name, []) if all(lab.get(k) == str(x) for k, x in labels.items())]
+    assert len(got) == 1, (name, labels, fams.get(name))
+    return got[0]
+
+
+def test_arm_metrics_count_rows_as_vllm_does():
+    from cluster.serve import MetricsBoard, VllmArmMetrics
+
+    running = [2]
+    m = VllmArmMetrics("M", "fast", "sparsespec-l", 512, 4, lambda: running[0], lambda: 1)
+    stats = {"chunk_gaps_s": [0.02, 0.03, 0.5], "tpot_s": 0.04}
+    m.observe({"status": 200, "finish_reason": "length", "prompt_tokens": 30, "output_tokens": 9, "max_tokens": 9,
+               "ttft_s": 0.2, "e2el_s": 0.6, "queue_s": 0.01, "stats": stats},
+              {"num_spec_steps": 3, "num_draft_tokens": 12, "num_accepted_draft_tokens": 6,
+               "acceptance_histogram": [0, 1, 1, 1]})  # steps accepting 1, 2, 3 drafts
+    m.observe({"status": 499, "prompt_tokens": 7, "output_tokens": 2, "ttft_s": 0.1})  # client went away
+    m.observe({"status": 500, "prompt_tokens": 5})  # the engine failed
+    m.observe({"status": 400, "prompt_tokens": 5})  # refused at the arm: never reached the engine
+    m.observe({"status": 200, "finish_reason": "stop", "prompt_tokens": 4, "output_tokens": 1, "ttft_s": 0.05,
+               "e2el_s": 0.05, "stats": {"chunk_gaps_s": [], "tpot_s": None}}, None)
+    board = MetricsBoard()
+    board.update({"arm": "fast", "replica": "r1", "families": m.snapshot()})
+    body, ctype = board.exposition()
+    assert ctype.startswith("text/plain; version=0.0.4")
+    f = _families(body.decode())
+    lab = {"model_name": "M", "arm": "fast", "method": "sparsespec-l"}
+    reasons = {r: _value(f, "vllm:request_success_total", finished_reason=r, **lab)
+               for r in ("stop", "length", "abort", "error")}
+    assert reasons == {"stop": 1, "length": 1, "abort": 1, "error": 1}
+    assert _value(f, "vllm:prompt_tokens_total", **lab) == 30 + 7 + 4
+    assert _value(f, "vllm:generation_tokens_total", **lab) == 9 + 2 + 1
+    assert _value(f, "vllm:time_to_first_token_seconds_count", **lab) == 3
+    assert _value(f, "vllm:time_to_first_token_seconds_sum", **lab) == pytest.approx(0.35)
+    assert _value(f, "vllm:inter_token_latency_seconds_count", **lab) == 3  # one per step gap
+    assert _value(f, "vllm:inter_token_latency_seconds_bucket", le="0.025", **lab) == 1  # vLLM's buckets
+    assert _value(f, "vllm:time_per_output_token_seconds_sum", **lab) == pytest.approx(0.55)
+    assert _value(f, "vllm:request_time_per_output_token_seconds_count", **lab) == 1
+    assert _value(f, "vllm:e2e_request_latency_seconds_count", **lab) == 2  # finished requests (200)
+    assert "vllm:request_queue_time_seconds_sum" not in f  # queue_s is not vLLM's WAITING time
+    assert _value(f, "vllm:request_prompt_tokens_bucket", le="50.0", **lab) == 2
+    assert _value(f, "vllm:request_params_max_tokens_count", **lab) == 1
+    assert _value(f, "vllm:spec_decode_num_drafts_total", **lab) == 3
+    assert _value(f, "vllm:spec_decode_num_draft_tokens_total", **lab) == 12
+    assert _value(f, "vllm:spec_decode_num_accepted_tokens_total", **lab) == 6
+    per_pos = [_value(f, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=p, **lab) for p in range(4)]
+    assert per_pos == [3, 2, 1, 0] and sum(per_pos) == 6  # steps accepting >= pos+1 drafts (vLLM's invariant)
+    assert _value(f, "vllm:num_requests_running", **lab) == 2 and _value(f, "vllm:num_requests_waiting", **lab) == 1
+    assert not any(n.endswith("_created") for n in f)
+    ar = VllmArmMetrics("M", "ar", "ar", 512, 0, lambda: 0, lambda: 0)
+    ar.observe({"status": 200, "finish_reason": "stop", "prompt_tokens": 3, "output_tokens": 2},
+               {"num_spec_steps": 0, "num_draft_tokens": 0, "num_accepted_draft_tokens": 0})
+    assert not any(fam[0].startswith("vllm:spec_decode") for fam in ar.snapshot())  # only arms that draft
+
+
+def test_metrics_board_sums_replicas_and_drops_stale_gauges():
+    from cluster.serve import MetricsBoard, VllmArmMetrics
+
+    now = [100.0]
+    board = MetricsBoard(gauge_ttl_s=30.0, clock=lambda: now[0])
+    reps = [VllmArmMetrics("M", "a", "ar", 512, 0, lambda: 1, lambda: 0) for _ in range(2)]
+    for i, r in enumerate(reps):
+        r.observe({"status": 200, "finish_reason": "stop", "prompt_tokens": 10 * (i + 1), "output_tokens": 1})
+        board.update({"arm": "a", "replica": f"r{i}", "families": r.snapshot()})
+    board.update({"arm": "a", "replica": "r0", "families": reps[0].snapshot()})  # a later scrape: replaced
+    f = _families(board.exposition()[0].decode())
+    assert _value(f, "vllm:prompt_tokens_total", arm="a") == 30  # r0 + r1, r0 not counted twice
+    assert _value(f, "vllm:num_requests_running", arm="a") == 2
+    now[0] += 31  # r1 has not answered for a while (gone); r0 answers again
+    board.update({"arm": "a", "replica": "r0", "families": reps[0].snapshot()})
+    f = _families(board.exposition()[0].decode())
+    assert _value(f, "vllm:prompt_tokens_total", arm="a") == 30  # counters stay monotonic
+    assert _value(f, "vllm:num_requests_running", arm="a") == 1  # a gone replica runs nothing
+    assert board.exposition("application/openmetrics-text; version=1.0.0")[1].startswith(
+        "application/openmetrics-text")
+
+
+# ---------------------------------------------------------------- the HTTP routes, without Ray
+class _Call:
+    """A handle method's ``.remote()`` (awaitable) over a local function."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args, **kwargs):
+        async def run():
+            return self.fn(*args, **kwargs)
+        return run()
+
+
+class _Stream:
+    """What ``handle.options(stream=True).generate.remote(...)`` returns, over a local ArmServer."""
+
+    def __init__(self, agen):
+        self.agen = agen
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self.agen.__anext__()
+
+    def cancel(self):
+        asyncio.get_running_loop().create_task(self.agen.aclose())
+
+
+class _LocalArm:
+    """A stand-in for an arm's ``DeploymentHandle``: the real ``ArmServer``, in this process."""
+
+    def __init__(self, server):
+        self.server = server
+        self.state = _Call(server.state)
+        self.metrics_snapshot = _Call(server.metrics_snapshot)
+        self.generate = type("G", (), {"remote": lambda _, payload: _Stream(server.generate(payload))})()
+
+    def options(self, **_):
+        return self
+
+
+@pytest.fixture(scope="module")
+def http(tiny):
+    """The ``Router``'s FastAPI routes over a ``Gateway`` and two in-process arms (ar, sparsespec-l
+    at k 4), served by FastAPI's TestClient; Serve's lookup of the current replica is pointed at
+    this router."""
+    from fastapi.testclient import TestClient
+    from ray import serve
+    from transformers import AutoTokenizer
+
+    from cluster.serve import Gateway, Router, fastapi_app
+
+    common = {"model": str(tiny), "threads": 1, "db": "", "device": "cpu", "max_num_seqs": 2,
+              "arms": [{"method": "ar"}, {"method": "sparsespec-l", "options": {"k": 4}}]}
+    arms = {name: ArmServer(common, name) for name in ("ar", "sparsespec-l")}
+    router_cls = next(c for c in Router.func_or_class.__mro__ if "_setup" in vars(c))  # the class Serve wraps
+    router = object.__new__(router_cls)
+    router._setup(Gateway(parse_args(common), AutoTokenizer.from_pretrained(tiny), window=512),
+                  {n: _LocalArm(a) for n, a in arms.items()})
+    mp = pytest.MonkeyPatch()
+    mp.setattr(serve, "get_replica_context", lambda: type("Ctx", (), {"servable_object": router})())
+    with TestClient(fastapi_app) as client:
+        yield {"client": client, "arms": arms, "model": str(tiny)}
+    mp.undo()
+    for a in arms.values():
+        a.shutdown()
+
+
+def test_health_version_tokenize_routes(http):
+    import importlib.metadata
+
+    c, m = http["client"], http["model"]
+    r = c.get("/health")
+    assert r.status_code == 200 and r.content == b""
+    assert c.get("/healthz").json()["status"] == "ok"  # kept as it was
+    assert c.get("/version").json() == {"version": importlib.metadata.version("sparsespec")}
+    t = c.post("/tokenize", json={"model": m, "prompt": "Hello world"})
+    assert t.status_code == 200 and t.json()["count"] == len(t.json()["tokens"]) > 0
+    assert c.post("/detokenize", json={"model": m, "tokens": t.json()["tokens"]}).json() == {"prompt": "Hello world"}
+    for path, body, status, param in (("/tokenize", {"model": "nosuch", "prompt": "x"}, 404, "model"),
+                                      ("/tokenize", {"model": m}, 400, "prompt"),
+                                      ("/detokenize", {"tokens": [10 ** 9]}, 400, "tokens")):
+        r = c.post(path, json=body)
+        err = r.json()["error"]  # the OpenAI error body of the other routes
+        assert r.status_code == status and err["param"] == param and err["message"] and err["type"] and err["code"]
+    r = c.post("/v1/chat/completions", json={"model": m, "messages": [{"role": "user", "content": "x"}],
+                                             "response_format": {"type": "json_object"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    http["arms"]["ar"].dead = "engine thread died: test"
+    try:
+        r = c.get("/health")
+        assert r.status_code == 503 and r.content == b""
+    finally:
+        http["arms"]["ar"].dead = None
+
+
+def test_metrics_route_counts_what_the_requests_measured(http):
+    c, m = http["client"], http["model"]
+    bodies = {}
+    for arm in ("ar", "sparsespec-l"):
+        r = c.post("/v1/completions", json={"model": f"{m}:{arm}", "prompt": [5, 9, 200, 31, 7] * 6,
+                                            "max_tokens": 24, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        bodies[arm] = r.json()
+    r = c.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    f = _families(r.text)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:prompt_tokens_total",
+                 "vllm:generation_tokens_total", "vllm:request_success_total",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket", "vllm:time_per_output_token_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_bucket", "vllm:spec_decode_num_drafts_total",
+                 "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_per_pos_total"):
+        assert name in f, name
+    assert all({"model_name", "arm", "method"} <= set(lab) for samples in f.values() for lab, _ in samples)
+    for arm, b in bodies.items():
+        lab = {"model_name": m, "arm": arm, "method": arm}
+        assert _value(f, "vllm:request_success_total", finished_reason="length", **lab) == 1
+        assert _value(f, "vllm:prompt_tokens_total", **lab) == b["usage"]["prompt_tokens"] == 30
+        assert _value(f, "vllm:generation_tokens_total", **lab) == b["usage"]["completion_tokens"] == 24
+        assert _value(f, "vllm:time_to_first_token_seconds_sum", **lab) == pytest.approx(b["timing"]["ttft_s"])
+        assert _value(f, "vllm:e2e_request_latency_seconds_sum", **lab) == pytest.approx(b["timing"]["e2el_s"])
+        assert _value(f, "vllm:inter_token_latency_seconds_count", **lab) == b["timing"]["num_chunks"] - 1
+        assert _value(f, "vllm:num_requests_running", **lab) == 0 and _value(f, "vllm:num_requests_waiting", **lab) == 0
+    spec, lab = bodies["sparsespec-l"]["speculation"], {"arm": "sparsespec-l"}
+    assert spec["num_draft_tokens"] > 0  # it drafted: a real check
+    assert _value(f, "vllm:spec_decode_num_drafts_total", **lab) == spec["num_spec_steps"]
+    assert _value(f, "vllm:spec_decode_num_draft_tokens_total", **lab) == spec["num_draft_tokens"]
+    assert _value(f, "vllm:spec_decode_num_accepted_tokens_total", **lab) == spec["num_accepted_draft_tokens"]
+    per_pos = [_value(f, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=p, **lab) for p in range(4)]
+    assert sum(per_pos) == spec["num_accepted_draft_tokens"] and per_pos == sorted(per_pos, reverse=True)
+    assert not any(lab.get("arm") == "ar" for lab, _ in f["vllm:spec_decode_num_drafts_total"])
