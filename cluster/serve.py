@@ -41,6 +41,14 @@ arm from the row it stores: vLLM's (``vllm:*``, labelled ``model_name``, ``arm``
 
 Overload: Serve's ``max_ongoing_requests`` / ``max_queued_requests`` bound every queue; a full
 arm answers 503 (``BackPressureError``), and so does a full ingress (Serve's proxy).
+
+Failures: an arm that cannot take a request (its replica is dead or restarting) answers 503. A
+request the arm accepted whose call then fails (its replica died: ``RayActorError``; Serve lost
+or cancelled the call; the stream stopped) gets 502: a streaming client, whose headers are out,
+gets vLLM's error event (``data: {"error": {..., "code": 502}}``) and then ``data: [DONE]``; the
+``Router`` stores the row (status 502, ``finish_reason`` ``error``), as the arm cannot. An
+exception in the arm's own request code is a 500, stored and counted by the arm
+(``vllm:request_success{finished_reason="error"}``).
 """
 import asyncio
 import hashlib
@@ -446,6 +454,8 @@ class ArmServer:
                 if ev["type"] == "error":
                     finished = True
                     row.update(status=ev["status"], error=ev["message"])
+                    if int(ev["status"]) >= 500:
+                        row.update(finish_reason="error", output_tokens=n_out)
                     self._done(row)
                     yield {k: v for k, v in ev.items()}
                     return
@@ -465,7 +475,6 @@ class ArmServer:
                 if not ev["finished"]:
                     yield ev
                     continue
-                finished = True
                 stats = dict(out["stats"])
                 stats.pop("step_trace", None)  # per-step trace: results' acceptance_steps only, not request rows
                 from sparsespec.stats import itl_percentiles, request_tpot, spec_decode_metrics
@@ -480,15 +489,29 @@ class ArmServer:
                 stats.update({k: timing[k] for k in ("tpot_s", "num_chunks", "max_batch", "itl_p50_s",
                                                      "itl_p95_s", "itl_p99_s")})
                 stats["chunk_gaps_s"] = gaps
-                row.update(status=200, finish_reason=out["finish_reason"], output_tokens=len(out["token_ids"]),
-                           queue_s=timing["queue_s"], ttft_s=ttft, e2el_s=e2el, stats=stats)
-                self._done(row, spec, timing)
                 ev.update(type="final", finish_reason=out["finish_reason"],
                           usage={"prompt_tokens": row["prompt_tokens"], "completion_tokens": len(out["token_ids"]),
                                  "total_tokens": row["prompt_tokens"] + len(out["token_ids"])},
                           speculation=spec, timing=timing, all_text=out["text"], all_token_ids=out["token_ids"])
+                row.update(status=200, finish_reason=out["finish_reason"], output_tokens=len(out["token_ids"]),
+                           queue_s=timing["queue_s"], ttft_s=ttft, e2el_s=e2el, stats=stats)
+                finished = True
+                self._done(row, spec, timing)
                 yield ev
                 return
+        except Exception as e:  # noqa: BLE001 - this arm's own code failed: a 500 the caller hears about
+            if finished:
+                raise
+            finished = True
+            self._cmds.put(("abort", rid))
+            msg = f"arm {self.arm.name} failed: {type(e).__name__}: {e}"[:2000]
+            log.exception("arm %s: request %s: %s", self.arm.name, rid, msg)
+            row.update(status=500, finish_reason="error", error=msg, output_tokens=n_out,
+                       e2el_s=time.perf_counter() - arrival,
+                       ttft_s=(first_t - arrival) if first_t is not None else None)
+            self._done(row)
+            yield {"type": "error", "status": 500, "message": msg, "param": None}
+            return
         finally:
             self._streams.pop(rid, None)
             if not finished:  # the caller went away (client disconnect, cancellation): free the slot
@@ -836,11 +859,21 @@ class APIError(Exception):
         self.code = code or {400: "invalid_request", 401: "invalid_api_key", 404: "model_not_found",
                              503: "overloaded"}.get(status, "error")
 
-    def response(self, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    def body(self) -> dict[str, Any]:
         kind = {401: "authentication_error", 404: "invalid_request_error", 503: "server_overloaded"}.get(
             self.status, "invalid_request_error" if self.status < 500 else "server_error")
-        return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}},
-                            status_code=self.status, headers=dict(headers or {}))
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def response(self, headers: Mapping[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=dict(headers or {}))
+
+    def sse_event(self) -> str:
+        """The error as a server-sent event, as vLLM ends a stream that failed after its headers
+        went out (``create_streaming_error_response``): ``data: {"error": {..., "code": <HTTP
+        status>}}``; ``data: [DONE]`` follows."""
+        body = self.body()
+        body["error"]["code"] = self.status
+        return "data: " + json.dumps(body) + "\n\n"
 
 
 class _StreamOptions(BaseModel):
@@ -1050,6 +1083,25 @@ def _cancel(gen: Any) -> None:
         gen.cancel()
     except Exception as e:  # noqa: BLE001
         log.debug("cancel: %s", e)
+
+
+def _cancelled_here() -> bool:
+    """Whether the running task is being cancelled (the client went away and Serve cancels the
+    request), as opposed to a ``CancelledError`` coming out of an arm's handle (its replica or
+    call was cancelled while this request goes on). Without ``Task.cancelling`` (Python < 3.11):
+    assume the former."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return task is None or cancelling is None or cancelling() > 0
+
+
+def _arm_lost(arm: str, e: BaseException | None) -> APIError:
+    """A request the arm accepted (its ``started`` event came) that ended without a result: the
+    replica died (``RayActorError`` / ``ActorDiedError``), Serve lost or cancelled the call, or
+    the stream stopped. 502 (the upstream failed mid-answer; 503 is for requests refused at the
+    door, which never reached the engine)."""
+    what = f"{type(e).__name__}: {e}" if e is not None else "the arm ended the request without a result"
+    return APIError(502, f"arm '{arm}' failed mid-request: {what}"[:500], None, "arm_failed")
 
 
 def _arm_failure(arm: str, e: BaseException) -> APIError:
@@ -1281,6 +1333,18 @@ class Gateway:
                 "endpoint": "chat.completions" if chat else "completions",
                 "stream": bool(getattr(body, "stream", False)), "status": err.status, "error": err.message[:2000]}
 
+    def failed_row(self, headers: Mapping[str, str], chat: bool, err: APIError, body: Any, arm: str,
+                   request_id: str, payload: Mapping[str, Any], output_tokens: int | None = None) -> dict[str, Any]:
+        """The ``serve_requests`` row of a request the arm accepted but could not report on (its
+        replica died or the call was lost mid-request): the error's status, ``finish_reason``
+        ``error`` (vLLM's name), what the payload says, and the tokens that reached the client."""
+        row = self.refusal_row(headers, chat, err, body, arm, request_id)
+        sampling = payload.get("sampling") or {}
+        row.update(finish_reason="error", prompt_tokens=len(payload.get("prompt_ids") or ()),
+                   max_tokens=sampling.get("max_new_tokens"), temperature=sampling.get("temperature"),
+                   output_tokens=output_tokens)
+        return row
+
     @staticmethod
     def full_body(final: Mapping[str, Any], rid: str, model: str, arm: str, method: str, chat: bool) -> dict:
         """The non-streamed answer from the arm's ``final`` event."""
@@ -1296,11 +1360,18 @@ class Gateway:
 
     @staticmethod
     async def sse(events: Any, rid: str, model: str, arm: str, method: str, chat: bool, include_usage: bool,
-                  on_abandon: Any = None):
+                  on_abandon: Any = None, on_failure: Any = None):
         """OpenAI's streaming chunks (``data: {...}`` events, then ``data: [DONE]``) from the arm's
         events (after ``started``). If the consumer stops early (the client went away: Serve
         cancels this generator), ``on_abandon()`` runs: it cancels the arm's call, which aborts
-        the request in the core."""
+        the request in the core.
+
+        The headers are out by then, so a failure cannot change the status: an arm's error event,
+        or the arm's call raising (its replica died: ``RayActorError``; Serve lost the call; a
+        ``CancelledError`` out of the handle) or ending without a result, ends the stream with
+        vLLM's error event (``APIError.sse_event``, 502 for a lost call) and ``data: [DONE]``.
+        For a lost call ``on_failure(err, output_tokens)`` runs first (the ``Router`` stores the
+        request's row: the arm could not)."""
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -1316,15 +1387,35 @@ class Gateway:
                                           "choices": [choice]}) + "\n\n"
 
         done = False
+        n_tokens = 0
         try:
             if chat:
                 yield chunk(None, None, first=True)
-            async for ev in events:
+            it = events.__aiter__()
+            while True:
+                lost: BaseException | None = None
+                try:
+                    ev = await it.__anext__()
+                except StopAsyncIteration:
+                    ev = None
+                except asyncio.CancelledError as e:
+                    if _cancelled_here():
+                        raise
+                    ev, lost = None, e
+                except Exception as e:  # noqa: BLE001 - a dead replica, a lost call, ...
+                    ev, lost = None, e
+                if ev is None:
+                    done = True  # the call is over: nothing to cancel
+                    err = _arm_lost(arm, lost)
+                    if on_failure is not None:
+                        on_failure(err, n_tokens)
+                    yield err.sse_event()
+                    break
                 if ev["type"] == "error":
-                    yield "data: " + json.dumps({"error": {"message": ev["message"], "type": "server_error",
-                                                           "param": None, "code": ev["status"]}}) + "\n\n"
+                    yield APIError(int(ev["status"]), str(ev["message"]), ev.get("param"), "error").sse_event()
                     done = True
                     break
+                n_tokens += len(ev.get("token_ids") or ())
                 if ev["type"] == "final":
                     yield chunk(ev["text"], ev["finish_reason"])
                     if include_usage:
@@ -1466,6 +1557,11 @@ class Router:
         try:
             gen = self.arms[arm].options(stream=True).generate.remote(payload)
             first = await gen.__anext__()
+        except asyncio.CancelledError as e:
+            _cancel(gen)
+            if _cancelled_here():
+                raise
+            return self._refuse(request, chat, _arm_failure(arm, e), body, arm, rid)
         except Exception as e:  # noqa: BLE001 - back-pressure, a dead replica, ...
             _cancel(gen)
             return self._refuse(request, chat, _arm_failure(arm, e), body, arm, rid)
@@ -1474,23 +1570,36 @@ class Router:
                                                         first.get("param")), body, arm, rid, record=False)
         method = first["method"]
         headers = {SERVED_ARM_HEADER: arm, SERVED_METHOD_HEADER: method, REQUEST_ID_HEADER: rid}
+
+        def lost(err: APIError, output_tokens: int | None) -> None:
+            """The arm accepted the request and cannot report on it: the row is stored here."""
+            log.warning("request %s: %s", rid, err.message)
+            self.log.put(self.gw.failed_row(request.headers, chat, err, body, arm, rid, payload, output_tokens))
+
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(self.gw.sse(gen, rid, body.model, arm, method, chat, include_usage,
-                                                 on_abandon=lambda: _cancel(gen)),
+                                                 on_abandon=lambda: _cancel(gen), on_failure=lost),
                                      media_type="text/event-stream", headers=headers)
-        final = None
+        final, n_tokens, failure = None, 0, None
         try:
             async for ev in gen:
                 if ev["type"] == "error":
                     return self._refuse(request, chat, APIError(int(ev["status"]), str(ev["message"])), body, arm,
                                         rid, record=False)
+                n_tokens += len(ev.get("token_ids") or ())
                 if ev["type"] == "final":
                     final = ev
-        except Exception as e:  # noqa: BLE001
-            return APIError(503, f"arm '{arm}' failed mid-request: {type(e).__name__}: {e}"[:500]).response(headers)
+        except asyncio.CancelledError as e:
+            if _cancelled_here():
+                raise
+            failure = e
+        except Exception as e:  # noqa: BLE001 - the replica died, Serve lost the call, ...
+            failure = e
         if final is None:
-            return APIError(500, "the arm ended the request without a result").response(headers)
+            err = _arm_lost(arm, failure)
+            lost(err, n_tokens)
+            return err.response(headers)
         return JSONResponse(self.gw.full_body(final, rid, body.model, arm, method, chat), headers=headers)
 
 

@@ -2,7 +2,10 @@
 per-request speculation fields, and an arm's engine thread driven in-process (continuous
 batching shares steps, an abandoned request frees its slot, outputs equal a fresh AR decode);
 vLLM's server conventions (/health, /version, /tokenize, /detokenize, /metrics, unsupported
-features refused), the routes driven over FastAPI's TestClient with in-process arms."""
+features refused), the routes driven over FastAPI's TestClient with in-process arms; an arm
+that fails mid-request (its replica dies, its own code raises): the SSE stream ends with vLLM's
+error event and ``data: [DONE]``, a non-streamed request gets a 5xx with the OpenAI error body,
+and the stored row carries that status."""
 import asyncio
 import random
 from collections import Counter
@@ -708,7 +711,7 @@ def http(tiny):
     mp = pytest.MonkeyPatch()
     mp.setattr(serve, "get_replica_context", lambda: type("Ctx", (), {"servable_object": router})())
     with TestClient(fastapi_app) as client:
-        yield {"client": client, "arms": arms, "model": str(tiny)}
+        yield {"client": client, "arms": arms, "model": str(tiny), "router": router}
     mp.undo()
     for a in arms.values():
         a.shutdown()
@@ -778,3 +781,146 @@ def test_metrics_route_counts_what_the_requests_measured(http):
     per_pos = [_value(f, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=p, **lab) for p in range(4)]
     assert sum(per_pos) == spec["num_accepted_draft_tokens"] and per_pos == sorted(per_pos, reverse=True)
     assert not any(lab.get("arm") == "ar" for lab, _ in f["vllm:spec_decode_num_drafts_total"])
+
+
+# ---------------------------------------------------------------- an arm that fails mid-request
+class _DyingArm:
+    """An arm handle whose replica dies during the request: it accepts it (``started``), sends
+    ``n`` deltas, then its call raises ``exc`` (what a Serve handle raises when the replica
+    process is killed: ``ActorDiedError``); ``n=None`` raises before ``started``."""
+
+    def __init__(self, n, exc):
+        async def gen(payload):
+            if n is None:
+                raise exc
+            yield {"type": "started", "arm": "sparsespec-l", "method": "sparsespec-l", "pid": 0}
+            for i in range(n):
+                yield {"type": "delta", "text": f"t{i}", "token_ids": [7], "step": i + 1, "finished": False}
+            raise exc
+
+        self.generate = type("G", (), {"remote": lambda _, payload: _Stream(gen(payload))})()
+
+    def options(self, **_):
+        return self
+
+
+def _actor_died():
+    from ray.exceptions import ActorDiedError
+
+    return ActorDiedError()  # built without a cluster, as the handle raises it
+
+
+@pytest.fixture
+def dying(http):
+    """``install(n, exc)`` puts a ``_DyingArm`` in place of ``sparsespec-l``; the Router's rows go
+    to the returned list."""
+    mp = pytest.MonkeyPatch()
+    rows = []
+    mp.setattr(http["router"].log, "put", rows.append)
+
+    def install(n, exc):
+        mp.setitem(http["router"].arms, "sparsespec-l", _DyingArm(n, exc))
+        return rows
+
+    yield install
+    mp.undo()
+
+
+def _sse(text):
+    events = [e for e in text.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events), text
+    return [e[len("data: "):] for e in events]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("n,exc", [(0, _actor_died), (2, _actor_died), (2, lambda: RuntimeError("boom")),
+                                   (1, asyncio.CancelledError)])
+def test_a_replica_dying_mid_stream_ends_the_stream_with_an_error_event_and_done(http, dying, chat, n, exc):
+    import json as _json
+
+    e = exc()
+    rows = dying(n, e)
+    m = http["model"]
+    body = ({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})
+    r = http["client"].post(f"/v1/{'chat/' if chat else ''}completions",
+                            json={"model": f"{m}:sparsespec-l", "max_tokens": 8, "stream": True, **body})
+    assert r.status_code == 200 and r.headers["x-sparsespec-arm"] == "sparsespec-l"
+    data = _sse(r.text)
+    assert data[-1] == "[DONE]"
+    err = _json.loads(data[-2])["error"]
+    assert err["code"] == 502 and err["type"] == "server_error" and err["param"] is None
+    assert "failed mid-request" in err["message"] and type(e).__name__ in err["message"]
+    chunks = [_json.loads(d) for d in data[:-2]]
+    if chat:
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    else:
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert text == "".join(f"t{i}" for i in range(n))  # what was streamed before the failure
+    [row] = rows
+    assert row["status"] == 502 and row["finish_reason"] == "error" and row["arm"] == "sparsespec-l"
+    assert row["request_id"] == r.headers["x-sparsespec-request-id"] and row["stream"] is True
+    assert row["output_tokens"] == n and row["prompt_tokens"] > 0 and row["max_tokens"] == 8
+    assert "failed mid-request" in row["error"]
+
+
+@pytest.mark.parametrize("n,exc", [(0, _actor_died), (2, _actor_died), (1, asyncio.CancelledError)])
+def test_a_replica_dying_mid_request_is_a_5xx_with_the_openai_error_body(http, dying, n, exc):
+    rows = dying(n, exc())
+    r = http["client"].post("/v1/completions", json={"model": f"{http['model']}:sparsespec-l", "prompt": "hi",
+                                                     "max_tokens": 8})
+    assert r.status_code == 502 and r.headers["x-sparsespec-arm"] == "sparsespec-l"
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "server_error" and err["code"] == "arm_failed" and "failed mid-request" in err["message"]
+    [row] = rows
+    assert row["status"] == 502 and row["finish_reason"] == "error" and row["stream"] is False
+    assert row["output_tokens"] == n and row["request_id"] == r.headers["x-sparsespec-request-id"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_replica_dead_before_it_accepts_the_request_is_a_503(http, dying, stream):
+    rows = dying(None, _actor_died())
+    r = http["client"].post("/v1/completions", json={"model": f"{http['model']}:sparsespec-l", "prompt": "hi",
+                                                     "max_tokens": 8, "stream": stream})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "arm_unavailable"
+    [row] = rows
+    assert row["status"] == 503 and row["arm"] == "sparsespec-l" and "ActorDiedError" in row["error"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_arm_whose_own_code_fails_mid_request_reports_a_500(http, stream, monkeypatch):
+    """The real arm: its request code raises after tokens were produced. The arm stores the row
+    (500, finish_reason error: vLLM's name) and counts it in vllm:request_success{error}; the
+    client gets the error event and [DONE], or a 500 with the OpenAI body."""
+    import json as _json
+
+    import sparsespec.stats
+
+    def broken(stats):
+        raise RuntimeError("stats broke")
+
+    c, m, arm = http["client"], http["model"], http["arms"]["ar"]
+    before = _value(_families(c.get("/metrics").text), "vllm:request_success_total", arm="ar",
+                    finished_reason="error")
+    rows = []
+    monkeypatch.setattr(arm.log, "put", rows.append)
+    monkeypatch.setattr(http["router"].log, "put", rows.append)
+    monkeypatch.setattr(sparsespec.stats, "spec_decode_metrics", broken)
+    r = c.post("/v1/completions", json={"model": f"{m}:ar", "prompt": [5, 9, 200], "max_tokens": 4,
+                                        "temperature": 0, "ignore_eos": True, "stream": stream})
+    if stream:
+        assert r.status_code == 200
+        data = _sse(r.text)
+        assert data[-1] == "[DONE]"
+        err = _json.loads(data[-2])["error"]
+        assert err["code"] == 500 and err["type"] == "server_error"
+    else:
+        assert r.status_code == 500
+        err = r.json()["error"]
+        assert err["type"] == "server_error" and set(err) == {"message", "type", "param", "code"}
+    assert "stats broke" in err["message"]
+    [row] = rows
+    assert row["status"] == 500 and row["finish_reason"] == "error" and row["output_tokens"] == 4
+    after = _value(_families(c.get("/metrics").text), "vllm:request_success_total", arm="ar", finished_reason="error")
+    assert after == before + 1
+    assert arm.state()["open_streams"] == 0 and arm.state()["running"] == 0
