@@ -83,7 +83,7 @@ def tiny_model_like(folder: Path, preset: str = "smollm2-135m", *, seed: int = 0
     return folder
 
 
-_EAGLE3_HEADS: dict[int, tuple] = {}  # id(model) -> (model, folder): the model is kept so its id is not reused
+_EAGLE3_HEADS: dict[tuple, tuple] = {}  # (id(model), settings) -> (model, folder): the model is kept so its id is not reused
 
 
 def greedy_windows(model, n: int, seq_len: int, seed: int) -> torch.Tensor:
@@ -108,14 +108,14 @@ def eagle3_head(model, *, windows: int = 24, seq_len: int = 64, steps: int = 300
                 seed: int = 0, lr: float = 3e-3) -> str:
     """The folder of an EAGLE-3 head trained (``sparsespec.train_eagle3``, a few seconds on a tiny
     model) on ``model``'s own greedy continuations of random prompts, saved in the checkpoint
-    format; made once per model object per test process. ``draft_vocab`` below the vocabulary
+    format; made once per model object and settings per test process. ``draft_vocab`` below the vocabulary
     exercises the draft-to-target map (ids outside it are never drafted)."""
     import tempfile
 
     from sparsespec.eagle3 import Eagle3Config
     from sparsespec.train_eagle3 import TrainConfig, choose_draft_vocab, init_head, teacher_pass, train
 
-    key = id(model)
+    key = (id(model), windows, seq_len, steps, draft_vocab, seed, lr)  # a call with other settings trains its own
     if key in _EAGLE3_HEADS:
         return _EAGLE3_HEADS[key][1]
     V = model.cfg.vocab_size
