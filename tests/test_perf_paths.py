@@ -310,6 +310,34 @@ def test_controller_explores_new_rows_and_probes_after_skipping():
     assert later.alphas([RowAcceptance(8)]) == [0.25]
 
 
+def test_controller_best_k_equals_the_argmax_of_the_scalar_step_cost():
+    """best_k (every k at once) against the plain formula: sum_b E(alpha_b, min(k, limit_b)) /
+    step_cost(k), the shorter k on ties, at mixed alphas and per-row limits."""
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        c = [rng.uniform(1e-3, 2e-2), rng.uniform(0, 2e-3), rng.uniform(0, 1e-6), rng.uniform(0, 1e-5)]
+        ctl = _controller(c, draft_ratio=float(rng.uniform(0.05, 1.5)))
+        ctl.other_s = float(rng.uniform(0, 5e-3))
+        B = int(rng.integers(1, 6))
+        alphas = rng.uniform(0.3, 1.0, size=B).tolist()
+        limits = rng.integers(0, 9, size=B).tolist()
+        S, N = float(rng.integers(100, 8000)), float(rng.integers(16, 600))
+        rates = [sum(expected_tokens_geometric(a, min(k, lim)) for a, lim in zip(alphas, limits)) / ctl.step_cost(k, B, S, N)
+                 for k in range(min(8, max(limits)) + 1)]
+        want = 0
+        for k in range(1, len(rates)):
+            if rates[k] > rates[want] * (1 + 1e-9):
+                want = k
+        k, rate = ctl.best_k(alphas, limits, B, S, N)
+        assert k == want, trial
+        if max(limits):
+            assert rate == pytest.approx(rates[want], rel=1e-9)
+    # equal rates at every k (free drafts, a flat verify, nothing accepted): the shortest, k = 0
+    free = _controller([10e-3, 0.0, 0.0, 0.0], draft_ratio=0.0)
+    assert free.best_k([0.0] * 2, [8, 8], 2, 1000, 100)[0] == 0
+    assert free.best_k([1.0] * 2, [8, 3], 2, 1000, 100)[0] == 8  # alpha 1 exactly: every draft is a token
+
+
 def test_controller_neither_explores_nor_probes_where_even_full_acceptance_cannot_pay():
     # flat verify 10 ms; a measured draft forward of 5x: k drafts cost 10 + 50 k ms for at most
     # k + 1 tokens, below AR's 1 per 10 ms at any alpha
