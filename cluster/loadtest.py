@@ -5,7 +5,9 @@ It sends real benchmark prompts (token ids from :mod:`evals.registry`, chat temp
 ``POST {url}/v1/completions`` with ``stream=true`` and ``stream_options.include_usage``, at a
 Poisson request rate and/or a concurrency cap, reads each server-sent-event stream, and reports
 latency, throughput, goodput and speculation counters per arm (the response header
-``x-sparsespec-arm``) and overall, then decides the A/B question with a bootstrap CI.
+``x-sparsespec-arm``) and overall, then decides the A/B question with a bootstrap CI. It needs
+nothing of ours from the server: against a plain ``vllm serve`` it reports the whole run (no
+arms, no A/B).
 
 Run it against a local Ray Serve app::
 
@@ -13,7 +15,15 @@ Run it against a local Ray Serve app::
     .venv/bin/python -m cluster.loadtest --url http://127.0.0.1:8000 --model smollm2-135m \\
         --benchmark longbench --context-length 2048 --num-prompts 40 --request-rate 0.5 \\
         --max-concurrency 4 --num-warmups 2 --goodput ttft:2000 tpot:200 \\
-        --output-json results/loadtest.json --save-requests
+        --save-result --result-dir results --result-filename loadtest.json --save-requests
+
+Flags shared with ``vllm bench serve`` have its names and meanings: ``--num-prompts``,
+``--request-rate``, ``--burstiness``, ``--max-concurrency``, ``--num-warmups``, ``--goodput``,
+``--metric-percentiles``, ``--base-url``, ``--model``, ``--tokenizer``, ``--ignore-eos``,
+``--disable-tqdm``, ``--save-result`` / ``--result-dir`` / ``--result-filename`` / ``--label``
+(default file name ``{label}-{request_rate}qps[-concurrency{N}]-{model}-{date}.json``, label
+default ``openai``) and ``--save-detailed``. ``--output-json PATH`` is kept as
+``--save-result --result-filename PATH``.
 
 Only loopback URLs (127.0.0.1, localhost, ::1) are accepted.
 
@@ -34,16 +44,36 @@ timeout (``--request-timeout-s``) hits, or the total budget (``--timeout-s``) ca
 Metrics (per arm and overall; the names of ``vllm bench serve``; latencies over completed
 requests; ``std`` is the population std, percentiles are numpy's linear ones):
 
-    completed, failed, duration_s (wall time of the measured phase; arms share it, they run
+    completed, failed, duration (seconds: wall time of the measured phase; arms share it, they run
         concurrently), total_input_tokens / total_output_tokens (completed requests),
-    request_throughput = completed / duration_s, output_throughput = total_output_tokens / duration_s,
-    total_token_throughput = (input + output tokens) / duration_s,
+    request_throughput = completed / duration, output_throughput = total_output_tokens / duration,
+    total_token_throughput = (input + output tokens) / duration,
     {mean,median,std,p<P>}_{ttft,tpot,itl,e2el}_ms for each P of --percentiles (default 99),
-    request_goodput = (completed requests meeting every --goodput SLO) / duration_s
-        (a request with one output token has TPOT 0 for the SLO check, as vllm does),
-    num_spec_steps, num_draft_tokens, num_accepted_draft_tokens (summed ``usage.speculation``),
-    draft_acceptance_rate = accepted / draft tokens, mean_acceptance_length = 1 + accepted / spec
-    steps (None without spec steps), acceptance_histogram (summed element-wise).
+    request_goodput = (completed requests meeting every --goodput SLO) / duration, None without
+        --goodput (a request with one output token has TPOT 0 for the SLO check, as vllm does),
+    spec_decode_* exactly as vllm bench serve computes them: the deltas of the server's
+        ``GET /metrics`` counters vllm:spec_decode_num_drafts_total, ..._num_draft_tokens_total,
+        ..._num_accepted_tokens_total and ..._num_accepted_tokens_per_pos_total{position} between
+        just before and just after the measured phase (after the warm-ups; other traffic on the
+        server counts too), summed over all series for the run and per ``arm`` label for the arms:
+        spec_decode_num_drafts, spec_decode_draft_tokens, spec_decode_accepted_tokens,
+        spec_decode_acceptance_rate = 100 * accepted / draft tokens (a percentage),
+        spec_decode_acceptance_length = 1 + accepted / drafts,
+        spec_decode_per_position_acceptance_rates[i] = accepted at position i / drafts
+        (``sparsespec.stats.bench_spec_decode``). Absent when /metrics cannot be read, has no
+        such counters or nothing was drafted; ``spec_decode_unavailable`` then says why.
+    Our additions: good_requests, failure_reasons, not_sent, timed_out; num_spec_steps,
+    num_draft_tokens, num_accepted_draft_tokens (summed per-request ``usage.speculation``),
+    draft_acceptance_rate = accepted / draft tokens (a fraction), mean_acceptance_length = 1 +
+    accepted / spec steps (None without spec steps), acceptance_histogram (summed element-wise).
+
+Result JSON (``--save-result``): vllm bench serve's layout, keys and units at the top level for
+the whole run (its header ``date``, ``backend``, ``model_id``, ``num_prompts``, ``request_rate``,
+``max_concurrency``, ...; the metrics above; ``latencies``; with ``--save-detailed`` its
+``input_lens``, ``output_lens``, ``ttfts``, ``itls``, ``generated_texts``, ``errors``), plus
+ours: ``arms`` (the same metrics per arm), ``decisions`` / ``decision`` (the A/B), ``config``,
+``warmup`` and, with ``--save-requests``, ``requests`` / ``warmup_requests``. Not computed:
+vLLM's ``max_output_tokens_per_s``, ``max_concurrent_requests``, ``rtfx``, ``start_times``.
 
 A/B decision (:func:`ab_decision`; baseline ``--baseline``, default ``ar`` if present else the
 first arm by name; one comparison per other arm):
@@ -69,6 +99,7 @@ import datetime as _dt
 import json
 import math
 import os
+import re
 import sys
 import time
 import uuid
@@ -80,7 +111,8 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from sparsespec.stats import bootstrap_means, bootstrap_medians, mean_acceptance_length, percentile_ci
+from sparsespec.stats import (bench_spec_decode, bootstrap_means, bootstrap_medians, mean_acceptance_length,
+                              percentile_ci)
 
 __all__ = [
     "Prompt",
@@ -94,6 +126,10 @@ __all__ = [
     "load_prompts",
     "summarize",
     "summarize_by_arm",
+    "parse_spec_decode_counters",
+    "spec_decode_from_metrics",
+    "fetch_metrics",
+    "result_filename",
     "ab_decision",
     "ab_decisions",
     "send_request",
@@ -176,7 +212,8 @@ class RequestRecord:
 class LoadResult:
     """The outcome of :func:`run_load`: the measured records (sent requests only), the warm-up
     records, the measured phase's wall time, requests never sent (the budget ran out) and whether
-    the total budget cut the run short."""
+    the total budget cut the run short; with ``scrape_metrics``, the server's ``GET /metrics`` text
+    just before and just after the measured phase (or ``metrics_error``: why not)."""
 
     records: list[RequestRecord]
     warmups: list[RequestRecord]
@@ -184,6 +221,9 @@ class LoadResult:
     num_prompts: int
     not_sent: int = 0
     timed_out: bool = False
+    metrics_before: str | None = None
+    metrics_after: str | None = None
+    metrics_error: str | None = None
 
 
 class LoopbackError(ValueError):
@@ -396,7 +436,9 @@ def summarize(
 ) -> dict[str, Any]:
     """The metrics of ``records`` (the sent, measured requests) over a wall time of
     ``duration_s`` seconds, with vllm bench serve's key names (see the module docstring).
-    Latency statistics of an empty set are None; ``request_goodput`` only with ``goodput``."""
+    Latency statistics of an empty set are None; ``request_goodput`` is None without ``goodput``
+    (as in vLLM). The ``spec_decode_*`` keys come from the server's ``/metrics``
+    (:func:`spec_decode_from_metrics`), not from here."""
     done = [r for r in records if r.success]
     dur = float(duration_s)
     rate = (lambda x: x / dur) if dur > 0 else (lambda x: None)
@@ -405,12 +447,13 @@ def summarize(
     m: dict[str, Any] = {
         "completed": len(done),
         "failed": len(records) - len(done),
-        "duration_s": dur,
+        "duration": dur,
         "total_input_tokens": int(inp),
         "total_output_tokens": int(out_tok),
         "request_throughput": rate(len(done)),
         "output_throughput": rate(out_tok),
         "total_token_throughput": rate(inp + out_tok),
+        "request_goodput": None,
     }
     if goodput:
         good = sum(1 for r in done if _meets_slo(r, goodput))
@@ -459,6 +502,112 @@ def summarize_by_arm(
     Records without an arm (e.g. a failure before routing) count only in the overall summary."""
     arms = sorted({r.arm for r in records if r.arm is not None})
     return {a: summarize([r for r in records if r.arm == a], duration_s, goodput, percentiles) for a in arms}
+
+
+# ----------------------------------------------------------------------------- /metrics (spec decode)
+
+#: The counters ``vllm bench serve`` reads from ``GET /metrics`` (vllm/benchmarks/serve.py,
+#: ``fetch_spec_decode_metrics``): only their ``_total`` samples, summed over every label set.
+SPEC_DECODE_SERIES = {
+    "vllm:spec_decode_num_drafts_total": "num_drafts",
+    "vllm:spec_decode_num_draft_tokens_total": "num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens_total": "num_accepted_tokens",
+    "vllm:spec_decode_num_accepted_tokens_per_pos_total": "accepted_per_pos",
+}
+_SAMPLE_RE = re.compile(r"([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})?\s+(\S+)")
+_LABEL_RE = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
+
+
+def _zero_counters() -> dict[str, Any]:
+    return {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": {}}
+
+
+def parse_spec_decode_counters(text: str) -> dict[str | None, dict[str, Any]] | None:
+    """The speculative-decoding counters in a Prometheus text exposition, read as ``vllm bench
+    serve`` reads them: the ``_total`` samples of ``vllm:spec_decode_num_drafts``,
+    ``..._num_draft_tokens``, ``..._num_accepted_tokens`` and ``..._num_accepted_tokens_per_pos``
+    (by its ``position`` label), summed over all other labels.
+
+    Returns ``{None: the whole server, arm: that arm's series}`` (per value of an ``arm`` label,
+    which our endpoint adds and ``vllm serve`` has not), each ``{"num_drafts", "num_draft_tokens",
+    "num_accepted_tokens": int, "accepted_per_pos": {position: int}}``; None when the text has
+    no such sample (speculative decoding is off on that server)."""
+    groups: dict[str | None, dict[str, Any]] = {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE_RE.match(line)
+        if m is None or m.group(1) not in SPEC_DECODE_SERIES:
+            continue
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        if not math.isfinite(value):
+            continue
+        labels = dict(_LABEL_RE.findall(m.group(2) or ""))
+        key = SPEC_DECODE_SERIES[m.group(1)]
+        if key == "accepted_per_pos":
+            try:
+                pos = int(labels.get("position", ""))
+            except ValueError:
+                continue
+        for g in {None, labels.get("arm")} if "arm" in labels else (None,):
+            c = groups.setdefault(g, _zero_counters())
+            if key == "accepted_per_pos":
+                c[key][pos] = c[key].get(pos, 0) + int(value)
+            else:
+                c[key] += int(value)
+    return groups or None
+
+
+def spec_decode_from_metrics(before: str, after: str) -> tuple[dict[str | None, dict[str, Any]], str | None]:
+    """``vllm bench serve``'s ``spec_decode_*`` result keys from the ``/metrics`` texts scraped
+    just before and just after the measured phase: the counters' deltas (a position missing
+    after the run counts 0, as in vLLM) through :func:`sparsespec.stats.bench_spec_decode`.
+
+    Returns ``({None: whole run, arm: that arm}, reason)``: groups that drafted nothing, or whose
+    counters went down (a replica restarted), are left out; ``reason`` says why the whole-run
+    keys are missing (None when they are there)."""
+    b, a = parse_spec_decode_counters(before), parse_spec_decode_counters(after)
+    if b is None or a is None:
+        return {}, "no vllm:spec_decode_* counters in the server's /metrics (speculative decoding off?)"
+    out: dict[str | None, dict[str, Any]] = {}
+    reasons: dict[str | None, str] = {}
+    for g, ca in a.items():
+        cb = b.get(g, _zero_counters())
+        delta = {k: ca[k] - cb[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+        positions = sorted(set(cb["accepted_per_pos"]) | set(ca["accepted_per_pos"]))
+        per_pos = [ca["accepted_per_pos"].get(p, cb["accepted_per_pos"].get(p, 0)) - cb["accepted_per_pos"].get(p, 0)
+                   for p in positions]
+        if any(v < 0 for v in [*delta.values(), *per_pos]):
+            reasons[g] = "a spec-decode counter went down during the run (a replica restarted?)"
+            continue
+        keys = bench_spec_decode(delta["num_drafts"], delta["num_draft_tokens"], delta["num_accepted_tokens"], per_pos)
+        if keys:
+            out[g] = keys
+        else:
+            reasons[g] = "the server drafted no token during the measured phase"
+    went_down = [why for why in reasons.values() if "went down" in why]
+    if went_down:  # one arm's restart makes the whole-server sum wrong too
+        out.pop(None, None)
+        reasons[None] = went_down[0]
+    return out, (None if None in out else reasons.get(None, "no whole-server spec-decode series"))
+
+
+async def fetch_metrics(client: Any, base_url: str, *, api_key: str | None = None,
+                        timeout_s: float = 10.0) -> tuple[str | None, str | None]:
+    """``GET {base_url}/metrics``: ``(text, None)``, or ``(None, why not)``; never raises
+    (except on cancellation)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = await client.get(f"{base_url}/metrics", timeout=timeout_s, headers=headers)
+    except Exception as exc:  # noqa: BLE001 - the load test runs on without spec-decode numbers
+        return None, f"GET /metrics failed: {type(exc).__name__}: {exc}"
+    if r.status_code != 200:
+        return None, f"GET /metrics answered HTTP {r.status_code}"
+    return r.text, None
 
 
 def _fmt_ci(ci: tuple[float, float] | None, pct: int) -> str:
@@ -744,6 +893,7 @@ async def run_load(
     api_key: str | None = None,
     progress: bool = False,
     warmup_arms: Sequence[str] | None = None,
+    scrape_metrics: bool = False,
 ) -> LoadResult:
     """Warm up (``num_warmups`` requests, one after another), then send ``num_prompts`` requests
     (cycling over ``prompts``: token-id sequences, strings, :class:`Prompt` or benchmark samples)
@@ -753,7 +903,9 @@ async def run_load(
     the in-flight ones are cancelled and count as failed. ``sessions`` K reuses K session ids
     round-robin (default: a fresh one per request); ``arm`` forces every request to that arm.
     ``warmup_arms``: warm-up ``i`` goes to arm ``warmup_arms[i % n]`` (``x-arm``), so every arm's
-    first, slow requests are excluded (give at least one warm-up per arm).
+    first, slow requests are excluded (give at least one warm-up per arm). ``scrape_metrics``:
+    read ``GET {url}/metrics`` after the warm-ups and after the measured phase, as ``vllm bench
+    serve`` does for its ``spec_decode_*`` numbers (outside the measured duration).
     """
     if not prompts:
         raise ValueError("no prompts")
@@ -801,6 +953,10 @@ async def run_load(
         limit = min(limits) if limits else None
         warmups.append(await send_request(client, target, rec, payload, headers, phase_start=budget_start,
                                           request_timeout_s=limit, forced_arm=arm))
+
+    before = after = metrics_error = None
+    if scrape_metrics:
+        before, metrics_error = await fetch_metrics(client, url.rstrip("/"), api_key=api_key)
 
     gaps = poisson_gaps(request_rate, num_prompts, seed, burstiness)
     offsets = np.concatenate([[0.0], np.cumsum(gaps[:-1])]) if num_prompts else np.zeros(0)
@@ -860,9 +1016,12 @@ async def run_load(
         if bar is not None:
             bar.close()
     duration = time.perf_counter() - start
+    if scrape_metrics and before is not None:
+        after, metrics_error = await fetch_metrics(client, url.rstrip("/"), api_key=api_key)
     records.sort(key=lambda r: r.index)
     return LoadResult(records=records, warmups=warmups, duration_s=duration, num_prompts=num_prompts,
-                      not_sent=num_prompts - len(records), timed_out=timed_out)
+                      not_sent=num_prompts - len(records), timed_out=timed_out, metrics_before=before,
+                      metrics_after=after, metrics_error=metrics_error)
 
 
 # ----------------------------------------------------------------------------- output
@@ -882,7 +1041,7 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-_NOT_IN_TABLE = ("failure_reasons",)
+_NOT_IN_TABLE = ("failure_reasons", "spec_decode_unavailable")
 
 
 def format_table(overall: Mapping[str, Any], arms: Mapping[str, Mapping[str, Any]]) -> str:
@@ -943,6 +1102,54 @@ def _task_list(s: str) -> list[str]:
     return [t for t in s.replace(",", " ").split() if t]
 
 
+BACKEND = "openai"  # vllm bench serve's name for streaming POST /v1/completions
+
+
+def result_filename(args: argparse.Namespace, current_dt: str) -> str:
+    """vllm bench serve's result path: ``--result-filename`` or
+    ``{label}-{request_rate}qps[-concurrency{N}]-{model basename}-{current_dt}.json``
+    (label default: the backend, ``openai``), inside ``--result-dir`` when given."""
+    conc = f"-concurrency{args.max_concurrency}" if args.max_concurrency is not None else ""
+    name = args.result_filename or (
+        f"{args.label or BACKEND}-{args.request_rate}qps{conc}-{args.model.split('/')[-1]}-{current_dt}.json")
+    return os.path.join(args.result_dir, name) if args.result_dir else name
+
+
+def result_json(result: LoadResult, overall: Mapping[str, Any], args: argparse.Namespace, *,
+                current_dt: str) -> dict[str, Any]:
+    """The result document in ``vllm bench serve``'s layout: its run header (``date``,
+    ``backend``, ``label``, ``model_id``, ``tokenizer_id``, ``num_prompts``, ``request_rate``,
+    ``burstiness``, ``max_concurrency``), then the whole run's metrics (``overall``: vLLM's keys
+    and our additions), ``latencies`` (seconds, one per measured request, 0.0 when it failed)
+    and, with ``--save-detailed``, vLLM's per-request lists (``input_lens``, ``output_lens``,
+    ``ttfts`` / ``itls`` in seconds, ``generated_texts``, ``errors``: "" when it succeeded)."""
+    recs = result.records
+    doc: dict[str, Any] = {
+        "date": current_dt,
+        "endpoint_type": BACKEND,
+        "backend": BACKEND,
+        "label": args.label,
+        "model_id": args.model,
+        "tokenizer_id": args.tokenizer or args.model,
+        "num_prompts": result.num_prompts,
+        "request_rate": args.request_rate if args.request_rate < math.inf else "inf",
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        **overall,
+        "latencies": [(r.e2el_s or 0.0) if r.success else 0.0 for r in recs],
+    }
+    if args.save_detailed:
+        doc.update({
+            "input_lens": [r.prompt_tokens if r.prompt_tokens is not None else r.prompt_len for r in recs],
+            "output_lens": [r.output_tokens if r.success else 0 for r in recs],
+            "ttfts": [r.ttft_s or 0.0 for r in recs],
+            "itls": [list(r.itl_s) for r in recs],
+            "generated_texts": [r.text for r in recs],
+            "errors": ["" if r.success else (r.error or "") for r in recs],
+        })
+    return doc
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m cluster.loadtest",
@@ -991,9 +1198,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SLOs for goodput, e.g. --goodput ttft:500 tpot:50 (keys ttft, tpot, e2el)")
     g.add_argument("--baseline", default=None, help="baseline arm (default: ar if present, else the first by name)")
     g.add_argument("--bootstrap", type=_positive_int, default=2000, help="bootstrap resamples (default %(default)s)")
-    g = p.add_argument_group("output")
-    g.add_argument("--output-json", default=None, help="write config, metrics and the decision here")
-    g.add_argument("--save-requests", action="store_true", help="include per-request records in the JSON")
+    g = p.add_argument_group("output (vllm bench serve's flags)")
+    g.add_argument("--save-result", action="store_true",
+                   help="save the result JSON (vLLM's keys; our additions: arms, decisions, config, ...)")
+    g.add_argument("--result-dir", default=None,
+                   help="folder for the result JSON (default: the current one); needs --save-result")
+    g.add_argument("--result-filename", default=None,
+                   help="file name of the result JSON (default {label}-{request_rate}qps[-concurrency{N}]-"
+                        "{model}-{date}.json); needs --save-result")
+    g.add_argument("--label", default=None, help="prefix of the default file name (default: the backend, openai)")
+    g.add_argument("--save-detailed", action="store_true",
+                   help="add vLLM's per-request lists (input_lens, output_lens, ttfts, itls, generated_texts, errors)")
+    g.add_argument("--output-json", default=None, metavar="PATH",
+                   help="same as --save-result --result-filename PATH (the older flag)")
+    g.add_argument("--save-requests", action="store_true", help="add our per-request records (requests)")
     g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     return p
 
@@ -1019,6 +1237,13 @@ def main(argv: Sequence[str] | None = None, *, prompts: Sequence[Any] | None = N
         return _err(str(exc))
     if not args.endpoint.startswith("/"):
         return _err(f"--endpoint must start with / (got {args.endpoint!r})")
+    if args.output_json:
+        if args.result_filename and args.result_filename != args.output_json:
+            return _err("--output-json PATH is --save-result --result-filename PATH: give one of them")
+        args.save_result, args.result_filename = True, args.output_json
+    elif not args.save_result and (args.result_filename or args.result_dir):
+        print("warning: --result-filename / --result-dir do nothing without --save-result (as in vllm bench serve)",
+              file=sys.stderr)
 
     if prompts is None:
         print(f"building {args.benchmark} prompts for {args.tokenizer or args.model} ...", file=sys.stderr)
@@ -1051,6 +1276,7 @@ def main(argv: Sequence[str] | None = None, *, prompts: Sequence[Any] | None = N
                 session_prefix=args.session_prefix, arm=args.arm, ignore_eos=args.ignore_eos,
                 max_tokens=args.max_tokens, timeout_s=args.timeout_s, request_timeout_s=args.request_timeout_s,
                 api_key=args.api_key, progress=not args.disable_tqdm and sys.stderr.isatty(), warmup_arms=arms,
+                scrape_metrics=True,
             )
         finally:
             if own:
@@ -1067,6 +1293,16 @@ def main(argv: Sequence[str] | None = None, *, prompts: Sequence[Any] | None = N
     overall["not_sent"] = result.not_sent
     overall["timed_out"] = result.timed_out
     arms = summarize_by_arm(result.records, result.duration_s, goodput, percentiles)
+    if result.metrics_before is not None and result.metrics_after is not None:
+        spec, why = spec_decode_from_metrics(result.metrics_before, result.metrics_after)
+    else:
+        spec, why = {}, result.metrics_error or "GET /metrics was not read"
+    overall.update(spec.get(None, {}))
+    for name, m in arms.items():
+        m.update(spec.get(name, {}))
+    if why is not None:
+        overall["spec_decode_unavailable"] = why
+        print(f"note: no spec_decode_* numbers: {why}", file=sys.stderr)
     if args.baseline is not None and args.baseline not in arms:
         print(f"warning: --baseline {args.baseline!r} saw no requests (arms: {', '.join(arms) or 'none'})",
               file=sys.stderr)
@@ -1089,32 +1325,32 @@ def main(argv: Sequence[str] | None = None, *, prompts: Sequence[Any] | None = N
     else:
         print(f"A/B: no decision ({len(arms)} arm(s) seen; need a baseline and at least one other arm)")
 
-    if args.output_json:
+    if args.save_result:
+        current_dt = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         cfg = {k: v for k, v in vars(args).items() if k != "api_key"}
         cfg["url"] = base
         cfg["goodput"] = goodput or None
         cfg["percentiles"] = list(percentiles)
         cfg["prompts"] = "injected" if prompts is not None else "registry"
-        doc = {
-            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        doc = result_json(result, overall, args, current_dt=current_dt)
+        doc.update({
             "config": cfg,
-            "num_prompts": result.num_prompts,
             "warmup": {"sent": len(result.warmups), "completed": wc},
-            "overall": overall,
             "arms": arms,
             "decisions": decisions,
             "decision": decisions[0] if len(decisions) == 1 else None,
-        }
+        })
         if args.save_requests:
             doc["requests"] = [r.to_dict() for r in result.records]
             doc["warmup_requests"] = [r.to_dict() for r in result.warmups]
-        path = os.path.abspath(args.output_json)
+        name = result_filename(args, current_dt)
+        path = os.path.abspath(name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
             json.dump(_jsonable(doc), f, indent=2, allow_nan=False)
         os.replace(tmp, path)
-        print(f"wrote {args.output_json}", file=sys.stderr)
+        print(f"wrote {name}", file=sys.stderr)
 
     if result.records and overall["completed"] == 0:
         print("error: every measured request failed", file=sys.stderr)

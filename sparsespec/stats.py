@@ -13,7 +13,7 @@ import resource
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -256,6 +256,30 @@ def mean_acceptance_length(num_accepted: float, num_spec_steps: float) -> float 
     """vLLM's mean acceptance length: ``1 + accepted draft tokens / drafting steps`` (tokens a
     drafting step commits, the bonus or recovered token included); None without drafting steps."""
     return (1.0 + num_accepted / num_spec_steps) if num_spec_steps else None
+
+
+def bench_spec_decode(num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int,
+                      accepted_per_pos: Sequence[int] = ()) -> dict[str, Any]:
+    """``vllm bench serve``'s ``spec_decode_*`` result keys from counter deltas over a run (its
+    ``vllm:spec_decode_num_drafts_total``, ``..._num_draft_tokens_total``,
+    ``..._num_accepted_tokens_total`` and ``..._num_accepted_tokens_per_pos_total`` by position):
+
+    ``spec_decode_acceptance_rate`` = 100 * accepted / draft tokens (a percentage);
+    ``spec_decode_acceptance_length`` = 1 + accepted / drafts (0.0 without drafts);
+    ``spec_decode_num_drafts`` / ``_draft_tokens`` / ``_accepted_tokens``: the deltas;
+    ``spec_decode_per_position_acceptance_rates[i]`` = accepted at position i / drafts ([] without
+    drafts). Empty dict when no token was drafted (vLLM then omits the keys)."""
+    if num_draft_tokens <= 0:
+        return {}
+    return {
+        "spec_decode_acceptance_rate": 100.0 * num_accepted_tokens / num_draft_tokens,
+        "spec_decode_acceptance_length": (1.0 + num_accepted_tokens / num_drafts) if num_drafts > 0 else 0.0,
+        "spec_decode_num_drafts": int(num_drafts),
+        "spec_decode_draft_tokens": int(num_draft_tokens),
+        "spec_decode_accepted_tokens": int(num_accepted_tokens),
+        "spec_decode_per_position_acceptance_rates": ([p / num_drafts for p in accepted_per_pos]
+                                                      if num_drafts > 0 else []),
+    }
 
 
 def spec_decode_metrics(st: Mapping[str, Any]) -> dict[str, Any]:

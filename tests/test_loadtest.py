@@ -26,10 +26,12 @@ from cluster.loadtest import (
     main,
     parse_goodput,
     parse_percentiles,
+    parse_spec_decode_counters,
     poisson_gaps,
     run_load,
     summarize,
     summarize_by_arm,
+    spec_decode_from_metrics,
 )
 
 # ----------------------------------------------------------------------------- summarize
@@ -59,7 +61,7 @@ def _hand_records() -> list[RequestRecord]:
 def test_summarize_hand_computed():
     m = summarize(_hand_records(), 2.0, goodput={"ttft": 250, "tpot": 60}, percentiles=(99,))
     assert m["completed"] == 4 and m["failed"] == 1
-    assert m["duration_s"] == 2.0
+    assert m["duration"] == 2.0
     assert m["total_input_tokens"] == 100 and m["total_output_tokens"] == 10
     assert m["request_throughput"] == pytest.approx(2.0)
     assert m["output_throughput"] == pytest.approx(5.0)
@@ -99,7 +101,7 @@ def test_summarize_goodput_variants_and_percentiles():
     assert summarize(recs, 2.0, goodput={"e2el": 300})["request_goodput"] == pytest.approx(1.5)
     # tpot <= 40: request 0 (30) and request 2 (one token: TPOT 0 for the SLO, as vllm)
     assert summarize(recs, 2.0, goodput={"tpot": 40})["good_requests"] == 2
-    assert "request_goodput" not in summarize(recs, 2.0)
+    assert summarize(recs, 2.0)["request_goodput"] is None  # vLLM's None without --goodput
     m = summarize(recs, 2.0, percentiles=(50, 95))
     assert m["p50_ttft_ms"] == pytest.approx(250.0)
     assert m["p95_ttft_ms"] == pytest.approx(385.0)  # 300 + 0.85 * 100
@@ -284,6 +286,92 @@ def test_unreachable_exit_2(capsys):
     assert "cannot reach" in err and "Traceback" not in err
 
 
+# ----------------------------------------------------------------------------- /metrics -> spec_decode_*
+
+#: The keys vllm bench serve (vllm 0.32.0, vllm/benchmarks/serve.py) saves for a generation run
+#: with speculative decoding, default percentiles (99) and no --save-detailed.
+VLLM_RESULT_KEYS = (
+    "date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts", "request_rate",
+    "burstiness", "max_concurrency", "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
+    "request_throughput", "request_goodput", "output_throughput", "total_token_throughput", "latencies",
+    "spec_decode_acceptance_rate", "spec_decode_acceptance_length", "spec_decode_num_drafts",
+    "spec_decode_draft_tokens", "spec_decode_accepted_tokens", "spec_decode_per_position_acceptance_rates",
+    *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "std", "p99")),
+)
+
+
+def _expo(arms: dict[str, tuple[int, int, int, list[int]]], extra: str = "") -> str:
+    """A Prometheus text exposition as our /metrics writes it (prometheus_client: HELP/TYPE,
+    _total and _created samples, labels sorted), arm -> (drafts, draft tokens, accepted, per pos)."""
+    out = ["# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.",
+           "# TYPE vllm:spec_decode_num_drafts_total counter"]
+    for arm, (d, t, a, pos) in arms.items():
+        lab = f'arm="{arm}",method="{arm}",model_name="m"'
+        out += [f"vllm:spec_decode_num_drafts_total{{{lab}}} {float(d)}",
+                f"vllm:spec_decode_num_drafts_created{{{lab}}} 1.764e+09",
+                f"vllm:spec_decode_num_draft_tokens_total{{{lab}}} {float(t)}",
+                f"vllm:spec_decode_num_accepted_tokens_total{{{lab}}} {float(a)}",
+                *(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{lab},position="{p}"}} {float(v)}'
+                  for p, v in enumerate(pos))]
+    out.append('vllm:generation_tokens_total{arm="ar",method="ar",model_name="m"} 999.0')
+    return "\n".join(out) + "\n" + extra
+
+
+BEFORE = _expo({"sparsespec-l": (10, 40, 20, [8, 6, 4, 2]), "eagle3": (4, 12, 6, [3, 2, 1])})
+AFTER = _expo({"sparsespec-l": (30, 120, 70, [26, 20, 14, 10]), "eagle3": (14, 42, 21, [11, 7, 3])})
+
+
+def test_parse_spec_decode_counters():
+    c = parse_spec_decode_counters(BEFORE)
+    assert set(c) == {None, "sparsespec-l", "eagle3"}
+    assert c["eagle3"] == {"num_drafts": 4, "num_draft_tokens": 12, "num_accepted_tokens": 6,
+                           "accepted_per_pos": {0: 3, 1: 2, 2: 1}}
+    assert c[None] == {"num_drafts": 14, "num_draft_tokens": 52, "num_accepted_tokens": 26,  # _created ignored
+                       "accepted_per_pos": {0: 11, 1: 8, 2: 5, 3: 2}}
+    # vllm serve's own labels (no arm): the whole server only; no spec series at all: None
+    plain = ('vllm:spec_decode_num_drafts_total{engine="0",model_name="x"} 5.0\n'
+             'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="x"} 15.0\n')
+    assert set(parse_spec_decode_counters(plain)) == {None}
+    assert parse_spec_decode_counters('vllm:generation_tokens_total{model_name="x"} 3.0\n# EOF\n') is None
+
+
+def test_spec_decode_from_metrics_by_hand():
+    got, why = spec_decode_from_metrics(BEFORE, AFTER)
+    assert why is None and set(got) == {None, "sparsespec-l", "eagle3"}
+    # sparsespec-l: +20 drafts, +80 draft tokens, +50 accepted, per position +18 +14 +10 +8
+    assert got["sparsespec-l"] == {
+        "spec_decode_acceptance_rate": pytest.approx(62.5), "spec_decode_acceptance_length": pytest.approx(3.5),
+        "spec_decode_num_drafts": 20, "spec_decode_draft_tokens": 80, "spec_decode_accepted_tokens": 50,
+        "spec_decode_per_position_acceptance_rates": pytest.approx([0.9, 0.7, 0.5, 0.4])}
+    # eagle3: +10, +30, +15, per position +8 +5 +2
+    assert got["eagle3"]["spec_decode_acceptance_rate"] == pytest.approx(50.0)
+    assert got["eagle3"]["spec_decode_acceptance_length"] == pytest.approx(2.5)
+    assert got["eagle3"]["spec_decode_per_position_acceptance_rates"] == pytest.approx([0.8, 0.5, 0.2])
+    # the whole server, summed as vLLM sums every series: 30 drafts, 110 draft tokens, 65 accepted
+    assert got[None] == {
+        "spec_decode_acceptance_rate": pytest.approx(6500 / 110), "spec_decode_acceptance_length": pytest.approx(1 + 65 / 30),
+        "spec_decode_num_drafts": 30, "spec_decode_draft_tokens": 110, "spec_decode_accepted_tokens": 65,
+        "spec_decode_per_position_acceptance_rates": pytest.approx([26 / 30, 19 / 30, 12 / 30, 8 / 30])}
+
+
+def test_spec_decode_from_metrics_without_numbers():
+    # nothing drafted during the run
+    got, why = spec_decode_from_metrics(BEFORE, BEFORE)
+    assert got == {} and "drafted no token" in why
+    # a server without speculative decoding (vllm serve without a speculative config, or all-AR)
+    none = 'vllm:generation_tokens_total{model_name="x"} 3.0\n'
+    for b, a in ((none, none), (BEFORE, none), (none, AFTER)):
+        got, why = spec_decode_from_metrics(b, a)
+        assert got == {} and "no vllm:spec_decode_* counters" in why
+    # a replica restarted (its counters went down): that arm and the whole run are left out
+    reset = _expo({"sparsespec-l": (3, 12, 5, [3, 1, 1, 0]), "eagle3": (14, 42, 21, [11, 7, 3])})
+    got, why = spec_decode_from_metrics(BEFORE, reset)
+    assert set(got) == {"eagle3"} and "went down" in why
+    # an arm first seen after the run started counts from zero
+    got, _ = spec_decode_from_metrics(_expo({"eagle3": (4, 12, 6, [3, 2, 1])}), AFTER)
+    assert got["sparsespec-l"]["spec_decode_num_drafts"] == 30
+
+
 # ----------------------------------------------------------------------------- fake server
 
 TTFT_S = 0.06  # server-side sleep before the first text chunk
@@ -305,11 +393,15 @@ class FakeState:
         self.inflight = 0
         self.max_inflight = 0
         self.cold = True
+        self.metrics_on = True
+        # vLLM's spec-decode counters of the drafting arm; never reset (counters only go up),
+        # so every test's run starts from whatever the earlier ones left
+        self.__dict__.setdefault("spec", {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [0, 0, 0]})
 
 
 def _make_app(state: FakeState):
     from starlette.applications import Starlette
-    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.routing import Route
 
     def sse(obj) -> str:
@@ -359,6 +451,13 @@ def _make_app(state: FakeState):
                     usage["speculation"] = {"num_spec_steps": 2, "num_draft_tokens": 6,
                                             "num_accepted_draft_tokens": 2, "mean_acceptance_length": 2.0,
                                             "draft_acceptance_rate": 1 / 3, "acceptance_histogram": [0, 2]}
+                    # the same request in vLLM's /metrics counters: 2 drafts of 3 tokens, each
+                    # accepting 1 (position 0)
+                    c = state.spec
+                    c["drafts"] += 2
+                    c["draft_tokens"] += 6
+                    c["accepted"] += 2
+                    c["per_pos"][0] += 2
                 yield sse(usage)
                 yield "data: [DONE]\n\n"
             finally:
@@ -366,7 +465,24 @@ def _make_app(state: FakeState):
 
         return StreamingResponse(gen(), media_type="text/event-stream", headers=headers)
 
-    return Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"])])
+    async def metrics(request):
+        if not state.metrics_on:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        c = state.spec
+        lab = 'arm="sparsespec-l",method="sparsespec-l",model_name="m"'
+        lines = ["# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.",
+                 "# TYPE vllm:spec_decode_num_drafts_total counter",
+                 f"vllm:spec_decode_num_drafts_total{{{lab}}} {float(c['drafts'])}",
+                 f"vllm:spec_decode_num_drafts_created{{{lab}}} 1.7e+09",
+                 f"vllm:spec_decode_num_draft_tokens_total{{{lab}}} {float(c['draft_tokens'])}",
+                 f"vllm:spec_decode_num_accepted_tokens_total{{{lab}}} {float(c['accepted'])}",
+                 *(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{lab},position="{p}"}} {float(v)}'
+                   for p, v in enumerate(c["per_pos"])),
+                 'vllm:generation_tokens_total{arm="ar",method="ar",model_name="m"} 123.0']
+        return PlainTextResponse("\n".join(lines) + "\n")
+
+    return Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"]),
+                             Route("/metrics", metrics)])
 
 
 @pytest.fixture(scope="module")
@@ -437,7 +553,11 @@ def test_e2e_cli_against_fake_server(server, tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert "secret-key" not in out.read_text()
     assert doc["config"]["num_prompts"] == n and doc["config"]["request_rate"] == "inf"
-    ov = doc["overall"]
+    assert set(VLLM_RESULT_KEYS) | {"p50_ttft_ms", "p50_tpot_ms", "p50_itl_ms", "p50_e2el_ms"} <= set(doc)
+    assert (doc["backend"], doc["model_id"], doc["num_prompts"], doc["request_rate"], doc["max_concurrency"]) == (
+        "openai", "m", n, "inf", 6)
+    assert len(doc["latencies"]) == n and "ttfts" not in doc  # the per-request lists need --save-detailed
+    ov = doc  # the whole run at the top level, as vllm bench serve writes it
     assert ov["completed"] == 20 and ov["failed"] == 10
     assert ov["failure_reasons"] == {"HTTP 503": 5, "incomplete": 5}
     assert ov["total_output_tokens"] == 20 * 4
@@ -451,7 +571,7 @@ def test_e2e_cli_against_fake_server(server, tmp_path, capsys):
     assert set(doc["arms"]) == {"ar", "sparsespec-l"}
     for arm, (ok, bad) in expect.items():
         assert (doc["arms"][arm]["completed"], doc["arms"][arm]["failed"]) == (ok, bad), arm
-        assert doc["arms"][arm]["duration_s"] == ov["duration_s"]
+        assert doc["arms"][arm]["duration"] == ov["duration"]
     assert min(expect["ar"][0], expect["sparsespec-l"][0]) >= 5  # enough for a CI
     spec = doc["arms"]["sparsespec-l"]
     k = expect["sparsespec-l"][0]
@@ -459,6 +579,16 @@ def test_e2e_cli_against_fake_server(server, tmp_path, capsys):
     assert spec["mean_acceptance_length"] == pytest.approx(2.0)
     assert spec["draft_acceptance_rate"] == pytest.approx(1 / 3)
     assert doc["arms"]["ar"]["num_spec_steps"] == 0 and doc["arms"]["ar"]["mean_acceptance_length"] is None
+    # vLLM's spec_decode_* from the /metrics deltas over the measured phase only (the warm-up that
+    # reached sparsespec-l happened before the first scrape): k requests x 2 drafts x 3 tokens,
+    # 1 accepted per draft, at position 0
+    want = {"spec_decode_num_drafts": 2 * k, "spec_decode_draft_tokens": 6 * k, "spec_decode_accepted_tokens": 2 * k,
+            "spec_decode_acceptance_rate": pytest.approx(100 / 3), "spec_decode_acceptance_length": pytest.approx(2.0),
+            "spec_decode_per_position_acceptance_rates": [1.0, 0.0, 0.0]}
+    assert {key: spec[key] for key in want} == want
+    assert {key: doc[key] for key in want} == want  # the whole server: only sparsespec-l drafts
+    assert "spec_decode_unavailable" not in doc
+    assert not any(key.startswith("spec_decode") for key in doc["arms"]["ar"])
 
     # timings: TTFT >= the server's sleep (the empty chunk at t=0 is ignored); warm-ups excluded
     # (the first warm-up slept COLD_S more)
@@ -488,6 +618,47 @@ def test_e2e_cli_against_fake_server(server, tmp_path, capsys):
     assert dec["tpot_ratio"] < 1.0 and dec["significant"] is True
     assert "significantly faster" in dec["conclusion"]
     assert dec["conclusion"] in printed
+
+
+def test_e2e_server_without_metrics_and_result_file_flags(server, tmp_path, capsys):
+    """A server without /metrics (404): the run completes, the spec_decode_* keys are absent and
+    the reason is logged and saved; --save-result names the file as vLLM does, in --result-dir."""
+    url, state = server
+    state.metrics_on = False
+    rc = main(["--url", url, "--model", "org/m", "--num-prompts", "4", "--max-concurrency", "2", "--max-tokens", "4",
+               "--save-result", "--result-dir", str(tmp_path / "res"), "--save-detailed", "--disable-tqdm"],
+              prompts=[[1, 2, 3], [FAIL, 1]])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "no spec_decode_* numbers: GET /metrics answered HTTP 404" in err
+    (path,) = (tmp_path / "res").iterdir()
+    assert path.name.startswith("openai-infqps-concurrency2-m-") and path.suffix == ".json"
+    doc = json.loads(path.read_text())
+    assert not any(key.startswith("spec_decode_") and key != "spec_decode_unavailable" for key in doc)
+    assert not any(key.startswith("spec_decode_") for a in doc["arms"].values() for key in a)
+    assert doc["spec_decode_unavailable"] == "GET /metrics answered HTTP 404"
+    assert doc["completed"] == 2 and doc["failed"] == 2 and doc["request_goodput"] is None
+    # --save-detailed: vLLM's per-request lists, in request order (failed: 0 / "" / the error)
+    assert doc["input_lens"] == [3, 2, 3, 2] and doc["output_lens"] == [4, 0, 4, 0]
+    assert doc["generated_texts"][0] == "abcd" and doc["generated_texts"][1] == ""
+    assert doc["errors"][0] == "" and doc["errors"][1].startswith("HTTP 503")
+    assert doc["ttfts"][1] == 0.0 and doc["ttfts"][0] >= TTFT_S and len(doc["itls"]) == 4
+
+    # --result-filename inside --result-dir; --output-json is the same as --save-result --result-filename
+    state.metrics_on = True
+    assert main(["--url", url, "--model", "m", "--num-prompts", "2", "--save-result", "--result-dir",
+                 str(tmp_path / "d"), "--result-filename", "x.json", "--disable-tqdm"], prompts=[[1, 2]]) == 0
+    assert (tmp_path / "d" / "x.json").is_file()
+    assert main(["--url", url, "--model", "m", "--num-prompts", "2", "--output-json", str(tmp_path / "o.json"),
+                 "--disable-tqdm"], prompts=[[1, 2]]) == 0
+    assert json.loads((tmp_path / "o.json").read_text())["completed"] == 2
+    assert main(["--url", url, "--model", "m", "--output-json", "a.json", "--result-filename", "b.json"],
+                prompts=[[1]]) == 2
+    # without --save-result, vLLM writes nothing (and we say so)
+    capsys.readouterr()
+    assert main(["--url", url, "--model", "m", "--num-prompts", "1", "--result-dir", str(tmp_path / "none"),
+                 "--disable-tqdm"], prompts=[[1, 2]]) == 0
+    assert not (tmp_path / "none").exists() and "without --save-result" in capsys.readouterr().err
 
 
 def test_e2e_all_failed_exit_1(server, capsys):

@@ -2,8 +2,8 @@
 import pytest
 
 from sparsespec.adaptive import EntropyAdaptive, StepCosts
-from sparsespec.stats import (DERIVED_KEYS, derive, itl_percentiles, ledger_speedup, mean_acceptance_length, pool,
-                              request_tpot)
+from sparsespec.stats import (DERIVED_KEYS, bench_spec_decode, derive, itl_percentiles, ledger_speedup,
+                              mean_acceptance_length, pool, request_tpot)
 
 ONE = {"num_output_tokens": 11, "num_steps": 4, "num_drafting_steps": 3, "num_emitted": 10, "num_drafted": 12,
        "num_accepted": 6, "num_draft_forwards": 12, "draft_s": 0.24, "verify_s": 0.4, "other_s": 0.16,
@@ -52,6 +52,19 @@ def test_request_level_ratios_by_hand():
     assert itl_percentiles([0.1, 0.2, 0.3, 0.4, 1.0]) == pytest.approx(
         {"itl_p50_s": 0.3, "itl_p95_s": 0.88, "itl_p99_s": 0.976})  # linear interpolation
     assert itl_percentiles([]) == {"itl_p50_s": None, "itl_p95_s": None, "itl_p99_s": None}
+
+
+def test_bench_spec_decode_by_hand():
+    """vllm bench serve's spec_decode_* from counter deltas: 20 drafts of 4 tokens, 50 accepted."""
+    assert bench_spec_decode(20, 80, 50, [18, 14, 10, 8]) == {
+        "spec_decode_acceptance_rate": pytest.approx(62.5),  # a percentage: 100 * 50 / 80
+        "spec_decode_acceptance_length": pytest.approx(3.5),  # 1 + 50 / 20
+        "spec_decode_num_drafts": 20, "spec_decode_draft_tokens": 80, "spec_decode_accepted_tokens": 50,
+        "spec_decode_per_position_acceptance_rates": pytest.approx([0.9, 0.7, 0.5, 0.4]),  # per pos / drafts
+    }
+    assert bench_spec_decode(0, 0, 0, [0, 0]) == {}  # nothing drafted: vLLM omits the keys
+    odd = bench_spec_decode(0, 6, 3, [3])  # draft tokens without drafts: vLLM's 0.0 and []
+    assert odd["spec_decode_acceptance_length"] == 0.0 and odd["spec_decode_per_position_acceptance_rates"] == []
 
 
 def test_ledger_speedup():
