@@ -879,7 +879,7 @@ class APIError(Exception):
 class _StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
-    continuous_usage_stats: bool | None = None  # vLLM extension (usage in every chunk): refused
+    continuous_usage_stats: bool | None = None  # vLLM extension: with include_usage, usage in every chunk
 
 
 def _is_set(v: Any) -> bool:
@@ -957,9 +957,6 @@ class _CommonRequest(BaseModel):
         if self.include_stop_str_in_output:
             raise APIError(400, "include_stop_str_in_output is not supported (stop strings are cut from the text)",
                            "include_stop_str_in_output")
-        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
-            raise APIError(400, "stream_options.continuous_usage_stats is not supported (usage comes in the last "
-                           "chunk with include_usage)", "stream_options.continuous_usage_stats")
         if self.prompt_logprobs is not None:
             raise APIError(400, "prompt_logprobs is not supported", "prompt_logprobs")
         for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
@@ -1360,11 +1357,13 @@ class Gateway:
 
     @staticmethod
     async def sse(events: Any, rid: str, model: str, arm: str, method: str, chat: bool, include_usage: bool,
-                  on_abandon: Any = None, on_failure: Any = None):
+                  on_abandon: Any = None, on_failure: Any = None, continuous_usage: int | None = None):
         """OpenAI's streaming chunks (``data: {...}`` events, then ``data: [DONE]``) from the arm's
-        events (after ``started``). If the consumer stops early (the client went away: Serve
-        cancels this generator), ``on_abandon()`` runs: it cancels the arm's call, which aborts
-        the request in the core.
+        events (after ``started``). ``continuous_usage`` (the prompt's token count, given for vLLM's
+        ``stream_options.continuous_usage_stats`` with ``include_usage``, which guidellm sends) puts
+        ``usage`` (completion tokens so far) in every chunk. If the consumer stops early (the client
+        went away: Serve cancels this generator), ``on_abandon()`` runs: it cancels the arm's call,
+        which aborts the request in the core.
 
         The headers are out by then, so a failure cannot change the status: an arm's error event,
         or the arm's call raising (its replica died: ``RayActorError``; Serve lost the call; a
@@ -1383,8 +1382,11 @@ class Gateway:
                 choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
             else:
                 choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-            return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model,
-                                          "choices": [choice]}) + "\n\n"
+            out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+            if continuous_usage is not None:
+                out["usage"] = {"prompt_tokens": continuous_usage, "completion_tokens": n_tokens,
+                                "total_tokens": continuous_usage + n_tokens}
+            return "data: " + json.dumps(out) + "\n\n"
 
         done = False
         n_tokens = 0
@@ -1578,8 +1580,11 @@ class Router:
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            continuous = len(payload["prompt_ids"]) if include_usage and body.stream_options.continuous_usage_stats \
+                else None
             return StreamingResponse(self.gw.sse(gen, rid, body.model, arm, method, chat, include_usage,
-                                                 on_abandon=lambda: _cancel(gen), on_failure=lost),
+                                                 on_abandon=lambda: _cancel(gen), on_failure=lost,
+                                                 continuous_usage=continuous),
                                      media_type="text/event-stream", headers=headers)
         final, n_tokens, failure = None, 0, None
         try:

@@ -297,8 +297,6 @@ BAD = [
     ({"model": "M", "prompt": "x", "repetition_penalty": 1.2}, False, 400, "repetition_penalty"),
     ({"model": "M", "prompt": "x", "use_beam_search": True}, False, 400, "use_beam_search"),
     ({"model": "M", "prompt": "x", "include_stop_str_in_output": True}, False, 400, "include_stop_str_in_output"),
-    ({"model": "M", "prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}, False, 400,
-     "stream_options.continuous_usage_stats"),
     ({"model": "M", "prompt": "x", "prompt_logprobs": 1}, False, 400, "prompt_logprobs"),
     ({"model": "M", "prompt": "x", "guided_json": {"type": "object"}}, False, 400, "guided_json"),
     ({"model": "M", "prompt": "x", "structured_outputs": {"regex": "a+"}}, False, 400, "structured_outputs"),
@@ -781,6 +779,38 @@ def test_metrics_route_counts_what_the_requests_measured(http):
     per_pos = [_value(f, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=p, **lab) for p in range(4)]
     assert sum(per_pos) == spec["num_accepted_draft_tokens"] and per_pos == sorted(per_pos, reverse=True)
     assert not any(lab.get("arm") == "ar" for lab, _ in f["vllm:spec_decode_num_drafts_total"])
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_stream_continuous_usage_stats_puts_usage_in_every_chunk(http, chat):
+    """guidellm's streaming body (``stream_options`` with vLLM's ``continuous_usage_stats``,
+    ``stop: null``, ``ignore_eos``): every chunk carries ``usage`` with the tokens so far, as
+    vLLM sends it; without the flag only the last chunk has ``usage``."""
+    import json as _json
+
+    c, m = http["client"], http["model"]
+    body = {"model": m, "max_tokens": 6, "stop": None, "ignore_eos": True, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body.update({"messages": [{"role": "user", "content": "Hi"}]} if chat else {"prompt": [5, 9, 200, 31, 7]})
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    for continuous in (True, False):
+        body["stream_options"]["continuous_usage_stats"] = continuous
+        r = c.post(path, json=body)
+        assert r.status_code == 200, r.text
+        objs = [_json.loads(line[6:]) for line in r.text.split("\n\n") if line.startswith("data: {")]
+        assert r.text.endswith("data: [DONE]\n\n") and objs[-1]["choices"] == []
+        final = objs[-1]["usage"]
+        assert final["completion_tokens"] == 6 and final["total_tokens"] == final["prompt_tokens"] + 6
+        if not continuous:
+            assert all("usage" not in o for o in objs[:-1])
+            continue
+        used = [o["usage"] for o in objs]
+        assert all(u["prompt_tokens"] == final["prompt_tokens"] for u in used)
+        assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in used)
+        done = [u["completion_tokens"] for u in used]
+        assert done == sorted(done) and done[-2] == 6  # the chunk with finish_reason has them all
+        if chat:
+            assert objs[0]["usage"]["completion_tokens"] == 0  # the role chunk, before any token
 
 
 # ---------------------------------------------------------------- an arm that fails mid-request
