@@ -88,6 +88,7 @@ class WorkerPlan:
     num_cpus: int  # per actor
     threads: int  # torch threads per actor
     device: str  # "cuda" | "cpu"
+    schedule: str = "step"  # how a batch's methods share the actor's device (cluster.worker.SCHEDULES)
 
 
 def plan_workers(num_workers: int | None, threads: int | None, device: str = "auto",
@@ -143,7 +144,8 @@ class WorkerPool:
 
         return EngineWorkerActor.options(num_cpus=self.plan.num_cpus, num_gpus=self.plan.num_gpus,
                                          max_restarts=0).remote(
-            self.model, self.dtype, self.plan.device, self.plan.threads, self.engine_factory, self.quantize)
+            self.model, self.dtype, self.plan.device, self.plan.threads, self.engine_factory, self.quantize,
+            self.plan.schedule)
 
     def ping_all(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
         """Wait until every actor has loaded its model; host information of each."""

@@ -31,6 +31,7 @@ Schema (every key except ``name``, ``models`` and ``benchmarks`` is optional; se
       num_workers: null               # engine actors (default: one per GPU, else 1)
       threads: null                   # torch threads per actor (default: its CPUs)
       max_retries: 2                  # a shard whose worker dies is retried this many times
+      schedule: step                  # step: the methods' cores take turns step by step | run: whole batches in turn
     db: sqlite:///results/sparsespec.db
 
 The planner (``cluster.plan``) turns a spec into cells and shards; ``cluster.sweep`` runs them.
@@ -103,6 +104,10 @@ class WorkersSpec(_Frozen):
     num_workers: int | None = Field(default=None, ge=1)
     threads: int | None = Field(default=None, ge=1)
     max_retries: int = Field(default=2, ge=0)
+    #: how a batch's methods share the device (``cluster.worker``): "step" interleaves their cores'
+    #: steps (paired timing on a noisy machine), "run" decodes each method's whole batch in turn
+    #: (one KV pool in memory at a time). Not part of the run id: it changes no output.
+    schedule: Literal["step", "run"] = "step"
 
 
 def _check_batches(v: tuple[int, ...]) -> tuple[int, ...]:

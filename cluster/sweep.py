@@ -3,7 +3,7 @@
     python -m cluster.sweep SPEC.yaml [--dry-run] [--models a,b] [--methods ar,sparsespec-l]
         [--batch-sizes 1,4] [--context-lengths 2048,4096] [--num-samples N] [--tasks t1,t2]
         [--repetitions R] [--max-new-tokens N] [--temperature T] [--sampling-seed S] [--device auto|cpu|cuda]
-        [--num-workers N] [--threads N] [--max-retries N] [--db URL] [--ray-address ADDR]
+        [--num-workers N] [--threads N] [--max-retries N] [--schedule step|run] [--db URL] [--ray-address ADDR]
 
 Flags override the spec (the resolved spec is stored with every run). ``--dry-run`` builds the
 samples, prints the shard keys one per line on stdout and runs nothing. Through a cluster::
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import sys
 import time
@@ -116,11 +117,14 @@ def run_sweep(spec: SweepSpec, *, ray_address: str | None = None, engine_factory
             return result
         status_of = {c.run_id: "failed" for c in cells}
         with ray_session(ray_address, num_cpus=local_num_cpus):
-            wplan = plan_workers(spec.workers.num_workers, spec.workers.threads, spec.device)
-            log.info("%d worker(s) x %d thread(s) on %s", wplan.num_workers, wplan.threads, wplan.device)
+            wplan = dataclasses.replace(plan_workers(spec.workers.num_workers, spec.workers.threads, spec.device),
+                                        schedule=spec.workers.schedule)
+            log.info("%d worker(s) x %d thread(s) on %s, schedule %s", wplan.num_workers, wplan.threads,
+                     wplan.device, wplan.schedule)
             prov["ray"] = provenance.ray_resources()
             prov["worker_plan"] = {"num_workers": wplan.num_workers, "num_gpus": wplan.num_gpus,
-                                   "num_cpus": wplan.num_cpus, "threads": wplan.threads, "device": wplan.device}
+                                   "num_cpus": wplan.num_cpus, "threads": wplan.threads, "device": wplan.device,
+                                   "schedule": wplan.schedule}
             pings: dict[str, list[dict[str, Any]]] = {}
 
             def on_workers(model: str, hosts: list[dict[str, Any]], quantize: str = "none") -> None:
@@ -220,6 +224,9 @@ def add_override_flags(p: argparse.ArgumentParser, *, benchmark_flags: bool = Tr
     p.add_argument("--num-workers", type=int, default=None, help="engine actors (default: one per GPU, else 1)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per actor")
     p.add_argument("--max-retries", type=int, default=None, help="retries of a shard whose worker died")
+    p.add_argument("--schedule", choices=("step", "run"), default=None,
+                   help="step (default): a batch's methods take turns step by step, paired against the machine's "
+                        "drift; run: each method's whole batch in turn (one KV pool in memory at a time)")
     p.add_argument("--db", default=None, help="result store URL (sqlite:///path.db, postgresql+psycopg://...)")
     p.add_argument("--ray-address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, else local)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -238,7 +245,7 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
         "sampling.max_new_tokens": g("max_new_tokens"), "sampling.temperature": g("temperature"),
         "sampling.top_p": g("top_p"), "sampling.top_k": g("top_k"), "sampling.seed": g("sampling_seed"),
         "workers.num_workers": g("num_workers"), "workers.threads": g("threads"),
-        "workers.max_retries": g("max_retries"),
+        "workers.max_retries": g("max_retries"), "workers.schedule": g("schedule"),
     }
 
 

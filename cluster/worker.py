@@ -9,12 +9,20 @@ Measurement discipline:
 - the engine is loaded once per actor (never timed);
 - each (method, batch size) is warmed up once per actor with a short unrecorded batch built from
   the tails of the shard's prompts (compilation, allocator and first-call paths are not timed);
-- all methods of a batch run on the same samples in the same actor, one after the other, the
-  order rotating with the batch index (``cluster.plan.method_order``);
+- all methods of a batch run on the same samples in the same actor. ``schedule="step"`` (the
+  default): one ``EngineCore`` per method holds the batch, and the cores take their steps in
+  turn, the order rotating every round (starting from ``cluster.plan.method_order``); each core
+  times its requests on its own clock (``sparsespec.stats.StepClock``), so a slow minute of a
+  shared machine lands on every method alike. Sequential whole batches, each method's a minute
+  or two after the other's, moved the paired speedup of one cell from 0.71 to 1.11 across demo
+  runs on the 2-core CPU machines. ``schedule="run"``: each method's whole batch back to back
+  (order rotating with the batch index), one method's KV pool in memory at a time (large
+  batches x long contexts on a GPU);
 - a batch's B samples are added to one ``EngineCore`` with ``max_num_seqs=B`` and stepped to
   completion; each row keeps its own stats, and every row also records the batch's wall time
-  (``batch_wall_s``), its prefill part (``batch_prefill_s``, the sum of the rows' prefills) and
-  its size, so the speedup can be paired per batch (``cluster.report``).
+  (``batch_wall_s``: the core's own steps), its prefill part (``batch_prefill_s``, the sum of
+  the rows' prefills), its size and the schedule, so the speedup can be paired per batch
+  (``cluster.report``).
 """
 from __future__ import annotations
 
@@ -37,6 +45,8 @@ EngineFactory = Callable[[str, str, str], Any]  # (model, dtype, device) -> engi
 WARMUP_TOKENS = 8
 #: Prompt tokens of each warm-up row (the tail of the shard's prompt).
 WARMUP_PROMPT_TOKENS = 256
+#: How a shard's methods share the device (see the module docstring).
+SCHEDULES = ("step", "run")
 
 
 def default_engine_factory(model: str, dtype: str, device: str = "cpu") -> Any:
@@ -96,9 +106,12 @@ class EngineWorker:
     """Holds one engine; runs shards. Wrap with Ray as :data:`EngineWorkerActor`."""
 
     def __init__(self, model: str, dtype: str = "float32", device: str = "cpu", threads: int | None = None,
-                 engine_factory: EngineFactory | None = None, quantize: str = "none") -> None:
+                 engine_factory: EngineFactory | None = None, quantize: str = "none",
+                 schedule: str = "step") -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
         self.model, self.dtype, self.device, self.threads = model, dtype, device, threads
-        self.quantize = quantize
+        self.quantize, self.schedule = quantize, schedule
         if threads:
             import torch  # set threads before loading (OpenMP pools are sized on first use)
 
@@ -118,7 +131,8 @@ class EngineWorker:
         info: dict[str, Any] = {
             "hostname": socket.gethostname(), "pid": os.getpid(), "platform": platform.platform(),
             "python": platform.python_version(), "model": self.model, "dtype": self.dtype, "quantize": self.quantize,
-            "device": self.device, "load_s": round(self.load_s, 3), "cpu_count": os.cpu_count(),
+            "device": self.device, "schedule": self.schedule, "load_s": round(self.load_s, 3),
+            "cpu_count": os.cpu_count(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "torch_interop_threads": torch.get_num_interop_threads(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
@@ -138,26 +152,54 @@ class EngineWorker:
             pass
         return info
 
-    def _run_batch(self, shard: Shard, method: str, prompts: Sequence[Sequence[int]],
-                   max_new_tokens: int | None) -> tuple[list[Any], float]:
-        """One batch through one ``EngineCore``: outputs in sample order and the wall seconds."""
+    def _core(self, shard: Shard, method: str, prompts: Sequence[Sequence[int]], max_new_tokens: int | None,
+              own_clock: bool = False) -> Any:
+        """A core for one method holding the batch's requests (sample order = request ids)."""
         opts = dict(shard.method_options.get(method, {}) or {})
         window = max(len(p) for p in prompts) + max(
             int(max_new_tokens or s.max_new_tokens) for s in shard.samples)
         core = self.engine.core(method, None if method == "ar" else opts, max_num_seqs=len(prompts),
-                                max_model_len=min(window, self.engine.max_context))
+                                max_model_len=min(window, self.engine.max_context), own_clock=own_clock)
         seed = shard.sampling.get("seed")
         for i, (sample, prompt) in enumerate(zip(shard.samples, prompts)):
             core.add_request(str(i), list(prompt), sampling_params(
                 sample, shard.sampling, row_seed(seed, shard.sample_offset + i), max_new_tokens))
-        outputs: list[Any] = [None] * len(prompts)
+        return core
+
+    def _step(self, core: Any, outputs: list[Any]) -> float:
+        """One step of ``core``; finished outputs go to their sample's place. Its wall seconds."""
         t0 = self.engine.clock()
+        for out in core.step():
+            if out.finished:
+                outputs[int(out.request_id)] = out.output
+        return self.engine.clock() - t0
+
+    def _run_batch(self, shard: Shard, method: str, prompts: Sequence[Sequence[int]],
+                   max_new_tokens: int | None) -> tuple[list[Any], float]:
+        """One batch through one ``EngineCore``: outputs in sample order and the wall seconds."""
+        core = self._core(shard, method, prompts, max_new_tokens)
+        outputs: list[Any] = [None] * len(prompts)
+        wall = 0.0
         while core.has_unfinished_requests():
-            for out in core.step():
-                if out.finished:
-                    outputs[int(out.request_id)] = out.output
-        wall = self.engine.clock() - t0
+            wall += self._step(core, outputs)
         return outputs, wall
+
+    def _run_stepwise(self, shard: Shard, methods: Sequence[str], prompts: Sequence[Sequence[int]]
+                      ) -> dict[str, tuple[list[Any], float]]:
+        """Every method's core holds the batch; the cores step in turn (the order rotating every
+        round) until all are done. Per method: outputs in sample order and its own steps' wall
+        seconds."""
+        cores = [(m, self._core(shard, m, prompts, None, own_clock=True)) for m in methods]
+        outputs = {m: [None] * len(prompts) for m in methods}
+        wall = dict.fromkeys(methods, 0.0)
+        turn = 0
+        while any(c.has_unfinished_requests() for _, c in cores):
+            r = turn % len(cores)
+            for m, core in cores[r:] + cores[:r]:
+                if core.has_unfinished_requests():
+                    wall[m] += self._step(core, outputs[m])
+            turn += 1
+        return {m: (outputs[m], wall[m]) for m in methods}
 
     def warm_up(self, shard: Shard, method: str) -> None:
         """One short unrecorded batch per (method, batch size) per actor."""
@@ -177,16 +219,22 @@ class EngineWorker:
                 raise ValueError(f"{shard.describe()}: sample {s.sample_id} has task {s.task!r}")
         for method in shard.methods:
             self.warm_up(shard, method)
+        order = method_order(shard.methods, shard.batch_index)
+        prompts = [s.prompt_ids for s in shard.samples]
+        if self.schedule == "step":
+            results = self._run_stepwise(shard, order, prompts)
+        else:
+            results = {m: self._run_batch(shard, m, prompts, None) for m in order}
         rows: list[dict[str, Any]] = []
         pid = os.getpid()
-        for pos, method in enumerate(method_order(shard.methods, shard.batch_index)):
-            outs, wall = self._run_batch(shard, method, [s.prompt_ids for s in shard.samples], None)
+        for pos, method in enumerate(order):
+            outs, wall = results[method]
             prefill = sum(float((o.stats or {}).get("prefill_s", 0.0) or 0.0) for o in outs)
             for i, (sample, res) in enumerate(zip(shard.samples, outs)):
                 stats = _jsonable(dict(res.stats or {}))
                 # the batch this row was decoded in (pairing per batch) and provenance
                 stats.update(batch_size=len(shard.samples), batch_row=i, batch_wall_s=wall,
-                             batch_prefill_s=prefill, worker_pid=pid, order_in_batch=pos)
+                             batch_prefill_s=prefill, worker_pid=pid, order_in_batch=pos, schedule=self.schedule)
                 rows.append({"task": sample.task, "sample_id": sample.sample_id, "method": method,
                              "token_ids": [int(t) for t in res.token_ids], "text": str(res.text),
                              "finish_reason": res.finish_reason, "stats": stats})
@@ -197,5 +245,5 @@ class EngineWorker:
         return os.getpid()
 
 
-#: ``EngineWorkerActor.options(num_gpus=1).remote(model, dtype, device, threads, factory, quantize)``
+#: ``EngineWorkerActor.options(num_gpus=1).remote(model, dtype, device, threads, factory, quantize, schedule)``
 EngineWorkerActor = ray.remote(EngineWorker)

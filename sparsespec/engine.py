@@ -33,7 +33,7 @@ from sparsespec.provision import resolve_model
 from sparsespec.registry import AR, DRAFTERS
 from sparsespec.rejection import greedy_verify_batch, rejection_sample
 from sparsespec.sampling import BatchSampling, make_generator
-from sparsespec.stats import Clock, RunStats
+from sparsespec.stats import Clock, RunStats, StepClock
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -172,6 +172,9 @@ class EngineCore:
         max_model_len: positions per slot (prompt + generated tokens must fit); default the
             model's window.
         prefill_chunk: prefill chunk size in tokens (attention memory O(chunk x prompt)).
+        own_clock: time requests on the core's own clock (``sparsespec.stats.StepClock``: the
+            time between this core's steps is left out), for a caller that steps several cores
+            in turn on one device; ``step_clock.busy_s`` is then the core's own wall time.
 
     Raises:
         ValueError: unknown method or option, ``max_num_seqs < 1``, ``max_model_len`` outside
@@ -179,7 +182,8 @@ class EngineCore:
     """
 
     def __init__(self, engine: Engine, method: str = "sparsespec-l", method_options: dict[str, Any] | None = None,
-                 max_num_seqs: int = 8, max_model_len: int | None = None, prefill_chunk: int = 512):
+                 max_num_seqs: int = 8, max_model_len: int | None = None, prefill_chunk: int = 512,
+                 own_clock: bool = False):
         drafter_cls = DRAFTERS.get(method)
         if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
@@ -210,6 +214,11 @@ class EngineCore:
             learned = engine.__dict__.setdefault("_controller_state", {}).get(self._controller_key)
             if learned:
                 self.controller.load(learned)
+        # own_clock: request timestamps count only this core's steps (stats.StepClock), for
+        # schedules that step several cores in turn on one device; calibration above used the wall
+        self.step_clock = StepClock(engine.clock) if own_clock else None
+        if self.step_clock is not None:
+            self.clock = self.step_clock
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []  # running[slot]
         self._ids: set[str] = set()
@@ -326,9 +335,15 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Admit and prefill waiting requests into free slots, then one speculative round for
         every running row. Returns the outputs of every request that got tokens."""
-        outputs = self._prefill_new()
-        if self.running:
-            outputs += self._decode_round()
+        if self.step_clock is not None:
+            self.step_clock.resume()
+        try:
+            outputs = self._prefill_new()
+            if self.running:
+                outputs += self._decode_round()
+        finally:
+            if self.step_clock is not None:
+                self.step_clock.pause()
         self.num_steps += 1
         return outputs
 
@@ -642,9 +657,10 @@ class Engine:
         return self.model.cfg.max_position_embeddings
 
     def core(self, method: str = "sparsespec-l", method_options: dict[str, Any] | None = None,
-             max_num_seqs: int = 8, max_model_len: int | None = None) -> EngineCore:
+             max_num_seqs: int = 8, max_model_len: int | None = None, own_clock: bool = False) -> EngineCore:
         """A continuous-batching core for ``method`` (see ``EngineCore``)."""
-        return EngineCore(self, method, method_options, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+        return EngineCore(self, method, method_options, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                          own_clock=own_clock)
 
     # ------------------------------------------------------------------ batch API
     def generate(self, prompts, method: str = "sparsespec-l", method_options: dict[str, Any] | None = None,

@@ -42,6 +42,44 @@ class Clock:
         return time.perf_counter()
 
 
+class StepClock:
+    """One engine core's own clock: the device clock with the time between its steps taken out.
+
+    The core calls ``resume()`` as a step starts and ``pause()`` as it ends; while paused the
+    clock reads the instant it paused at. Timestamps on it (a request's arrival, first token and
+    every emission: ``ttft_s``, ``decode_s``, ``total_s``, ``emit_times``) then measure the core as
+    if its steps had run back to back, which is what a schedule that interleaves several cores'
+    steps on one device needs (``cluster.worker``'s ``schedule="step"``: one core per method,
+    stepped in turn, so a slow minute of a shared machine lands on every method alike). Seconds
+    measured within one step (draft, verify, prefill) equal the device clock's. Created paused.
+
+    ``busy_s``: seconds spent inside steps so far (the core's own wall time).
+    """
+
+    def __init__(self, base: Callable[[], float]):
+        self.base = base
+        self._idle = 0.0  # seconds spent paused (between steps)
+        self._paused_at: float | None = base()
+        self._start = self._paused_at
+
+    def __call__(self) -> float:
+        now = self._paused_at if self._paused_at is not None else self.base()
+        return now - self._idle
+
+    def resume(self) -> None:
+        if self._paused_at is not None:
+            self._idle += self.base() - self._paused_at
+            self._paused_at = None
+
+    def pause(self) -> None:
+        if self._paused_at is None:
+            self._paused_at = self.base()
+
+    @property
+    def busy_s(self) -> float:
+        return self() - self._start
+
+
 @dataclass
 class RunStats:
     """Raw counts and seconds of one request (see the README for each key).

@@ -56,6 +56,7 @@ def _spec(tiny, db, **kw):
     ({"sampling": {"temperature": -1}}, "sampling.temperature"),
     ({"context_lengths": [1]}, ">= 2 tokens"),
     ({"device": "tpu"}, "device"),
+    ({"workers": {"schedule": "batch"}}, "workers.schedule"),
     ({"benchmarks": [{"name": "ruler", "batch_sizes": [2, 2]}]}, "duplicate batch sizes"),
 ])
 def test_spec_rejects_bad_values_with_the_key(tiny, tmp_path, patch, needle):
@@ -80,8 +81,9 @@ def test_unknown_method_is_a_spec_error(tiny, tmp_path):
 
 def test_cli_flags_override_the_spec(tmp_path):
     spec = load_spec(ROOT / "configs" / "demo.yaml", sweep.overrides_from(_args(
-        ["x", "--batch-sizes", "1,4", "--num-samples", "2", "--temperature", "0.5", "--threads", "1"])))
-    assert spec.batch_sizes == (1, 4)
+        ["x", "--batch-sizes", "1,4", "--num-samples", "2", "--temperature", "0.5", "--threads", "1",
+         "--schedule", "run"])))
+    assert spec.batch_sizes == (1, 4) and spec.workers.schedule == "run"
     assert all(b.num_samples == 2 for b in spec.benchmarks)
     assert spec.sampling.temperature == 0.5 and spec.workers.threads == 1
 
@@ -376,6 +378,73 @@ def test_a_model_whose_weights_do_not_load_is_a_clear_start_error(ray_session, t
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(WorkerStartError, match="failed to start"):
         sweep.run_sweep(_spec(str(broken), f"sqlite:///{tmp_path}/b.db"), progress=False)
+
+
+def test_step_schedule_interleaves_the_methods_and_times_each_core_alone(tiny, tmp_path):
+    """schedule="step": the methods' cores take turns (the order rotating every round), the
+    tokens equal those of schedule="run", and each method's ``batch_wall_s`` and per-row times
+    count only its own steps: a method whose steps are slow does not slow the others' numbers."""
+    from cluster.worker import default_engine_factory
+
+    log: list[str] = []
+    inside: dict[str, float] = {}  # seconds inside each method's core.step calls
+    sleep = 0.05
+
+    class Core:
+        def __init__(self, core, method):
+            self._core, self._method = core, method
+
+        def step(self):
+            log.append(self._method)
+            if self._method == "sparsespec-l":
+                time.sleep(sleep)
+            t0 = time.perf_counter()
+            try:
+                return self._core.step()
+            finally:
+                inside[self._method] = inside.get(self._method, 0.0) + time.perf_counter() - t0
+
+        def __getattr__(self, name):
+            return getattr(self._core, name)
+
+    class Eng:
+        def __init__(self, engine):
+            self._engine = engine
+
+        def core(self, method, *a, **kw):
+            return Core(self._engine.core(method, *a, **kw), method)
+
+        def __getattr__(self, name):
+            return getattr(self._engine, name)
+
+    factory = lambda m, d, dev: Eng(default_engine_factory(m, d, dev))  # noqa: E731
+    bench = [{"name": "ruler", "tasks": ["niah_single_1"], "num_samples": 2, "context_lengths": [512]}]
+    (shard,) = plan_shards(sweep.plan(_spec(tiny, f"sqlite:///{tmp_path}/x.db", benchmarks=bench,
+                                            sampling={"max_new_tokens": 16}))[0][0])
+    rows = {}
+    for schedule in ("run", "step"):
+        w = EngineWorker(tiny, "float32", "cpu", threads=1, engine_factory=factory, schedule=schedule)
+        w.warm_up(shard, "ar"), w.warm_up(shard, "sparsespec-l")
+        log.clear(), inside.clear()
+        rows[schedule] = w.run_shard(shard)["rows"]
+        if schedule == "step":
+            n = min(log.count("ar"), log.count("sparsespec-l"))
+            pairs = [tuple(log[2 * i: 2 * i + 2]) for i in range(n)]
+            assert set(pairs[0]) == {"ar", "sparsespec-l"} and all(set(p) == set(pairs[0]) for p in pairs)
+            assert pairs[0] != pairs[1]  # the order rotates
+    tok = lambda rs: {(r["sample_id"], r["method"]): r["token_ids"] for r in rs}  # noqa: E731
+    assert tok(rows["step"]) == tok(rows["run"])
+    for schedule, rs in rows.items():
+        assert {r["stats"]["schedule"] for r in rs} == {schedule}
+    step = {m: [r["stats"] for r in rows["step"] if r["method"] == m] for m in ("ar", "sparsespec-l")}
+    spec_steps = sum(1 for m in log if m == "sparsespec-l")
+    assert sum(s["num_drafted"] for s in step["sparsespec-l"]) > 0
+    assert step["sparsespec-l"][0]["batch_wall_s"] >= spec_steps * sleep
+    # ar stepped between the sleeping core's steps, but its times leave them out: its batch wall
+    # time and every row's total are within its own steps' time
+    assert inside["ar"] <= step["ar"][0]["batch_wall_s"] <= inside["ar"] + 0.02
+    assert max(s["total_s"] for s in step["ar"]) <= inside["ar"] + 1e-3
+    assert spec_steps >= 3 and (spec_steps - 1) * sleep > 0.1
 
 
 def test_sampled_outputs_do_not_depend_on_the_batching(tiny, tmp_path):

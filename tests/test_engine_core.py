@@ -418,13 +418,17 @@ def test_draft_model_sampling_with_every_row_retired(engine, tmp_path):
 
 # ------------------------------------------------------------------ controller
 def test_controller_k_follows_measured_costs(engine, monkeypatch):
-    """Every dense forward (calibration, verify) made to cost 10 ms more: with drafts that cost
-    ~nothing and all pass (full index), long drafts pay; with drafts at 20 ms a token they do not."""
+    """Every dense forward (calibration, verify) made to cost 10 ms on a virtual clock that only
+    the injected costs advance (so the machine's load cannot move the result): with drafts that
+    cost nothing and all pass (full index), long drafts pay; with drafts at 20 ms a token they do
+    not."""
     prompt = _prompt(200, 13)
     dense = engine.model.forward_dense_features
+    now = [0.0]
+    monkeypatch.setattr(engine, "clock", lambda: now[0])
 
     def slow_dense(*args, **kwargs):
-        time.sleep(0.01)
+        now[0] += 0.01
         return dense(*args, **kwargs)
 
     monkeypatch.setattr(engine.model, "forward_dense_features", slow_dense)
@@ -437,7 +441,7 @@ def test_controller_k_follows_measured_costs(engine, monkeypatch):
 
         def slow(cache, pending, limits, policies, sampling, history):
             d = propose(cache, pending, limits, policies, sampling, history)
-            time.sleep(delay_per_token * d.token_ids.shape[1])
+            now[0] += delay_per_token * d.token_ids.shape[1]
             return d
 
         core.drafter.propose = slow
@@ -445,7 +449,9 @@ def test_controller_k_follows_measured_costs(engine, monkeypatch):
         s = _drain(core)["r"][-1].output.stats
         return s["num_drafted"] / s["num_steps"]
 
-    cheap, dear = mean_k(0.0), mean_k(0.02)
+    cheap, dear = mean_k(0.0005), mean_k(0.02)
+    engine.__dict__.pop("_controller_state", None)  # learned on the virtual clock: not for later tests
+    engine.__dict__.pop("_calibration", None)
     assert cheap >= 4.0, cheap  # q == p: every draft passes, long drafts pay while they are cheap
     assert dear < 0.5 * cheap, (cheap, dear)
 
@@ -519,3 +525,33 @@ def test_draft_model_cache_is_rolled_back_to_the_committed_tokens(engine, tmp_pa
     drafted = sum(done[str(i)].stats["num_drafted"] for i in range(2))
     accepted = sum(done[str(i)].stats["num_accepted"] for i in range(2))
     assert drafted > 0 and accepted < drafted, "the draft model must be rejected sometimes"
+
+
+def test_own_clock_times_requests_by_the_cores_own_steps(engine):
+    """Two cores stepped in turn with a pause between steps (another core's step, on a shared
+    device): the own-clock core's ttft / decode / total seconds leave the pauses out, the wall
+    core's include them, and both decode the same tokens."""
+    prompt = _prompt(60, 11)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    cores = {own: engine.core("ar", max_num_seqs=1, own_clock=own) for own in (False, True)}
+    for c in cores.values():
+        c.add_request("r", prompt, params)
+    pause, steps, final = 0.05, 0, {}
+    while any(c.has_unfinished_requests() for c in cores.values()):
+        for own, c in cores.items():
+            if c.has_unfinished_requests():
+                for out in c.step():
+                    if out.finished:
+                        final[own] = out.output
+            time.sleep(pause)
+        steps += 1
+    wall, mine = final[False].stats, final[True].stats
+    assert final[False].token_ids == final[True].token_ids
+    # the wall core waited through every pause after its arrival (the first step's included)
+    assert wall["total_s"] >= (steps - 1) * pause
+    assert mine["total_s"] < wall["total_s"] - (steps - 2) * pause
+    busy = cores[True].step_clock.busy_s  # the core's own steps; total_s ends at its last emission
+    assert busy - 0.02 < mine["total_s"] <= busy
+    assert mine["ttft_s"] == pytest.approx(mine["prefill_s"], abs=0.02)  # no pause before the first step counted
+    assert mine["decode_s"] < wall["decode_s"]
+    assert cores[False].step_clock is None

@@ -112,3 +112,28 @@ def test_other_cost_makes_longer_drafts_pay():
     k_cheap = EntropyAdaptive(costs=cheap_round).best_k(ps)
     k_dear = EntropyAdaptive(costs=dear_round).best_k(ps)
     assert k_dear > k_cheap
+
+
+def test_step_clock_leaves_out_the_time_between_steps():
+    """A fake base clock: the core's clock advances only while resumed, reads the pause instant
+    while paused, and busy_s sums the resumed spans."""
+    from sparsespec.stats import StepClock
+
+    t = [100.0]
+    clock = StepClock(lambda: t[0])
+    assert clock() == 100.0 and clock.busy_s == 0.0  # created paused
+    t[0] = 105.0  # idle: another core's steps
+    assert clock() == 100.0
+    clock.resume()
+    t[0] = 107.0
+    assert clock() == 102.0  # 2 s inside the step
+    clock.pause()
+    t[0] = 150.0
+    assert clock() == 102.0 and clock.busy_s == 2.0
+    clock.resume()
+    clock.resume()  # idempotent
+    t[0] = 153.0
+    clock.pause()
+    clock.pause()
+    t[0] = 160.0
+    assert clock() == 105.0 and clock.busy_s == 5.0
