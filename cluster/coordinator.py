@@ -51,9 +51,10 @@ def _local_ray_env() -> None:
 
 @contextlib.contextmanager
 def ray_session(ray_address: str | None = None, num_cpus: int | None = None) -> Iterator[None]:
-    """Use an initialised Ray as is; else connect to ``ray_address``/RAY_ADDRESS; else start a
-    local Ray for the duration (on loopback; shut down afterwards; other Ray processes are never
-    touched)."""
+    """Use an initialised Ray as is; else connect to ``ray_address``/RAY_ADDRESS (``"auto"``: the
+    cluster running on this machine); else start a local Ray of our own for the duration (on
+    loopback, even when another cluster runs here; shut down afterwards; other Ray processes are
+    never touched)."""
     import ray
 
     if ray.is_initialized():
@@ -66,15 +67,12 @@ def ray_session(ray_address: str | None = None, num_cpus: int | None = None) -> 
     else:
         _local_ray_env()
         n = num_cpus or os.cpu_count()
-        try:
-            log.info("starting a local Ray (%s CPUs)", n)
-            ray.init(num_cpus=n, include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES,
-                     log_to_driver=True, _node_ip_address="127.0.0.1")
-        except ValueError as e:  # a `ray start` cluster runs on this machine: Ray joins it instead
-            if "existing cluster" not in str(e):
-                raise
-            log.info("joining the Ray cluster already running on this machine")
-            ray.init(address="auto", log_to_driver=True)
+        log.info("starting a local Ray (%s CPUs)", n)
+        # address="local": a fresh Ray of our own even when another cluster runs on this machine
+        # (joining it implicitly hung for minutes on a cluster whose GCS had gone; a cluster is
+        # joined only when asked: --ray-address / RAY_ADDRESS, as `ray job submit` sets it)
+        ray.init(address="local", num_cpus=n, include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+                 log_to_driver=True, _node_ip_address="127.0.0.1")
     try:
         yield
     finally:

@@ -474,3 +474,29 @@ def test_worker_provenance_carries_the_kernel_plan():
     assert ping["kernels"]["cpu"] and "linear" in ping["kernels"] and ping["kernels_summary"].startswith("linear ")
     summary = provenance.summarize_workers([ping, dict(ping, hostname="other")])
     assert summary["kernels"] == [ping["kernels_summary"]] and len(summary["cpus"]) == 1
+
+
+def test_ray_session_starts_its_own_ray_unless_an_address_is_given(monkeypatch):
+    """No address: a fresh local Ray (``address="local"``), never an implicit join of another
+    cluster on the machine (that hung on a cluster whose GCS had gone); an address (flag or
+    RAY_ADDRESS) is joined as given."""
+    import ray
+
+    from cluster.coordinator import ray_session
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with ray_session(num_cpus=2):
+        pass
+    assert calls[-1]["address"] == "local" and calls[-1]["num_cpus"] == 2
+    assert calls[-1]["_node_ip_address"] == "127.0.0.1"
+    with ray_session("ray://10.0.0.1:10001"):
+        pass
+    assert calls[-1]["address"] == "ray://10.0.0.1:10001"
+    monkeypatch.setenv("RAY_ADDRESS", "auto")
+    with ray_session():
+        pass
+    assert calls[-1]["address"] == "auto"
