@@ -128,9 +128,10 @@ class PolicyEntry(BaseModel):
         return {} if self.method == AR else {**self.options, "k": self.k}
 
     @property
-    def core_key(self) -> tuple[str, str]:
-        """Entries with the same key share one ``EngineCore`` (method and its options)."""
-        return self.method, json.dumps(self.core_options, sort_keys=True)
+    def core_name(self) -> str:
+        """The policy arm's core that decodes this entry (``SpeculationPolicy.cores``): one per
+        speculative method at fixed k, one per method at ``k="auto"``; ``ar`` has none of its own."""
+        return f"{self.method} auto" if self.k == "auto" else self.method
 
 
 def _edges(values: Sequence[int]) -> list[float]:
@@ -232,12 +233,34 @@ class SpeculationPolicy(BaseModel):
         b = bucket_of(batch, [e.batch_size for e in at_ctx])
         return next(e for e in at_ctx if e.batch_size == b)
 
-    def core_entries(self, model: str) -> dict[tuple[str, str], PolicyEntry]:
-        """One representative entry per distinct (method, options) of a model, ``ar`` included."""
-        out: dict[tuple[str, str], PolicyEntry] = {}
-        for e in self.entries(model):
-            out.setdefault(e.core_key, e)
-        return out
+    def cores(self, model: str) -> dict[str, tuple[str, dict[str, Any]]]:
+        """The ``EngineCore`` s a policy arm needs for ``model``: ``{name: (method, options)}``.
+
+        One core per speculative method at fixed k, built with the largest k its entries use
+        (each request is capped to its own entry's k: ``EngineCore.add_request(max_k=...)``), one
+        per method at ``k="auto"``, and ``ar`` entries ride in the first of them capped at
+        ``k=0`` (a row that never drafts, in the same batch: one weight read per step for
+        everyone); an ``ar`` core only when nothing speculates."""
+        out: dict[str, tuple[str, dict[str, Any]]] = {}
+        for e in sorted(self.entries(model), key=lambda e: (e.core_name, str(e.k))):
+            if e.method == AR:
+                continue
+            if e.k == "auto":
+                out[e.core_name] = (e.method, e.core_options)
+            else:
+                prev = out.get(e.core_name, (e.method, {"k": 0}))[1]
+                out[e.core_name] = (e.method, {**e.core_options, "k": max(int(e.k), int(prev["k"]))})
+        return out or {AR: (AR, {})}
+
+    def core_for(self, model: str, entry: PolicyEntry) -> tuple[str, int | None]:
+        """``(core name, max_k)`` for a request ``entry`` decides: its own core capped at its k
+        (None for ``k="auto"``: the controller's choice), or for ``k=0`` the first core capped at 0
+        (None when that core is ``ar``)."""
+        cores = self.cores(model)
+        if entry.method != AR:
+            return entry.core_name, (None if entry.k == "auto" else int(entry.k))
+        first = next(iter(cores))
+        return first, (None if first == AR else 0)
 
 
 # ====================================================================== building

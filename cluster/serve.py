@@ -124,8 +124,8 @@ class ArmConfig(BaseModel):
     relative (weights need not sum to 1); a weight of 0 takes explicit requests only.
 
     ``method: policy`` is the policy arm: ``options: {path: FILE, model: KEY}`` names a policy
-    file (``cluster.policy``); the arm holds one ``EngineCore`` per (method, k) the policy uses
-    and sends each request to the one its entry names (``ArmServer``).
+    file (``cluster.policy``); the arm holds one ``EngineCore`` per speculative method the policy
+    uses and caps each request at its entry's k, k=0 included (``SpeculationPolicy.cores``).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -375,19 +375,19 @@ class ArmServer:
             torch.set_num_threads(self.threads)
         factory = _load_factory(cfg.engine_factory)
         engine = factory(cfg.model, cfg.dtype, device, **cfg.factory_kwargs)
-        # a method arm has one core; a policy arm one per (method, k) its policy uses, all on one
-        # engine (one copy of the weights), stepped in turn by the engine thread
+        # a method arm has one core; a policy arm one per speculative method its policy uses
+        # (SpeculationPolicy.cores: each request capped to its entry's k, k=0 rows ride along as
+        # ar), all on one engine (one copy of the weights), stepped in turn by the engine thread
         self.policy, self.policy_model = None, None
         if self.arm.method == POLICY:
             self.policy, model = load_policy_options(self.arm.options)
             self.policy_model = model or cfg.model
-            self.cores = {key: engine.core(e.method, e.core_options or None, max_num_seqs=cfg.max_num_seqs,
-                                           max_model_len=cfg.max_model_len)
-                          for key, e in self.policy.core_entries(self.policy_model).items()}
+            self.cores = {name: engine.core(method, options or None, max_num_seqs=cfg.max_num_seqs,
+                                            max_model_len=cfg.max_model_len)
+                          for name, (method, options) in self.policy.cores(self.policy_model).items()}
         else:
-            self.cores = {(self.arm.method, ""): engine.core(self.arm.method, self.arm.options or None,
-                                                            max_num_seqs=cfg.max_num_seqs,
-                                                            max_model_len=cfg.max_model_len)}
+            self.cores = {self.arm.method: engine.core(self.arm.method, self.arm.options or None,
+                                                       max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len)}
         self.core = next(iter(self.cores.values()))
         self._core_of: dict[str, Any] = {}  # request id -> the core holding it
         self.log = RequestLog(cfg.db)
@@ -467,7 +467,10 @@ class ArmServer:
                 prompt, params, st = rest
                 try:
                     core, choice = self._route(prompt, params)
-                    core.add_request(rid, prompt, params)
+                    if choice is None:
+                        core.add_request(rid, prompt, params)
+                    else:
+                        core.add_request(rid, prompt, params, max_k=choice["max_k"])
                     self._core_of[rid] = core
                     st.push({"type": "started", "t": time.perf_counter(), "choice": choice})
                 except ValueError as e:
@@ -493,11 +496,12 @@ class ArmServer:
         held = sum(c.get_num_unfinished_requests() for c in self.cores.values())
         context = len(prompt) + int(params.max_new_tokens)
         e = self.policy.lookup(self.policy_model, context, held + 1)
+        core, max_k = self.policy.core_for(self.policy_model, e)
         choice = {"method": e.method, "k": e.k, "context_tokens": context, "batch": held + 1,
                   "bucket": {"context_length": e.context_length, "batch_size": e.batch_size},
                   "status": e.status, "speedup": e.speedup, "ci_low": e.ci_low, "ci_high": e.ci_high,
-                  "n_pairs": e.n_pairs}
-        return self.cores[e.core_key], choice
+                  "n_pairs": e.n_pairs, "core": core, "max_k": max_k}
+        return self.cores[core], choice
 
     # ------------------------------------------------------------ request side
     async def generate(self, payload: Mapping[str, Any]):

@@ -47,7 +47,8 @@ def test_policy_arm_routes_by_length_and_batch_and_records_the_choice(tiny, tmp_
     args = {"model": str(tiny), "arms": [{"method": "policy", "options": {"path": str(pol), "model": "tiny"}}],
             "threads": 1, "max_num_seqs": 2, "db": db, "device": "cpu"}
     arm = ArmServer(args, "policy")
-    assert sorted(arm.cores) == [("ar", "{}"), ("sparsespec-l", '{"k": 2}'), ("sparsespec-l", '{"k": 3}')]
+    # one sparsespec-l core at the largest k; each request capped to its entry's k, ar's at 0
+    assert list(arm.cores) == ["sparsespec-l"] and arm.core.k_max == 3
     short, long_ = [1, 5, 9, 200, 31, 7] * 4, [3, 8, 40, 41, 42] * 40  # 24 + 16 = 40 (-> 64); 200 + 16 (-> 256)
     try:
         alone = asyncio.run(_collect(arm, _payload("alone", short, 16)))
@@ -58,7 +59,7 @@ def test_policy_arm_routes_by_length_and_batch_and_records_the_choice(tiny, tmp_
                                         _collect(arm, _payload("pair-b", short, 16)),
                                         _collect(arm, _payload("long", long_, 16)))
         res = asyncio.run(together())
-        assert arm.state()["free_slots"] == 3 * 2
+        assert arm.state()["free_slots"] == 2  # one core of max_num_seqs=2, idle again
     finally:
         arm.shutdown()
     ref = sparsespec.Engine.from_pretrained(str(tiny)).generate([short, long_], method="ar", max_new_tokens=16,
@@ -113,5 +114,47 @@ def test_policy_arm_config_errors_name_the_problem(tiny, tmp_path):
 
 def test_policy_entry_core_options():
     e = PolicyEntry.model_validate(_e(64, 1, "sparsespec-l", 2))
-    assert e.core_options == {"k": 2} and e.core_key == ("sparsespec-l", '{"k": 2}')
+    assert e.core_options == {"k": 2} and e.core_name == "sparsespec-l"
     assert PolicyEntry.model_validate(_e(64, 1)).core_options == {}
+
+
+def test_policy_cores_one_per_method_with_the_largest_k_and_ar_capped_at_zero():
+    from cluster.policy import SpeculationPolicy
+
+    def pol(entries):
+        return SpeculationPolicy.model_validate({"version": 1, "models": {"m": entries}})
+
+    p = pol([_e(64, 1), _e(64, 2, "sparsespec-l", 2), _e(256, 1, "sparsespec-l", 4), _e(256, 2, "ngram", 3),
+             _e(512, 1, "sparsespec-l", "auto")])
+    assert p.cores("m") == {"ngram": ("ngram", {"k": 3}), "sparsespec-l": ("sparsespec-l", {"k": 4}),
+                            "sparsespec-l auto": ("sparsespec-l", {"k": "auto"})}
+    es = {(e.context_length, e.batch_size): e for e in p.entries("m")}
+    assert p.core_for("m", es[(64, 1)]) == ("ngram", 0)  # ar rides in the first core, never drafting
+    assert p.core_for("m", es[(64, 2)]) == ("sparsespec-l", 2)
+    assert p.core_for("m", es[(512, 1)]) == ("sparsespec-l auto", None)
+    only_ar = pol([_e(64, 1), _e(256, 1)])
+    assert only_ar.cores("m") == {"ar": ("ar", {})} and only_ar.core_for("m", only_ar.entries("m")[0]) == ("ar", None)
+
+
+def test_a_capped_row_never_drafts_in_a_batch_whose_other_row_does(tiny):
+    """EngineCore.add_request(max_k=...): the policy arm's per-request k inside one batch."""
+    import sparsespec
+
+    eng = sparsespec.Engine.from_pretrained(str(tiny))
+    prompts = [[1, 5, 9, 200, 31, 7] * 5, [3, 8, 40, 41, 42] * 7]
+    ref = eng.generate(prompts, method="ar", max_new_tokens=24, ignore_eos=True)
+    core = eng.core("sparsespec-l", {"k": 3}, max_num_seqs=2)
+    params = sparsespec.SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    core.add_request("off", prompts[0], params, max_k=0)
+    core.add_request("two", prompts[1], params, max_k=2)
+    done = {}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            if out.finished:
+                done[out.request_id] = out.output
+    assert done["off"].token_ids == ref[0].token_ids and done["two"].token_ids == ref[1].token_ids
+    assert done["off"].stats["num_drafted"] == 0 and done["off"].stats["k"] == 0
+    st = done["two"].stats
+    assert st["k"] == 2 and st["num_drafted"] > 0 and st["num_drafted"] <= 2 * st["num_drafting_steps"]
+    with pytest.raises(ValueError, match="max_k must be an integer >= 0"):
+        core.add_request("bad", prompts[0], params, max_k=-1)
