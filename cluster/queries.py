@@ -665,7 +665,8 @@ def ab_arms(requests: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         steps = sum(drafting_steps(s) for s in st)
         accepted = sum(_num(s, "num_accepted") for s in st)
         out.append({
-            "arm": arm, "method": next((q.get("method") for q in qs if q.get("method")), None),
+            # a policy arm decodes with several methods: all of them, "+"-joined
+            "arm": arm, "method": "+".join(sorted({q["method"] for q in qs if q.get("method")})) or None,
             "requests": len(qs), "errors": len(qs) - len(ok), "error_rate": (len(qs) - len(ok)) / len(qs),
             "output_tokens": int(sum(q.get("output_tokens") or 0 for q in ok)),
             "ttft_p50_s": _pct(ttft, 50), "ttft_p95_s": _pct(ttft, 95), "ttft_p99_s": _pct(ttft, 99),

@@ -30,6 +30,13 @@ Rows of several runs of one cell are pooled; pass run ids to report a single con
 of ``report_rows`` so its keys stay exactly ``REPORT_KEYS``.
 
     python -m cluster.report --db sqlite:///results/sparsespec.db [--json] [--run RUN_ID ...]
+
+``--policy`` turns the store into a speculation policy (``cluster.policy``): per model and
+(context, batch) bucket the fastest lossless method and k (k=0: off), with its speedup and
+interval, a file the Serve ``policy`` arm reads (``--policy-out``) and vLLM's equivalent
+``--speculative-config`` (``--vllm-out``):
+
+    python -m cluster.report --policy --db URL --policy-out policy.json --vllm-out vllm_spec.json
 """
 from __future__ import annotations
 
@@ -256,9 +263,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--four-way", action="store_true",
                    help="the quantisation x speculation table: full-precision ar (baseline), ar on the int8 target, "
                         "each method on each target (needs runs with quantize: [none, int8])")
+    p.add_argument("--policy", action="store_true",
+                   help="the crossover map as a speculation policy: per model and (context, batch) bucket the "
+                        "fastest lossless method and k (k=0: off) with its speedup and interval, and vLLM's "
+                        "equivalent --speculative-config")
+    p.add_argument("--policy-out", metavar="FILE", default=None,
+                   help="with --policy: write the policy file (JSON) the Serve policy arm reads")
+    p.add_argument("--vllm-out", metavar="FILE", default=None,
+                   help="with --policy: write the vLLM fragment(s) (JSON: speculative_config, cli, notes per model)")
+    p.add_argument("--min-pairs", type=int, default=None, metavar="N",
+                   help="with --policy: paired batches a cell needs to be chosen (default 5, the fewest that get "
+                        "an interval; at least that)")
+    p.add_argument("--max-num-seqs", type=int, default=256, metavar="N",
+                   help="with --policy: where vLLM's last batch-size range ends (its max_num_seqs; default 256)")
     args = p.parse_args(argv)
     if args.out and not args.leaderboard:
         p.error("--out needs --leaderboard")
+    if (args.policy_out or args.vllm_out or args.min_pairs is not None) and not args.policy:
+        p.error("--policy-out, --vllm-out and --min-pairs need --policy")
+    if args.policy and (args.leaderboard or args.four_way):
+        p.error("--policy is its own output: leave out --leaderboard / --four-way")
+    if args.policy:
+        return _policy_main(args, p)
     if args.leaderboard and args.four_way:
         p.error("--leaderboard and --four-way are separate tables: pick one")
     if args.leaderboard:
@@ -278,6 +304,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(rows, indent=2))
     else:
         print(format_table(rows))
+    return 0
+
+
+def _policy_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from pathlib import Path
+
+    from cluster.policy import PolicyError, format_policy, policy_from_store, vllm_fragment
+    from cluster.queries import MIN_CI_PAIRS
+
+    min_pairs = MIN_CI_PAIRS if args.min_pairs is None else args.min_pairs
+    if min_pairs < MIN_CI_PAIRS:
+        parser.error(f"--min-pairs must be >= {MIN_CI_PAIRS} (below it a cell has no interval to decide on)")
+    if args.max_num_seqs < 1:
+        parser.error("--max-num-seqs must be >= 1")
+    try:
+        policy = policy_from_store(args.db, min_pairs=min_pairs, run_ids=args.runs)
+        frags = {m: vllm_fragment(policy, m, max_num_seqs=args.max_num_seqs) for m in policy.models}
+    except StoreError as e:
+        return cli_error(e)
+    except PolicyError as e:
+        print(f"error: {e} ({safe_url(args.db)})", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"policy": policy.model_dump(mode="json"), "vllm": frags}, indent=2))
+    else:
+        print(format_policy(policy))
+        for m, f in frags.items():
+            print(f"## vLLM {f['vllm_version']} for {m}\n")
+            print(f"    {f['cli'] or '(no --speculative-config)'}\n")
+            print("\n".join(f"- {n}" for n in f["notes"]) + "\n")
+    for path, text in ((args.policy_out, policy.dumps() if args.policy_out else ""),
+                       (args.vllm_out, json.dumps(frags, indent=2) + "\n" if args.vllm_out else "")):
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(text)
+            print(f"wrote {path}", file=sys.stderr)
     return 0
 
 

@@ -82,12 +82,50 @@ DEFAULT_DB = "sqlite:///results/sparsespec.db"
 
 
 # ====================================================================== configuration
+POLICY = "policy"  # the arm type that picks method and k per request from a policy file
+
+
+def load_policy_options(options: Mapping[str, Any]) -> tuple[Any, str | None]:
+    """A ``policy`` arm's options: ``path`` (the policy file ``python -m cluster.report --policy``
+    writes; required) and ``model`` (its key in the file; default the serve ``model``).
+
+    Returns:
+        (``cluster.policy.SpeculationPolicy``, the ``model`` option or None).
+
+    Raises:
+        ValueError: a missing or unknown option, or a policy file that is missing or invalid.
+    """
+    from cluster.policy import PolicyError, SpeculationPolicy
+
+    unknown = sorted(set(options) - {"path", "model"})
+    if unknown:
+        raise ValueError(f"unknown policy option(s) {unknown}; a policy arm takes 'path' and 'model'")
+    if not isinstance(options.get("path"), str) or not options["path"]:
+        raise ValueError("a policy arm needs options.path: the policy file (python -m cluster.report --policy "
+                         "--policy-out FILE)")
+    try:
+        policy = SpeculationPolicy.load(options["path"])
+    except PolicyError as e:
+        raise ValueError(str(e)) from None
+    model = options.get("model")
+    if model is not None:
+        try:
+            policy.entries(str(model))
+        except PolicyError as e:
+            raise ValueError(str(e)) from None
+    return policy, (None if model is None else str(model))
+
+
 class ArmConfig(BaseModel):
     """One arm: a method (with options) on the experiment's model, and its share of traffic.
 
     ``name`` defaults to the method (give names when two arms run one method with different
     options); it is what ``x-arm`` and ``model: "<model>:<name>"`` select. ``weight`` >= 0 is
     relative (weights need not sum to 1); a weight of 0 takes explicit requests only.
+
+    ``method: policy`` is the policy arm: ``options: {path: FILE, model: KEY}`` names a policy
+    file (``cluster.policy``); the arm holds one ``EngineCore`` per speculative method the policy
+    uses and caps each request at its entry's k, k=0 included (``SpeculationPolicy.cores``).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -102,7 +140,10 @@ class ArmConfig(BaseModel):
         from sparsespec.engine import resolve_method_options
 
         try:
-            resolve_method_options(self.method, self.options)
+            if self.method == POLICY:
+                load_policy_options(self.options)
+            else:
+                resolve_method_options(self.method, self.options)
         except ValueError as e:
             raise ValueError(f"arm {self.name or self.method!r}: {e}") from None
         name = self.name or self.method
@@ -177,6 +218,12 @@ class ServeArgs(BaseModel):
             raise ValueError("arms: the weights sum to 0; give at least one arm a positive weight")
         if self.served_model_name is not None and (":" in self.served_model_name or not self.served_model_name):
             raise ValueError("served_model_name must be non-empty without ':'")
+        for a in self.arms:
+            if a.method == POLICY:
+                policy, model = load_policy_options(a.options)
+                if model is None and self.model not in policy.models:
+                    raise ValueError(f"arm {a.name!r}: the policy has no entries for model {self.model!r} (it has "
+                                     f"{', '.join(policy.models)}); name one with options.model")
         return self
 
     @property
@@ -328,8 +375,21 @@ class ArmServer:
             torch.set_num_threads(self.threads)
         factory = _load_factory(cfg.engine_factory)
         engine = factory(cfg.model, cfg.dtype, device, **cfg.factory_kwargs)
-        self.core = engine.core(self.arm.method, self.arm.options or None, max_num_seqs=cfg.max_num_seqs,
-                                max_model_len=cfg.max_model_len)
+        # a method arm has one core; a policy arm one per speculative method its policy uses
+        # (SpeculationPolicy.cores: each request capped to its entry's k, k=0 rows ride along as
+        # ar), all on one engine (one copy of the weights), stepped in turn by the engine thread
+        self.policy, self.policy_model = None, None
+        if self.arm.method == POLICY:
+            self.policy, model = load_policy_options(self.arm.options)
+            self.policy_model = model or cfg.model
+            self.cores = {name: engine.core(method, options or None, max_num_seqs=cfg.max_num_seqs,
+                                            max_model_len=cfg.max_model_len)
+                          for name, (method, options) in self.policy.cores(self.policy_model).items()}
+        else:
+            self.cores = {self.arm.method: engine.core(self.arm.method, self.arm.options or None,
+                                                       max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len)}
+        self.core = next(iter(self.cores.values()))
+        self._core_of: dict[str, Any] = {}  # request id -> the core holding it
         self.log = RequestLog(cfg.db)
         self._cmds: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
@@ -342,7 +402,8 @@ class ArmServer:
         self.replica_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # one per replica instance (restarts included)
         self.vllm_metrics = VllmArmMetrics(cfg.model_id, self.arm.name, self.arm.method,
                                            int(getattr(self.core, "max_model_len", 0) or cfg.max_model_len or 2048),
-                                           int(getattr(self.core, "k_max", 0) or 0), self._num_running,
+                                           max(int(getattr(c, "k_max", 0) or 0) for c in self.cores.values()),
+                                           self._num_running,
                                            self._num_waiting)
         self._thread = threading.Thread(target=self._engine_loop, name=f"engine-{arm_name}", daemon=True)
         self._thread.start()
@@ -355,14 +416,17 @@ class ArmServer:
             torch.set_num_threads(self.threads)  # OpenMP's thread count is per calling thread
         try:
             while not self._stop.is_set():
-                block = not self.core.has_unfinished_requests()
+                block = not self._has_work()
                 self._drain(block)
-                if not self.core.has_unfinished_requests():
+                if not self._has_work():
                     continue
-                outputs = self.core.step()
+                outputs = []
+                for core in self.cores.values():  # a policy arm's cores take turns, one step each
+                    if core.has_unfinished_requests():
+                        outputs += core.step()
                 now = time.perf_counter()
                 self.num_steps += 1
-                running = list(getattr(self.core, "running", []))
+                running = [r for c in self.cores.values() for r in getattr(c, "running", [])]
                 self.max_batch_seen = max(self.max_batch_seen, len(running))
                 for req in running:
                     st = self._streams.get(req.request_id)
@@ -376,6 +440,7 @@ class ArmServer:
                     ev["text"] += out.text
                     ev["token_ids"] += list(out.new_token_ids)
                     if out.finished:
+                        self._core_of.pop(out.request_id, None)
                         ev["finished"] = True
                         ev["output"] = {"token_ids": list(out.output.token_ids), "text": out.output.text,
                                         "finish_reason": out.output.finish_reason, "stats": out.output.stats}
@@ -401,18 +466,42 @@ class ArmServer:
             if kind == "add":
                 prompt, params, st = rest
                 try:
-                    self.core.add_request(rid, prompt, params)
-                    st.push({"type": "started", "t": time.perf_counter()})
+                    core, choice = self._route(prompt, params)
+                    if choice is None:
+                        core.add_request(rid, prompt, params)
+                    else:
+                        core.add_request(rid, prompt, params, max_k=choice["max_k"])
+                    self._core_of[rid] = core
+                    st.push({"type": "started", "t": time.perf_counter(), "choice": choice})
                 except ValueError as e:
                     st.push({"type": "error", "status": 400, "message": str(e), "param": "prompt"})
                 except Exception as e:  # noqa: BLE001
                     st.push({"type": "error", "status": 500, "message": f"{type(e).__name__}: {e}", "param": None})
             elif kind == "abort":
-                self.core.abort_request(rid)
+                self._core_of.pop(rid, self.core).abort_request(rid)
             try:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
                 return
+
+    def _has_work(self) -> bool:
+        return any(c.has_unfinished_requests() for c in self.cores.values())
+
+    def _route(self, prompt: Sequence[int], params: Any) -> tuple[Any, dict[str, Any] | None]:
+        """The core for a new request and, on a policy arm, the decision recorded on its row:
+        the policy entry for its context (prompt tokens + ``max_new_tokens``) and its batch (the
+        requests this arm holds, running or waiting in any core, plus itself). Engine thread only."""
+        if self.policy is None:
+            return self.core, None
+        held = sum(c.get_num_unfinished_requests() for c in self.cores.values())
+        context = len(prompt) + int(params.max_new_tokens)
+        e = self.policy.lookup(self.policy_model, context, held + 1)
+        core, max_k = self.policy.core_for(self.policy_model, e)
+        choice = {"method": e.method, "k": e.k, "context_tokens": context, "batch": held + 1,
+                  "bucket": {"context_length": e.context_length, "batch_size": e.batch_size},
+                  "status": e.status, "speedup": e.speedup, "ci_low": e.ci_low, "ci_high": e.ci_high,
+                  "n_pairs": e.n_pairs, "core": core, "max_k": max_k}
+        return self.cores[core], choice
 
     # ------------------------------------------------------------ request side
     async def generate(self, payload: Mapping[str, Any]):
@@ -445,6 +534,7 @@ class ArmServer:
         self._streams[rid] = st
         self._cmds.put(("add", rid, list(payload["prompt_ids"]), params, st))
         finished = False
+        choice = None  # a policy arm's decision (method, k, bucket), recorded on the row
         started_t = first_t = last_t = None
         gaps: list[float] = []
         n_out = 0
@@ -461,7 +551,11 @@ class ArmServer:
                     return
                 if ev["type"] == "started":
                     started_t = ev["t"]
-                    yield {"type": "started", "arm": self.arm.name, "method": self.arm.method, "pid": os.getpid()}
+                    choice = ev.get("choice")
+                    if choice is not None:
+                        row["method"] = choice["method"]  # the method that decodes it
+                        row["stats"] = {"k": choice["k"], "policy": choice}  # until the final stats come
+                    yield {"type": "started", "arm": self.arm.name, "method": row["method"], "pid": os.getpid()}
                     continue
                 t = ev.pop("t")
                 if ev["token_ids"]:
@@ -489,6 +583,8 @@ class ArmServer:
                 stats.update({k: timing[k] for k in ("tpot_s", "num_chunks", "max_batch", "itl_p50_s",
                                                      "itl_p95_s", "itl_p99_s")})
                 stats["chunk_gaps_s"] = gaps
+                if choice is not None:
+                    stats["policy"] = choice
                 ev.update(type="final", finish_reason=out["finish_reason"],
                           usage={"prompt_tokens": row["prompt_tokens"], "completion_tokens": len(out["token_ids"]),
                                  "total_tokens": row["prompt_tokens"] + len(out["token_ids"])},
@@ -552,15 +648,16 @@ class ArmServer:
 
     def state(self) -> dict[str, Any]:
         """What the arm is doing (for ``/healthz`` and tests)."""
-        running = len(getattr(self.core, "running", []))
+        running = self._num_running()
+        waiting = sum(len(getattr(c, "waiting", [])) for c in self.cores.values())
         return {"arm": self.arm.name, "method": self.arm.method, "pid": os.getpid(), "alive": self.dead is None,
-                "error": self.dead, "running": running, "waiting": len(getattr(self.core, "waiting", [])),
-                "free_slots": self.args.max_num_seqs - running, "num_steps": self.num_steps,
+                "error": self.dead, "running": running, "waiting": waiting,
+                "free_slots": len(self.cores) * self.args.max_num_seqs - running, "num_steps": self.num_steps,
                 "num_aborted": self.num_aborted, "max_batch_seen": self.max_batch_seen,
                 "open_streams": len(self._streams), "rows_written": self.log.written}
 
     def _num_running(self) -> int:
-        return len(getattr(self.core, "running", []))
+        return sum(len(getattr(c, "running", [])) for c in self.cores.values())
 
     def _num_waiting(self) -> int:
         """Requests this replica has accepted that are not in the running batch (the core's queue
@@ -1627,6 +1724,11 @@ def build_app(args: Mapping[str, Any] | None = None):
     raw["db"] = _absolute_db(cfg.db)
     if Path(cfg.model).exists():
         raw["model"] = str(Path(cfg.model).resolve())
+    # a policy arm's file, like the database, is read by replicas that may run elsewhere
+    raw["arms"] = [a.model_dump() if a.method != POLICY else
+                   {**a.model_dump(), "options": {**a.options, "path": str(Path(a.options["path"]).resolve()),
+                                                  "model": a.options.get("model") or cfg.model}}
+                   for a in cfg.arms]
     device = cfg.device
     if device == "auto":
         try:

@@ -138,6 +138,7 @@ class _Request:
     emitted: str = ""  # text already streamed
     finish_reason: str | None = None
     controller_s: float = 0.0  # this row's share of the batch controller's decisions
+    max_k: int | None = None  # this row's cap on draft tokens per round (0: it never drafts)
 
 
 @dataclass
@@ -281,19 +282,26 @@ class EngineCore:
             self.controller.verify_cost.observe(B, w, S, dt, calibration=True)
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    max_k: int | None = None) -> None:
         """Queue a request; it joins the running batch at the next step with a free slot.
 
         ``prompt``: a string (tokenised as given, no chat template) or token ids. ``params``
         default ``SamplingParams()``; ``eos_token_ids=None`` means the model's EOS ids.
+        ``max_k``: this request's cap on draft tokens per round, below the method's own (0: the
+        row never drafts and is decoded as ``ar`` inside the batch; a step where no row drafts is
+        an AR step); None: no cap. Its stats' ``k`` is the capped k.
 
         Raises:
             ValueError: naming the request: duplicate id, empty prompt, ids outside the
-                vocabulary, prompt + ``max_new_tokens`` over ``max_model_len``.
+                vocabulary, prompt + ``max_new_tokens`` over ``max_model_len``, ``max_k`` not an
+                integer >= 0.
         """
         request_id = str(request_id)
         if request_id in self._ids:
             raise ValueError(f"request {request_id!r} already exists")
+        if max_k is not None and (not isinstance(max_k, int) or isinstance(max_k, bool) or max_k < 0):
+            raise ValueError(f"request {request_id!r}: max_k must be an integer >= 0 or None, got {max_k!r}")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request {request_id!r}: params must be a SamplingParams, got {type(params).__name__}")
@@ -305,9 +313,13 @@ class EngineCore:
                 f"request {request_id!r}: {len(ids)} prompt tokens + max_new_tokens={params.max_new_tokens} exceed "
                 f"the window of {self.max_model_len} tokens (max_model_len); shorten it"
             )
-        stats = RunStats(method=self.method, k=0 if self.spec is None else self.spec.k, num_prompt_tokens=len(ids))
+        k = 0 if self.spec is None else self.spec.k
+        if max_k is not None and self.spec is not None:
+            k = max_k if k == "auto" else min(int(k), max_k)
+        stats = RunStats(method=self.method, k=k, num_prompt_tokens=len(ids))
         policy = self.controller.policy() if self.controller is not None else policy_for(self.spec, self.costs)
-        req = _Request(request_id, ids, params, self.clock(), stats, policy, make_generator(params.seed, self.model.device))
+        req = _Request(request_id, ids, params, self.clock(), stats, policy, make_generator(params.seed, self.model.device),
+                       max_k=max_k)
         self._ids.add(request_id)
         self.waiting.append(req)
 
@@ -390,6 +402,7 @@ class EngineCore:
             limits = self.controller.plan([r.policy for r in rows], limits, cache.lengths, index_sizes)
             for r in rows:
                 r.controller_s += self.controller.overhead_s - c0
+        limits = [lim if r.max_k is None else min(lim, r.max_k) for lim, r in zip(limits, rows)]  # per-row caps
         return _Step(rows, cache, BatchSampling([r.params for r in rows], [r.generator for r in rows]),
                      limits, index_sizes)
 

@@ -1,0 +1,160 @@
+"""The Serve ``policy`` arm (issue 27 item 3): one engine, one ``EngineCore`` per (method, k) of
+its policy file; each request goes to the core its (context, batch) entry names, and the choice
+(method, k, bucket, the batch it saw) is recorded on its request row. A tiny random-weight model:
+outputs must equal a fresh ar decode whichever core decodes them."""
+import asyncio
+import json
+
+import pytest
+
+from cluster.policy import PolicyEntry
+
+
+def _e(ctx, B, method="ar", k=0, status=None, **kw):
+    return {"context_length": ctx, "batch_size": B, "status": status or ("off" if k == 0 else "speculate"),
+            "method": method, "k": k, "variant": method if k == 0 else f"{method} k={k}", "reason": "test", **kw}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from helpers import tiny_model_like
+
+    return tiny_model_like(tmp_path_factory.mktemp("policy") / "tiny", max_pos=512)
+
+
+def _collect(arm, payload):
+    async def run():
+        return [ev async for ev in arm.generate(payload)]
+    return run()
+
+
+def _payload(rid, prompt, n):
+    return {"request_id": rid, "prompt_ids": prompt, "endpoint": "completions", "stream": True,
+            "sampling": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}}
+
+
+def test_policy_arm_routes_by_length_and_batch_and_records_the_choice(tiny, tmp_path):
+    """Short requests (context 64 bucket) alone: ar; short in a batch of 2+: sparsespec-l k=2; long
+    (context 256 bucket): sparsespec-l k=3. Outputs are ar's tokens whichever core decodes."""
+    import sparsespec
+    from cluster.serve import ArmServer, parse_args
+    from cluster.store import open_store
+
+    pol = tmp_path / "policy.json"
+    pol.write_text(json.dumps({"version": 1, "models": {"tiny": [
+        _e(64, 1), _e(64, 2, "sparsespec-l", 2), _e(256, 1, "sparsespec-l", 3), _e(256, 2, "sparsespec-l", 3)]}}))
+    db = f"sqlite:///{tmp_path}/r.db"
+    args = {"model": str(tiny), "arms": [{"method": "policy", "options": {"path": str(pol), "model": "tiny"}}],
+            "threads": 1, "max_num_seqs": 2, "db": db, "device": "cpu"}
+    arm = ArmServer(args, "policy")
+    # one sparsespec-l core at the largest k; each request capped to its entry's k, ar's at 0
+    assert list(arm.cores) == ["sparsespec-l"] and arm.core.k_max == 3
+    short, long_ = [1, 5, 9, 200, 31, 7] * 4, [3, 8, 40, 41, 42] * 40  # 24 + 16 = 40 (-> 64); 200 + 16 (-> 256)
+    try:
+        alone = asyncio.run(_collect(arm, _payload("alone", short, 16)))
+        assert alone[0]["method"] == "ar"
+
+        async def together():
+            return await asyncio.gather(_collect(arm, _payload("pair-a", short, 16)),
+                                        _collect(arm, _payload("pair-b", short, 16)),
+                                        _collect(arm, _payload("long", long_, 16)))
+        res = asyncio.run(together())
+        assert arm.state()["free_slots"] == 2  # one core of max_num_seqs=2, idle again
+    finally:
+        arm.shutdown()
+    ref = sparsespec.Engine.from_pretrained(str(tiny)).generate([short, long_], method="ar", max_new_tokens=16,
+                                                                ignore_eos=True)
+    assert alone[-1]["all_token_ids"] == ref[0].token_ids
+    assert [r[-1]["all_token_ids"] for r in res] == [ref[0].token_ids, ref[0].token_ids, ref[1].token_ids]
+    rows = {r["request_id"]: r for r in open_store(db).serve_requests()}
+    assert rows["alone"]["method"] == "ar" and rows["alone"]["arm"] == "policy"
+    pa = rows["alone"]["stats"]["policy"]
+    assert (pa["batch"], pa["context_tokens"], pa["k"], pa["bucket"]) == (1, 40, 0, {"context_length": 64,
+                                                                                     "batch_size": 1})
+    assert rows["alone"]["stats"]["k"] == 0 and rows["alone"]["stats"]["num_drafted"] == 0
+    batches = sorted(rows[r]["stats"]["policy"]["batch"] for r in ("pair-a", "pair-b", "long"))
+    assert batches == [1, 2, 3]  # each saw the requests admitted before it
+    second = [r for r in ("pair-a", "pair-b") if rows[r]["stats"]["policy"]["batch"] >= 2]
+    assert second and all(rows[r]["method"] == "sparsespec-l" and rows[r]["stats"]["k"] == 2
+                          and rows[r]["stats"]["num_drafted"] > 0 for r in second)
+    lg = rows["long"]
+    assert (lg["method"], lg["stats"]["k"], lg["stats"]["policy"]["bucket"]["context_length"]) == ("sparsespec-l",
+                                                                                                 3, 256)
+    assert lg["stats"]["policy"]["context_tokens"] == 216
+    # the A/B table names both methods the policy arm used
+    from cluster.queries import ab_arms
+
+    assert ab_arms(list(rows.values()))[0]["method"] == "ar+sparsespec-l"
+    assert parse_args(args).arm("policy").options["model"] == "tiny"
+
+
+def test_policy_arm_config_errors_name_the_problem(tiny, tmp_path):
+    from cluster.serve import parse_args
+
+    base = {"model": str(tiny), "db": ""}
+    with pytest.raises(ValueError, match="needs options.path"):
+        parse_args({**base, "arms": [{"method": "policy"}]})
+    with pytest.raises(ValueError, match="cannot read policy file"):
+        parse_args({**base, "arms": [{"method": "policy", "options": {"path": str(tmp_path / "no.json")}}]})
+    with pytest.raises(ValueError, match="unknown policy option"):
+        parse_args({**base, "arms": [{"method": "policy", "options": {"path": "x", "k": 2}}]})
+    pol = tmp_path / "p.json"
+    pol.write_text(json.dumps({"version": 1, "models": {"tiny": [_e(64, 1)]}}))
+    with pytest.raises(ValueError, match="no entries for model"):  # the serve model is a path, not "tiny"
+        parse_args({**base, "arms": [{"method": "policy", "options": {"path": str(pol)}}]})
+    with pytest.raises(ValueError, match="no entries for model 'other'"):
+        parse_args({**base, "arms": [{"method": "policy", "options": {"path": str(pol), "model": "other"}}]})
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"version": 1, "models": {"tiny": [_e(64, 1, "nope", 2)]}}))
+    with pytest.raises(ValueError, match="unknown method 'nope'"):
+        parse_args({**base, "arms": [{"method": "policy", "options": {"path": str(bad), "model": "tiny"}}]})
+    ok = parse_args({**base, "arms": [{"method": "policy", "options": {"path": str(pol), "model": "tiny"}}]})
+    assert ok.arms[0].name == "policy"
+
+
+def test_policy_entry_core_options():
+    e = PolicyEntry.model_validate(_e(64, 1, "sparsespec-l", 2))
+    assert e.core_options == {"k": 2} and e.core_name == "sparsespec-l"
+    assert PolicyEntry.model_validate(_e(64, 1)).core_options == {}
+
+
+def test_policy_cores_one_per_method_with_the_largest_k_and_ar_capped_at_zero():
+    from cluster.policy import SpeculationPolicy
+
+    def pol(entries):
+        return SpeculationPolicy.model_validate({"version": 1, "models": {"m": entries}})
+
+    p = pol([_e(64, 1), _e(64, 2, "sparsespec-l", 2), _e(256, 1, "sparsespec-l", 4), _e(256, 2, "ngram", 3),
+             _e(512, 1, "sparsespec-l", "auto")])
+    assert p.cores("m") == {"ngram": ("ngram", {"k": 3}), "sparsespec-l": ("sparsespec-l", {"k": 4}),
+                            "sparsespec-l auto": ("sparsespec-l", {"k": "auto"})}
+    es = {(e.context_length, e.batch_size): e for e in p.entries("m")}
+    assert p.core_for("m", es[(64, 1)]) == ("ngram", 0)  # ar rides in the first core, never drafting
+    assert p.core_for("m", es[(64, 2)]) == ("sparsespec-l", 2)
+    assert p.core_for("m", es[(512, 1)]) == ("sparsespec-l auto", None)
+    only_ar = pol([_e(64, 1), _e(256, 1)])
+    assert only_ar.cores("m") == {"ar": ("ar", {})} and only_ar.core_for("m", only_ar.entries("m")[0]) == ("ar", None)
+
+
+def test_a_capped_row_never_drafts_in_a_batch_whose_other_row_does(tiny):
+    """EngineCore.add_request(max_k=...): the policy arm's per-request k inside one batch."""
+    import sparsespec
+
+    eng = sparsespec.Engine.from_pretrained(str(tiny))
+    prompts = [[1, 5, 9, 200, 31, 7] * 5, [3, 8, 40, 41, 42] * 7]
+    ref = eng.generate(prompts, method="ar", max_new_tokens=24, ignore_eos=True)
+    core = eng.core("sparsespec-l", {"k": 3}, max_num_seqs=2)
+    params = sparsespec.SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    core.add_request("off", prompts[0], params, max_k=0)
+    core.add_request("two", prompts[1], params, max_k=2)
+    done = {}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            if out.finished:
+                done[out.request_id] = out.output
+    assert done["off"].token_ids == ref[0].token_ids and done["two"].token_ids == ref[1].token_ids
+    assert done["off"].stats["num_drafted"] == 0 and done["off"].stats["k"] == 0
+    st = done["two"].stats
+    assert st["k"] == 2 and st["num_drafted"] > 0 and st["num_drafted"] <= 2 * st["num_drafting_steps"]
+    with pytest.raises(ValueError, match="max_k must be an integer >= 0"):
+        core.add_request("bad", prompts[0], params, max_k=-1)
