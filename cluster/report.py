@@ -26,8 +26,8 @@ per-batch ratios:
                   when none is conclusive
 
 Rows of several runs of one cell are pooled; pass run ids to report a single configuration.
-``extra_rows`` adds tokens/s, the total-time speedup and the ledger prediction; they are kept out
-of ``report_rows`` so its keys stay exactly ``REPORT_KEYS``.
+``cluster.queries.cell_table`` also carries tokens/s, the total-time speedup and the ledger
+prediction per cell; ``report_rows`` keeps exactly ``REPORT_KEYS``.
 
     python -m cluster.report --db sqlite:///results/sparsespec.db [--json] [--run RUN_ID ...]
 
@@ -48,15 +48,12 @@ from typing import Any
 
 from cluster.queries import CELL_KEYS, cell_table, paired_batches
 from cluster.store import DEFAULT_DB_URL, StoreError, cli_error, open_store, safe_url
-from sparsespec.stats import derive, ledger_speedup
+from sparsespec.stats import derive
 
 #: the keys of a report row's cell (``cluster.queries.CELL_KEYS``)
 GROUP_KEYS = CELL_KEYS
 
 REPORT_KEYS = (*CELL_KEYS, "n", "score", "speedup", "alpha", "tau", "mean_k", "gamma", "lossless_rate")
-
-EXTRA_KEYS = (*CELL_KEYS, "n", "num_paired", "tokens_per_s", "tpot_s", "speedup_total", "predicted_speedup",
-              "ttft_p50_s", "budget_frac")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -64,11 +61,6 @@ def tpot(stats: Mapping[str, Any]) -> float | None:
     """Time per output token after the first: decode_s / (num_output_tokens - 1) (``derive``)."""
     t = derive(stats)["tpot_s"]
     return t if (t is not None and t > 0) else None
-
-
-def predicted_speedup(alpha: float | None, k: float | None, gamma: float | None) -> float | None:
-    """Ledger prediction S = (alpha*k + 1) / (k*gamma + 1) (``sparsespec.stats.ledger_speedup``)."""
-    return ledger_speedup(alpha, k, gamma)
 
 
 def batch_speedups(rs: Sequence[Mapping[str, Any]], ar_rows: Sequence[Mapping[str, Any]]) -> list[float]:
@@ -84,22 +76,6 @@ def compute_report(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return [{k: c[k] for k in REPORT_KEYS} for c in cell_table(rows)]
 
 
-def compute_extras(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Extra per-cell numbers (keys ``EXTRA_KEYS``, from ``cell_table``):
-
-    num_paired        batches decoded by both ar and the method (ar: its own batches)
-    tokens_per_s      sum(num_output_tokens) / sum(total_s)   (never a mean of per-sample speeds)
-    tpot_s            sum(decode_s) / sum(num_output_tokens - 1)
-    speedup_total     over paired batches: total ar decode seconds / total method decode seconds
-    predicted_speedup (alpha*mean_k + 1) / (mean_k*gamma + 1); ar: 1.0
-    ttft_p50_s        median time to first token;  budget_frac  sum(budget_tokens_sum) / sum(context_tokens_sum)
-    """
-    out = []
-    for c in cell_table(rows):
-        out.append({**{k: c.get(k) for k in EXTRA_KEYS}, "num_paired": c["n_pairs"]})
-    return out
-
-
 def _load(db_url: str, run_ids: str | Iterable[str] | None) -> list[dict[str, Any]]:
     with open_store(db_url, create=False) as store:
         return store.results(run_ids=run_ids)
@@ -112,11 +88,6 @@ def report_rows(db_url: str, run_ids: str | Iterable[str] | None = None) -> list
     gives an empty list.
     """
     return compute_report(_load(db_url, run_ids))
-
-
-def extra_rows(db_url: str, run_ids: str | Iterable[str] | None = None) -> list[dict[str, Any]]:
-    """Throughput, total-time speedup and ledger prediction per cell (keys ``EXTRA_KEYS``)."""
-    return compute_extras(_load(db_url, run_ids))
 
 
 # --------------------------------------------------------------------------- printing
