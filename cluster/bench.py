@@ -167,7 +167,7 @@ class BenchConfig:
     #: end-to-end cells only where batch x context <= this (each batch prefills every row; on a
     #: CPU a 8 x 8K prefill alone takes minutes); None = everywhere
     e2e_max_tokens: int | None = None
-    #: the self-speculative methods' draft weights in the end-to-end runs (``SpecConfig``);
+    #: the self-speculative methods' draft weights in the end-to-end runs (``SelfSpecOptions``);
     #: the step timings always measure the draft step with both the target's and an int8 copy
     draft_weights: str = "target"
     #: the target's own weights (``sparsespec.quant.QUANTIZE``): "int8" times every step, ar
@@ -279,14 +279,14 @@ def bench_steps(model, prompts: list[list[int]], cfg: BenchConfig, machine: dict
     import torch
 
     from sparsespec.adaptive import FixedK
-    from sparsespec.config import SamplingParams, SpecConfig
+    from sparsespec.config import SamplingParams
     from sparsespec.drafters.sparse_self import SparseSelfDrafter
     from sparsespec.kv.cache import KVCache
     from sparsespec.sampling import BatchSampling
 
     dev = model.device
     B, P, K = len(prompts), len(prompts[0]), cfg.k
-    spec = SpecConfig.from_options({"k": K, "budget_frac": cfg.budget_frac})
+    spec = SparseSelfDrafter.options.from_options("sparsespec-l", {"k": K, "budget_frac": cfg.budget_frac})
     capacity = P + K + 2
     cache = KVCache(model.cfg, B, capacity, model.dtype, dev)
     # Prefill row 0 only (its time is measured separately at batch 1) and copy it to the other
@@ -474,14 +474,14 @@ def profile_step(model, prompts: list[list[int]], cfg: BenchConfig, step: str, r
     import torch
 
     from sparsespec.adaptive import FixedK
-    from sparsespec.config import SamplingParams, SpecConfig
+    from sparsespec.config import SamplingParams
     from sparsespec.drafters.sparse_self import SparseSelfDrafter
     from sparsespec.kv.cache import KVCache
     from sparsespec.sampling import BatchSampling
 
     dev = model.device
     B, P, K = len(prompts), len(prompts[0]), cfg.k
-    spec = SpecConfig.from_options({"k": K, "budget_frac": cfg.budget_frac})
+    spec = SparseSelfDrafter.options.from_options("sparsespec-l", {"k": K, "budget_frac": cfg.budget_frac})
     cache = KVCache(model.cfg, B, P + K + 2, model.dtype, dev)
     g = torch.Generator(device=dev).manual_seed(cfg.seed)
     cache.k.normal_(generator=g)
@@ -676,15 +676,18 @@ def measure_steps(cfg: BenchConfig, *, progress: Callable[[str], None] = log.inf
 def e2e_specs(cfg: BenchConfig, db: str, *, num_workers: int | None = None, threads: int | None = None) -> list:
     """The end-to-end sweep as specs (``cluster.spec.SweepSpec``), one per batch size with the
     context lengths that ``e2e_max_tokens`` allows at it: benchmark ``speed``, ``ar`` plus every
-    method with options ``{k, budget_frac}``, greedy, ``gen_tokens`` generated,
-    ``e2e_reps`` repetitions. Raises SpecError."""
+    method with ``k`` (and ``budget_frac``, ``draft_weights`` where it takes them), greedy,
+    ``gen_tokens`` generated, ``e2e_reps`` repetitions. Raises SpecError."""
     from cluster.spec import parse_spec
 
-    from sparsespec.registry import DRAFTERS
+    from sparsespec import options_class
 
-    def opts(m: str) -> dict[str, Any]:
-        o = {"k": cfg.method_k, "budget_frac": cfg.budget_frac}
-        if cfg.draft_weights != "target" and getattr(DRAFTERS.get(m), "supports_draft_weights", False):
+    def opts(m: str) -> dict[str, Any]:  # each method gets the options it takes
+        takes = options_class(m).option_names()
+        o: dict[str, Any] = {"k": cfg.method_k}
+        if "budget_frac" in takes:
+            o["budget_frac"] = cfg.budget_frac
+        if cfg.draft_weights != "target" and "draft_weights" in takes:
             o["draft_weights"] = cfg.draft_weights
         return o
 

@@ -5,8 +5,9 @@ local model folder or preset; nothing is downloaded).
 
 - A **cell** is one (model, quantize, benchmark, context length, batch size, repetition): one run
   in the store, whose id is a hash of everything that decides its numbers (methods with their
-  resolved options, dtype, the target's quantisation (left out when "none", so earlier ids
-  stay), sampling, tasks, benchmark options, and a digest of the samples themselves).
+  resolved options, each method's own only, dtype, the target's quantisation (left out when
+  "none", so earlier ids stay), sampling, tasks, benchmark options, and a digest of the samples
+  themselves).
   Where results go and how work is spread (db, Ray address, workers, threads) are left out, so
   rerunning a spec with more workers resumes the same runs.
 - A **shard** is one batch: up to ``batch_size`` consecutive samples of one task of one cell,

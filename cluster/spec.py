@@ -241,8 +241,9 @@ class SweepSpec(_Frozen):
 
 
 def check_methods(spec: SweepSpec) -> dict[str, dict[str, Any]]:
-    """Every method known to the engine, its options resolved to the full config (defaults
-    included, so a changed default changes the run id). Raises SpecError."""
+    """Every method known to the engine, its options resolved to the full config of that method's
+    own options (``sparsespec.resolve_method_options``: defaults included, so a changed default
+    changes the run id; another method's options never do). Raises SpecError."""
     import sparsespec
 
     known = list(getattr(sparsespec, "METHODS", ()))

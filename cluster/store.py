@@ -28,6 +28,11 @@ Tables:
     method, session, token counts, latencies in seconds, acceptance counts, finish reason,
     status and error. ``request_id`` is unique, so a re-sent batch is not stored twice.
 
+``run_id_map``
+    Run ids rewritten by a migration (revision 0003, when run ids came to hash only each
+    method's own options): old id, new id, the run's old config and a note. ``cluster.sweep``
+    resumes a store written before it under the new ids.
+
 ``alembic_version``
     The schema revision (Alembic, ``cluster/migrations``). ``open_store(create=True)`` upgrades
     to the newest revision under a lock (a file lock beside a SQLite file, an advisory lock on
@@ -267,6 +272,20 @@ class AcceptanceStep(Base):
     accepted: Mapped[int] = mapped_column(Integer)
 
 
+class RunIdMap(Base):
+    """A run id a migration rewrote (revision 0003: run ids hash each method's own options):
+    ``old_run_id`` -> ``new_run_id`` (equal when the run kept its id; ``note`` says why), the
+    run's config before the migration, and the revision that did it."""
+
+    __tablename__ = "run_id_map"
+
+    old_run_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    new_run_id: Mapped[str] = mapped_column(String(64), index=True)
+    revision: Mapped[str] = mapped_column(String(32))
+    old_config: Mapped[dict] = mapped_column(JSONType)
+    note: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
 #: Keys of each row ``Store.acceptance_steps`` returns.
 ACCEPTANCE_STEP_FIELDS = ("run_id", "benchmark", "task", "model", "method", "sample_id", "context_length",
                           "batch_size", "step", "k", "accepted")
@@ -475,6 +494,15 @@ class Store:
                 d["num_results"] = int(counts.get(r.run_id, 0))
                 out.append(d)
             return out
+
+    def run_id_map(self) -> dict[str, str]:
+        """``{old run id: new run id}`` of the runs a migration moved to a new id (``run_id_map``;
+        runs that kept theirs are left out; ``{}`` for a schema before revision 0003)."""
+        if not self._has_tables or "run_id_map" not in inspect(self.engine).get_table_names():
+            return {}
+        with self._session() as s:
+            rows = s.execute(select(RunIdMap.old_run_id, RunIdMap.new_run_id)).all()
+            return {old: new for old, new in rows if old != new}
 
     # -------------------------------------------------------------- results
     def add_results(self, rows: Iterable[Mapping[str, Any]]) -> int:

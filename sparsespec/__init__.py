@@ -11,7 +11,7 @@
 """
 from sparsespec.config import SamplingParams
 from sparsespec.engine import (Engine, EngineCore, GenerationOutput, RequestOutput, StreamEvent, methods,
-                               resolve_method_options)
+                               options_class, parse_method_options, resolve_method_options)
 from sparsespec.provision import PRESETS, ModelNotAvailableError, load_tokenizer, model_max_context, resolve_model
 
 METHODS = tuple(methods())
@@ -27,6 +27,8 @@ __all__ = [
     "ModelNotAvailableError",
     "load_tokenizer",
     "model_max_context",
+    "options_class",
+    "parse_method_options",
     "resolve_method_options",
     "resolve_model",
     "StreamEvent",

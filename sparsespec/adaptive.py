@@ -115,7 +115,7 @@ class FixedK:
 
     @classmethod
     def from_spec(cls, spec, costs: "StepCosts | None" = None) -> "FixedK":
-        """The policy of a ``SpecConfig`` with an integer ``k`` (``costs`` unused)."""
+        """The policy of a method's ``SpecOptions`` with an integer ``k`` (``costs`` unused)."""
         return cls(spec.k_limit)
 
     @property
@@ -513,7 +513,7 @@ class EntropyAdaptive:
 
     @classmethod
     def from_spec(cls, spec, costs: StepCosts | None = None) -> EntropyAdaptive:
-        """The controller of a ``SpecConfig`` with ``k="auto"``: candidates up to ``max_k``."""
+        """The controller of a method's ``SpecOptions`` with ``k="auto"``: candidates up to ``max_k``."""
         base = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
         cands = tuple(sorted({c for c in base if c <= spec.max_k} | {spec.max_k}))
         return cls(candidates=cands, costs=costs)
@@ -951,5 +951,5 @@ class CostAwareController:
                 **self.verify_cost.state()}
 
 
-#: ``SpecConfig.controller`` values: how ``k="auto"`` chooses the draft length
+#: ``SpecOptions.controller`` values: how ``k="auto"`` chooses the draft length
 CONTROLLERS = ("cost", "entropy")

@@ -1,14 +1,16 @@
 """Frozen, validated configuration dataclasses.
 
 ``ModelConfig`` is read from a Hugging Face ``config.json`` (Llama 2/3.x, Mistral, Qwen2/2.5);
-``SpecConfig`` holds the speculative-decoding knobs of a method; ``SamplingParams`` the decoding
-parameters. Invalid values raise ``ValueError`` naming the field.
+``MethodOptions`` is the base of every method's options (each drafter declares its own subclass
+in its file; ``SpecOptions`` is the part the speculative methods share); ``SamplingParams`` the
+decoding parameters. Invalid values raise ``ValueError`` naming the field.
 """
 from __future__ import annotations
 
+import difflib
 import json
-import math
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -96,96 +98,115 @@ class ModelConfig:
             raise ValueError(f"{path}: malformed model config ({e!r})") from None
 
 
+#: ``dataclasses.field`` metadata key of an option added to a method after its run ids were first
+#: stored (``later_option``): left out of the resolved options while at its default.
+LATER = "sparsespec_later_option"
+
+
+def later_option(default: Any, **kwargs: Any) -> Any:
+    """A field for an option added to an existing method: ``MethodOptions.resolved`` leaves it out
+    while it is at ``default``, so the run ids of that method's configurations stored before it
+    existed stay the same (and those runs resume); any other value enters the run id."""
+    return field(default=default, metadata={LATER: True}, **kwargs)
+
+
 @dataclass(frozen=True)
-class SpecConfig:
-    """Knobs of a speculative method (all methods share the names).
+class MethodOptions:
+    """The options of one method (``method_options``): a frozen, validated dataclass.
+
+    Each drafter declares its own subclass as its ``options`` attribute, in its own file (``ar``,
+    the null drafter, has this empty one: no options). Fields are the option names; defaults are
+    the method's defaults. Subclasses validate in ``__post_init__`` (calling ``super()``'s) and
+    raise ``ValueError`` naming the option. A run id hashes only ``resolved()`` of each method
+    of the run, so an option of one method never moves another method's run ids.
+    """
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        """The option names this method takes, in declaration order."""
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_options(cls, method: str, options: Mapping[str, Any] | None) -> MethodOptions:
+        """Validated options of ``method`` from a plain mapping (missing ones at their defaults).
+
+        Raises:
+            ValueError: an option this method does not take (the message lists the ones it
+                does, with the closest name), or an invalid value (the message names the method
+                and the option).
+        """
+        options = dict(options or {})
+        known = cls.option_names()
+        unknown = sorted(set(options) - set(known), key=str)
+        if unknown:
+            hints = [h[0] for h in (difflib.get_close_matches(str(u), known, n=1) for u in unknown) if h]
+            hint = f" (did you mean {', '.join(map(repr, hints))}?)" if hints else ""
+            takes = f"its options: {', '.join(known)}" if known else "it takes no options"
+            raise ValueError(f"unknown method_options {unknown} for method {method!r}{hint}; {takes}")
+        try:
+            return cls(**options)
+        except ValueError as e:
+            raise ValueError(f"method {method!r}: {e}") from None
+
+    def resolved(self) -> dict[str, Any]:
+        """The options as a plain dict, every default filled in: what a run id hashes and a run
+        stores. Left out: ``later_option`` fields at their default (see there)."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.metadata.get(LATER) and value == f.default:
+                continue
+            out[f.name] = value
+        return out
+
+
+@dataclass(frozen=True)
+class SpecOptions(MethodOptions):
+    """The part every speculative method shares: the draft length and how ``"auto"`` picks it.
 
     Attributes:
         k: draft length K (tokens proposed per step), an int >= 1, or ``"auto"``: the
             ``controller`` picks it every step, up to ``max_k`` (0 where speculation does not pay).
-        max_k: the longest draft ``"auto"`` may choose.
-        budget_frac: sparse index budget as a fraction of the context (SparseSpec-L: 0.1).
-        min_budget / max_budget: floor and cap of the budget in tokens (per layer and KV head).
-        n_sink: first positions always kept (attention sinks).
-        n_recent: last positions always kept.
-        window: W, the number of most recent query positions whose attention mass scores a key
-            (SparseSpec-L), and SnapKV's observation window (MagicDec-SnapKV).
-        pool_kernel: SnapKV's 1-D pooling kernel over key positions (odd; 1 = no pooling).
-        draft_model: preset name or local folder of the standalone draft model (``draft-model``).
-        ngram_min / ngram_max: n-gram sizes tried by prompt lookup, longest first (``ngram``).
-        draft_weights: the linear weights the self-speculative drafters' draft forward reads
-            (``sparsespec-l``, ``magicdec-*``): ``"target"`` (the model's own) or ``"int8"`` (a
-            weight-only int8 copy made once at load, ``sparsespec.quant``). Verification always
-            reads the target's weights, so outputs are unchanged; only q and the draft's cost move.
-        controller: how ``k="auto"`` picks the draft length (ignored for an integer k):
-            ``"cost"`` (``sparsespec.adaptive.CostAwareController``: once per step for the whole
-            batch, 0 included, from the rows' measured acceptance and the measured costs of a
-            draft forward and of a verify as a function of batch, width and context, calibrated
-            at load) or ``"entropy"`` (``EntropyAdaptive``: per row, stopping on each drafted
-            token's entropy, one host sync per draft token).
+        max_k: the longest draft ``"auto"`` may choose (tokens, >= 1).
+        controller: how ``k="auto"`` picks the draft length (ignored for an integer k, and left
+            out of ``resolved()`` then, so it does not split run ids): ``"cost"``
+            (``sparsespec.adaptive.CostAwareController``: once per step for the whole batch, 0
+            included, from the rows' measured acceptance and the measured costs of a draft
+            forward and of a verify as a function of batch, width and context, calibrated at load)
+            or ``"entropy"`` (``EntropyAdaptive``: per row, stopping on each drafted token's
+            entropy, one host sync per draft token).
     """
 
     k: int | str = "auto"
     max_k: int = 16
-    budget_frac: float = 0.1
-    min_budget: int = 128
-    max_budget: int = 8192
-    n_sink: int = 4
-    n_recent: int = 32
-    window: int = 16
-    pool_kernel: int = 7
-    draft_model: str | None = None
-    ngram_min: int = 1
-    ngram_max: int = 4
-    draft_weights: str = "target"
     controller: str = "cost"
 
     def __post_init__(self) -> None:
         from sparsespec.adaptive import CONTROLLERS
-        from sparsespec.quant import DRAFT_WEIGHTS
 
+        if self.k != "auto" and (not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1):
+            raise ValueError(f"k must be an integer >= 1 or 'auto', got {self.k!r}")
+        if not isinstance(self.max_k, int) or isinstance(self.max_k, bool) or self.max_k < 1:
+            raise ValueError(f"max_k must be an integer >= 1, got {self.max_k!r}")
         if self.controller not in CONTROLLERS:
             raise ValueError(f"controller must be one of {CONTROLLERS}, got {self.controller!r}")
 
-        if self.draft_weights not in DRAFT_WEIGHTS:
-            raise ValueError(f"draft_weights must be one of {DRAFT_WEIGHTS}, got {self.draft_weights!r}")
-        if self.k != "auto" and (not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1):
-            raise ValueError(f"k must be an integer >= 1 or 'auto', got {self.k!r}")
-        if not isinstance(self.max_k, int) or self.max_k < 1:
-            raise ValueError(f"max_k must be an integer >= 1, got {self.max_k!r}")
-        if not (0.0 < self.budget_frac <= 1.0) or math.isnan(self.budget_frac):
-            raise ValueError(f"budget_frac must be in (0, 1], got {self.budget_frac!r}")
-        if self.n_sink < 0 or self.n_recent < 1 or self.window < 1:
-            raise ValueError("n_sink must be >= 0, n_recent >= 1 and window >= 1")
-        if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
-            raise ValueError(f"pool_kernel must be a positive odd integer, got {self.pool_kernel!r}")
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
-        if self.min_budget < self.n_sink + self.n_recent:
-            raise ValueError(
-                f"min_budget ({self.min_budget}) must be >= n_sink + n_recent ({self.n_sink + self.n_recent})"
-            )
-        if self.max_budget < self.min_budget:
-            raise ValueError(f"max_budget ({self.max_budget}) must be >= min_budget ({self.min_budget})")
-
     @property
     def k_limit(self) -> int:
-        """The longest draft this config can produce (sizes the buffers)."""
+        """The longest draft these options can produce (sizes the buffers)."""
         return self.max_k if self.k == "auto" else int(self.k)
 
-    def budget(self, context_len: int) -> int:
-        """Index size N for a context of ``context_len`` tokens (capped at the context)."""
-        n = max(self.min_budget, min(self.max_budget, math.ceil(self.budget_frac * context_len)))
-        return min(n, context_len)
+    def resolved(self) -> dict[str, Any]:
+        out = super().resolved()
+        if self.k != "auto":  # the controller only chooses k="auto"'s lengths: not part of a fixed-k run
+            out.pop("controller", None)
+        return out
 
-    @classmethod
-    def from_options(cls, options: dict[str, Any] | None) -> SpecConfig:
-        options = dict(options or {})
-        known = set(cls.__dataclass_fields__)
-        unknown = set(options) - known
-        if unknown:
-            raise ValueError(f"unknown method_options {sorted(unknown)}; known: {sorted(known)}")
-        return cls(**options)
+
+def check_int(name: str, value: Any, low: int) -> None:
+    """``ValueError`` naming ``name`` unless ``value`` is an int (not a bool) >= ``low``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import torch
 
 import sparsespec.drafters  # noqa: F401  (registers the drafters)
 from sparsespec.adaptive import CostAwareController, StepCosts, policy_for
-from sparsespec.config import SamplingParams, SpecConfig
+from sparsespec.config import MethodOptions, SamplingParams, SpecOptions
 from sparsespec.drafters.base import Draft, empty_draft
 from sparsespec.kv.cache import KVCache
 from sparsespec.kv.index import RowsTarget
@@ -43,36 +43,31 @@ def methods() -> list[str]:
     return DRAFTERS.keys()
 
 
-def resolve_method_options(method: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The full, validated option dict of ``method`` (defaults filled in; ``{}`` for ``"ar"``).
+def options_class(method: str) -> type[MethodOptions]:
+    """The options dataclass ``method``'s drafter declares (``MethodOptions`` itself for ``ar``:
+    none). Raises ValueError for an unknown method (with the list and a suggestion)."""
+    return DRAFTERS.get(method).options
+
+
+def parse_method_options(method: str, options: dict[str, Any] | None = None) -> MethodOptions:
+    """``method``'s validated options object (its drafter's ``options`` class).
 
     Raises:
-        ValueError: unknown method or invalid option.
+        ValueError: unknown method, an option ``method`` does not take (listing those it takes),
+            or an invalid value (naming the method and the option).
     """
-    drafter_cls = DRAFTERS.get(method)  # raises with the list and a suggestion
-    if method == AR:
-        return {}
-    spec = SpecConfig.from_options(options)
-    _check_draft_weights(method, drafter_cls, spec)
-    out = dataclasses.asdict(spec)
-    if spec.k != "auto":  # the controller only chooses k="auto"'s lengths: fixed-k run ids stay the same
-        out.pop("controller")
-    # options added later are left out at their default, so the run ids (hashes of the resolved
-    # options) of configurations written before them stay the same and those runs still resume
-    for name, default in LATER_OPTION_DEFAULTS.items():
-        if out.get(name) == default:
-            out.pop(name)
-    return out
+    return options_class(method).from_options(method, options)
 
 
-#: Options added to ``SpecConfig`` after run ids were first stored, at their defaults.
-LATER_OPTION_DEFAULTS = {"draft_weights": "target"}
+def resolve_method_options(method: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The full, validated options of ``method`` as a plain dict: only that method's own options,
+    defaults filled in (``{}`` for ``"ar"``). A run id hashes this per method of the run
+    (``cluster.plan``), so another method's options never move it.
 
-
-def _check_draft_weights(method: str, drafter_cls: type, spec: SpecConfig) -> None:
-    if spec.draft_weights != "target" and not getattr(drafter_cls, "supports_draft_weights", False):
-        raise ValueError(f"draft_weights={spec.draft_weights!r} applies to the self-speculative methods "
-                         f"(sparsespec-l, magicdec-streaming, magicdec-snapkv), not to {method!r}")
+    Raises:
+        ValueError: as ``parse_method_options``.
+    """
+    return parse_method_options(method, options).resolved()
 
 
 @dataclass
@@ -167,7 +162,8 @@ class EngineCore:
     Args:
         engine: the loaded ``Engine`` (model + tokenizer).
         method: ``"ar"`` or a registered drafter key (``sparsespec.METHODS``).
-        method_options: ``SpecConfig`` fields, e.g. ``{"k": 4}``, ``{"k": "auto"}``.
+        method_options: the method's options (its drafter's ``options`` dataclass, see
+            ``resolve_method_options``), e.g. ``{"k": 4}``, ``{"k": "auto"}``; none for ``"ar"``.
         max_num_seqs: slots of the preallocated KV pool (rows decoded together); further
             requests wait in a FIFO queue until a slot frees.
         max_model_len: positions per slot (prompt + generated tokens must fit); default the
@@ -193,16 +189,15 @@ class EngineCore:
             raise ValueError(f"max_model_len must be an integer in [1, {engine.max_context}], got {max_model_len!r}")
         self.engine, self.model, self.tokenizer = engine, engine.model, engine.tokenizer
         self.method = method
-        spec = SpecConfig.from_options(method_options)  # validated for every method ...
-        _check_draft_weights(method, drafter_cls, spec)
-        self.spec = None if method == AR else spec  # ... and unused by the null drafter
+        spec = drafter_cls.options.from_options(method, method_options)
+        self.spec: SpecOptions | None = spec if isinstance(spec, SpecOptions) else None  # None: ar
         self.k_max = 0 if self.spec is None else self.spec.k_limit
         self.max_num_seqs, self.max_model_len, self.prefill_chunk = max_num_seqs, window, prefill_chunk
         m = self.model
         # a row shorter than the batch's draft is padded to it in the verify forward: room for K+1 more
         capacity = window + self.k_max + 1
         self.cache = KVCache(m.cfg, max_num_seqs, capacity, m.dtype, m.device)  # [L, slots, H_kv, S_max, D]
-        self.drafter = drafter_cls(m, self.spec, capacity, max_num_seqs, self.k_max)
+        self.drafter = drafter_cls(m, spec, capacity, max_num_seqs, self.k_max)
         self.want_hidden = tuple(getattr(self.drafter, "want_hidden", ()))  # layer ids whose outputs it reads
         self.costs = StepCosts()  # measured round costs, shared by the rows' controllers
         self.clock = engine.clock
@@ -687,7 +682,8 @@ class Engine:
         Args:
             prompts: strings (tokenised as given, no chat template) or lists of token ids.
             method: ``"ar"`` or a registered drafter key (``sparsespec.METHODS``).
-            method_options: ``SpecConfig`` fields, e.g. ``{"k": 4}``, ``{"k": "auto"}``.
+            method_options: the method's options (``resolve_method_options``), e.g. ``{"k": 4}``,
+                ``{"k": "auto"}``.
             max_new_tokens: generated-token cap per prompt (>= 1).
             temperature, top_p, top_k: sampling (applied identically to p and q); 0 = greedy.
             seed: seeds sampling: row ``i`` gets its own stream derived from ``(seed, i)``.

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-#: ``draft_weights`` values (``SpecConfig``): the target's own weights, or an int8 copy.
+#: ``draft_weights`` values (``SelfSpecOptions``, ``sparsespec.drafters.sparse_self``): the target's own weights, or an int8 copy.
 DRAFT_WEIGHTS = ("target", "int8")
 #: ``quantize`` values of a *target* (a model setting: every method, ``ar`` included, runs on it).
 QUANTIZE = ("none", "int8")

@@ -131,3 +131,12 @@ def eagle3_head(model, *, windows: int = 24, seq_len: int = 64, steps: int = 300
     head.save(folder / "head")
     _EAGLE3_HEADS[key] = (model, str(folder / "head"))
     return _EAGLE3_HEADS[key][1]
+
+
+def own_options(method: str, options: dict) -> dict:
+    """The entries of ``options`` that ``method`` takes (its drafter's options dataclass): one
+    dict of shared test settings for every method; ``{}`` for ``ar``."""
+    from sparsespec import options_class
+
+    names = set(options_class(method).option_names())
+    return {k: v for k, v in options.items() if k in names}

@@ -26,7 +26,7 @@ from cluster.store import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-STORE_TABLES = {"runs", "results", "shards", "bench", "serve_requests", "acceptance_steps"}
+STORE_TABLES = {"runs", "results", "shards", "bench", "serve_requests", "acceptance_steps", "run_id_map"}
 LEGACY_TABLES = ("runs", "results", "shards", "bench", "serve_requests")
 
 
@@ -102,7 +102,7 @@ def _row(run_id="r1", task="t", sample_id="s1", method="sparsespec-l", trace=Non
 # ------------------------------------------------------------------ schema
 def test_upgrade_from_empty_matches_the_models(db_url):
     with open_store(db_url) as st:
-        assert st.revision() == head_revision() == "0002"
+        assert st.revision() == head_revision() == "0003"
         assert STORE_TABLES <= set(inspect(st.engine).get_table_names())
         assert _diffs(st.engine) == [], "the models changed without a migration (cluster/migrations/versions)"
         # the check bites: a model column the migrations do not create is a difference
@@ -118,7 +118,7 @@ def test_upgrade_from_empty_matches_the_models(db_url):
         assert not STORE_TABLES & set(inspect(st.engine).get_table_names())
         assert current_revision(st.engine) is None
         _alembic(st.engine, command.upgrade, "head")
-        assert current_revision(st.engine) == "0002" and _diffs(st.engine) == []
+        assert current_revision(st.engine) == "0003" and _diffs(st.engine) == []
 
 
 @pytest.mark.parametrize("missing", [(), ("shards", "bench", "serve_requests")])
@@ -194,18 +194,18 @@ def test_in_memory_database():
 # ------------------------------------------------------------------ command line
 def test_cli_upgrade_and_current(db_url, capsys):
     assert main(["upgrade", "--db", db_url]) == 0
-    assert capsys.readouterr().out.strip().endswith(": none -> 0002")
+    assert capsys.readouterr().out.strip().endswith(": none -> 0003")
     assert main(["upgrade", "--db", db_url]) == 0
-    assert capsys.readouterr().out.strip().endswith(": 0002 -> 0002 (already at head)")
+    assert capsys.readouterr().out.strip().endswith(": 0003 -> 0003 (already at head)")
     assert main(["current", "--db", db_url]) == 0
-    assert capsys.readouterr().out.strip() == "0002 (head)"
+    assert capsys.readouterr().out.strip() == "0003 (head)"
     from alembic import command
 
     _alembic(db_url, command.downgrade, "0001")
     assert main(["current", "--db", db_url]) == 0
-    assert capsys.readouterr().out.startswith("0001 (head is 0002")
+    assert capsys.readouterr().out.startswith("0001 (head is 0003")
     assert main(["upgrade", "--db", db_url]) == 0
-    assert capsys.readouterr().out.strip().endswith(": 0001 -> 0002")
+    assert capsys.readouterr().out.strip().endswith(": 0001 -> 0003")
 
 
 def test_cli_from_another_directory(tmp_path):
@@ -217,7 +217,7 @@ def test_cli_from_another_directory(tmp_path):
     assert up.returncode == 0, up.stderr
     cur = subprocess.run([sys.executable, "-m", "cluster.store", "current", "--db", db], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=120)
-    assert (cur.returncode, cur.stdout.strip()) == (0, "0002 (head)"), cur.stderr
+    assert (cur.returncode, cur.stdout.strip()) == (0, "0003 (head)"), cur.stderr
 
 
 @pytest.mark.parametrize("url", ["results.db", "nosuchdialect://x/y", "postgresql+asyncpg://u@h/db", ""])

@@ -167,8 +167,8 @@ def test_draft_cache_catch_up_and_rollback(tmp_path):
     """Driven directly (a tiny model drafting for itself): after rollbacks, full acceptance and
     steps without a propose, the drafts equal those of a fresh greedy decode of the history."""
     from sparsespec.adaptive import FixedK
-    from sparsespec.config import SamplingParams, SpecConfig
-    from sparsespec.drafters.draft_model import DraftModelDrafter
+    from sparsespec.config import SamplingParams
+    from sparsespec.drafters.draft_model import DraftModelDrafter, DraftModelOptions
     from sparsespec.kv.cache import KVCache
     from sparsespec.model import Transformer
     from sparsespec.sampling import BatchSampling
@@ -196,7 +196,7 @@ def test_draft_cache_catch_up_and_rollback(tmp_path):
     changed = [(hist[0][0] + 1) % V] + hist[0][1:]
     assert fresh_greedy(changed, 3) != fresh_greedy(hist[0], 3), "the check must see a stale cache"
     k, sp = 3, SamplingParams(max_new_tokens=64)
-    drafter = DraftModelDrafter(model, SpecConfig(k=k, draft_model=str(folder)), capacity=100, batch_size=2, max_k=k)
+    drafter = DraftModelDrafter(model, DraftModelOptions(k=k, draft_model=str(folder)), capacity=100, batch_size=2, max_k=k)
     assert drafter.draft is model  # the target's own folder reuses its weights
     target = KVCache(model.cfg, 2, 100, model.dtype, "cpu")  # stands in for the engine's cache
     for b, h in enumerate(hist):

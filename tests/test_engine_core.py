@@ -19,7 +19,7 @@ from sparsespec import METHODS, Engine, SamplingParams
 from sparsespec.kv.cache import KVCache
 from sparsespec.kv.index import build_index
 from sparsespec.model import Transformer, prefill_chunks
-from tests.helpers import eagle3_head, write_tiny_llama
+from tests.helpers import eagle3_head, own_options, write_tiny_llama
 
 V = 48
 SPARSE = {"k": 3, "min_budget": 40, "max_budget": 40, "n_sink": 4, "n_recent": 8, "window": 8}
@@ -110,7 +110,7 @@ def test_requests_join_a_running_batch_and_match_standalone_ar(engine):
 def test_mixed_sampling_batch_keeps_greedy_rows_identical_to_ar(engine, method):
     prompts = [_prompt(200, 10), _prompt(170, 11), _prompt(120, 12)]
     ref = _ar(engine, prompts[0], 16, ignore_eos=True).token_ids
-    opts = {} if method == "ar" else dict(SPARSE)
+    opts = own_options(method, SPARSE)
     if method == "eagle3":
         opts["draft_model"] = eagle3_head(engine.model)
     core = engine.core(method, opts, max_num_seqs=3, max_model_len=300)
@@ -196,7 +196,7 @@ def test_prefill_rows_cover_the_last_w_queries_whatever_the_chunks(engine):
 
 def test_snapkv_selection_votes_with_w_prompt_queries(engine):
     prompt = _prompt(513, 5)
-    core = engine.core("magicdec-snapkv", {**SPARSE, "window": 16}, max_num_seqs=1, max_model_len=600)
+    core = engine.core("magicdec-snapkv", own_options("magicdec-snapkv", {**SPARSE, "window": 16}), max_num_seqs=1, max_model_len=600)
     core.add_request("r", prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
     core.step()
     model = engine.model

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from sparsespec.config import ModelConfig, SpecConfig
+from sparsespec.config import ModelConfig
+from sparsespec.drafters.sparse_self import SparseSpecLOptions
 from sparsespec.kv.cache import KVCache
 from sparsespec.kv.index import ImportanceWindow, build_index
 from sparsespec.registry import DRAFTERS
@@ -61,7 +62,7 @@ def test_budget_is_full_context_when_short():
 
 
 def test_spec_budget_floor_fraction_cap():
-    spec = SpecConfig(budget_frac=0.1, min_budget=128, max_budget=1000, n_sink=4, n_recent=32)
+    spec = SparseSpecLOptions(budget_frac=0.1, min_budget=128, max_budget=1000, n_sink=4, n_recent=32)
     assert spec.budget(100) == 100  # shorter than the floor: everything
     assert spec.budget(1000) == 128  # floor
     assert spec.budget(4096) == 410  # ceil(10 %)

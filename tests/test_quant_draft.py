@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from sparsespec import Engine, resolve_method_options
-from sparsespec.config import SpecConfig
+from sparsespec.drafters.sparse_self import SparseSpecLOptions
 from sparsespec.model import DraftKV
 from sparsespec.quant import DraftWeights, Int8Weight, LayerWeights, fbgemm_available, linear
 from tests.test_engine_core import SPARSE, ByteTok, _model, _prompt, assert_follows_marginals
+from tests.helpers import own_options
 
 SELF = ("sparsespec-l", "magicdec-streaming", "magicdec-snapkv")
 INT8 = {**SPARSE, "draft_weights": "int8"}
@@ -52,13 +53,13 @@ def test_int8_weight_round_trip_and_matmul():
 
 def test_options_are_validated_and_only_the_self_drafters_take_them(engine):
     with pytest.raises(ValueError, match="draft_weights must be one of"):
-        SpecConfig(draft_weights="int4")
-    with pytest.raises(ValueError, match="self-speculative"):
+        SparseSpecLOptions(draft_weights="int4")
+    with pytest.raises(ValueError, match="unknown method_options \\['draft_weights'\\] for method 'ngram'"):
         resolve_method_options("ngram", {"draft_weights": "int8"})
-    with pytest.raises(ValueError, match="self-speculative"):
+    with pytest.raises(ValueError, match="unknown method_options"):
         engine.core("ngram", {"draft_weights": "int8"})
-    # the default is left out of the resolved options (earlier run ids stay valid); int8 is kept
-    assert "draft_weights" not in resolve_method_options("sparsespec-l", {})
+    # an option of the self-speculative methods: resolved (and in their run ids) at its default too
+    assert resolve_method_options("sparsespec-l", {})["draft_weights"] == "target"
     assert resolve_method_options("sparsespec-l", {"draft_weights": "int8"})["draft_weights"] == "int8"
     m = engine.model
     assert m.draft_weights("target") is None and m.draft_weights("int8") is m.draft_weights("int8")
@@ -110,14 +111,14 @@ def test_the_draft_forward_reads_the_int8_weights(engine):
 def test_greedy_int8_draft_is_token_identical_to_ar(engine, method):
     prompts = [_prompt(190, 20), _prompt(130, 21), _prompt(75, 22)]
     refs = [engine.generate([p], method="ar", max_new_tokens=14, ignore_eos=True)[0].token_ids for p in prompts]
-    one = engine.generate(prompts[:1], method=method, method_options=INT8, max_new_tokens=14, ignore_eos=True)[0]
+    one = engine.generate(prompts[:1], method=method, method_options=own_options(method, INT8), max_new_tokens=14, ignore_eos=True)[0]
     assert one.token_ids == refs[0]
-    ragged = engine.generate(prompts, method=method, method_options=INT8, max_new_tokens=14, ignore_eos=True)
+    ragged = engine.generate(prompts, method=method, method_options=own_options(method, INT8), max_new_tokens=14, ignore_eos=True)
     assert [o.token_ids for o in ragged] == refs
     drafted = one.stats["num_drafted"] + sum(o.stats["num_drafted"] for o in ragged)
     assert drafted > 0, "drafted nothing: inconclusive"
     assert one.stats["draft_weight_bytes"] == engine.model.draft_weights("int8").nbytes > 0
-    plain = engine.generate(prompts[:1], method=method, method_options=SPARSE, max_new_tokens=4, ignore_eos=True)[0]
+    plain = engine.generate(prompts[:1], method=method, method_options=own_options(method, SPARSE), max_new_tokens=4, ignore_eos=True)[0]
     assert plain.stats["draft_weight_bytes"] == 0
 
 

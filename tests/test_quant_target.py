@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from helpers import eagle3_head, tiny_model_like, write_tiny_llama
+from helpers import eagle3_head, own_options, tiny_model_like, write_tiny_llama
 from sparsespec import METHODS, Engine
 from sparsespec.model import Transformer
 from sparsespec.kv.cache import KVCache
@@ -109,7 +109,7 @@ def test_greedy_speculation_on_an_int8_target_equals_its_own_ar(engine, method, 
     """On the tiny model (top-2 margins far above the int8 rounding) every method reproduces the
     int8 ar exactly: a verify on the wrong weights, a draft judged against the fp32 model or an
     accounting fault turns this red. (On a real model near-ties can flip, see quant.py.)"""
-    opts = dict(SPARSE)
+    opts = own_options(method, SPARSE)
     if method == "draft-model":
         opts = {"draft_model": str(write_tiny_llama(tmp_path / "d", vocab_size=V, hidden=32, intermediate=64,
                                                     max_pos=1024, seed=0, scale=0.5, embed_scale=1.0)), "k": 3}

@@ -12,7 +12,7 @@ import torch
 from sparsespec import METHODS, Engine
 from sparsespec.kv.cache import KVCache
 from sparsespec.model import Transformer
-from tests.helpers import eagle3_head, write_tiny_llama
+from tests.helpers import eagle3_head, own_options, write_tiny_llama
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +56,7 @@ def _exact_marginals(model: Transformer, prompt: list[int]) -> tuple[torch.Tenso
 @pytest.mark.parametrize("method", [m for m in METHODS if m != "ar"])
 def test_sampled_tokens_follow_the_target_distribution(tiny, method):
     engine, draft_folder, prompt = tiny
-    opts = {"k": 3, "min_budget": 40, "max_budget": 40, "n_sink": 4, "n_recent": 8, "window": 8}
+    opts = own_options(method, {"k": 3, "min_budget": 40, "max_budget": 40, "n_sink": 4, "n_recent": 8, "window": 8})
     if method == "draft-model":
         opts["draft_model"] = draft_folder
     elif method == "eagle3":  # a draft vocabulary smaller than the target's: q is 0 outside it

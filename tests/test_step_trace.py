@@ -10,7 +10,7 @@ import torch
 from sparsespec import Engine, SamplingParams
 from sparsespec.model import Transformer
 from sparsespec.stats import derive, pool
-from tests.helpers import write_tiny_llama
+from tests.helpers import own_options, write_tiny_llama
 
 V = 48
 SPARSE = {"k": 3, "min_budget": 40, "max_budget": 40, "n_sink": 4, "n_recent": 8, "window": 8}
@@ -54,7 +54,7 @@ def _check(stats):
 @pytest.mark.parametrize("method", ["sparsespec-l", "ngram"])
 def test_trace_has_one_entry_per_verify_step(engine, method):
     prompts = [_prompt(150 + 31 * i, i) for i in range(3)]
-    core = engine.core(method, SPARSE, max_num_seqs=2, max_model_len=400)  # 3 requests, 2 slots: rows join
+    core = engine.core(method, own_options(method, SPARSE), max_num_seqs=2, max_model_len=400)  # 3 requests, 2 slots: rows join
     for i, p in enumerate(prompts):
         core.add_request(f"r{i}", p, SamplingParams(max_new_tokens=14 + 3 * i, ignore_eos=True))
     finals = {}

@@ -17,7 +17,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from sparsespec.config import SamplingParams, SpecConfig
+from sparsespec.config import MethodOptions, SamplingParams
 from sparsespec.kv.cache import KVCache
 from sparsespec.registry import DRAFTERS
 from sparsespec.sampling import BatchSampling
@@ -46,9 +46,19 @@ class Drafter(Protocol):
     """What the engine core reads and calls; every registered method implements all of it.
 
     Constructor: ``Drafter(model, spec, capacity, max_num_seqs, max_k)``: the target
-    ``Transformer``, the method's ``SpecConfig``, positions per slot of the dense pool, the number
-    of slots, and the longest draft of any step (buffers are sized from these once).
+    ``Transformer``, the method's validated options (an instance of its ``options`` class),
+    positions per slot of the dense pool, the number of slots, and the longest draft of any step
+    (buffers are sized from these once).
+
+    A new method is one file: its options dataclass (a frozen ``sparsespec.config.SpecOptions``
+    subclass: ``k``, ``max_k``, ``controller`` plus its own fields, validated in
+    ``__post_init__``), its drafter class with ``options = <that class>`` registered with
+    ``@DRAFTERS.register("<name>")``, and one import line in ``sparsespec/drafters/__init__.py``.
     """
+
+    #: the method's options dataclass (``sparsespec.config.MethodOptions`` subclass): what
+    #: ``method_options`` may hold, validated, and (``resolved()``) what a run id hashes
+    options: type[MethodOptions]
 
     #: importance rows (last queries of each verify forward) the engine must request; 0 = none
     want_rows: int
@@ -96,11 +106,12 @@ class Drafter(Protocol):
 class NullDrafter:
     """``ar``: drafts nothing, so every step verifies only the pending token (plain decoding)."""
 
+    options = MethodOptions  # none
     want_rows = 0
     want_rows_prefill = 0
     want_hidden = ()
 
-    def __init__(self, model, spec: SpecConfig | None, capacity: int, max_num_seqs: int, max_k: int):
+    def __init__(self, model, spec: MethodOptions | None, capacity: int, max_num_seqs: int, max_k: int):
         self.max_num_seqs = max_num_seqs
 
     def prefill_row(self, b, cache, rows, prompt) -> None:

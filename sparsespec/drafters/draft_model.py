@@ -33,12 +33,13 @@ rows and is trivially lossless (the target verifies everything either way).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from sparsespec.config import SpecConfig
+from sparsespec.config import SpecOptions
 from sparsespec.drafters.base import Draft, draft_loop, empty_draft
 from sparsespec.kv.cache import KVCache
 from sparsespec.model import Transformer
@@ -85,18 +86,37 @@ def _tokenizer_mismatch(target_folder: Path, draft_folder: Path) -> str | None:
     return _TOKENIZER_VERDICTS[key]
 
 
+@dataclass(frozen=True)
+class DraftModelOptions(SpecOptions):
+    """``draft-model``'s options (``SpecOptions`` plus):
+
+    Attributes:
+        draft_model: preset name or local Hugging Face folder of the draft model (required;
+            resolved when the drafter loads, so a missing folder is reported then).
+    """
+
+    draft_model: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.draft_model is None:
+            raise ValueError("draft-model needs method_options={'draft_model': <preset or path>}")
+        if not isinstance(self.draft_model, str) or not self.draft_model:
+            raise ValueError(f"draft_model must be a preset name or a folder, got {self.draft_model!r}")
+
+
 @DRAFTERS.register("draft-model")
 class DraftModelDrafter:
     """A separate causal LM drafts with its own ragged KV cache; see the module docstring."""
+
+    options = DraftModelOptions
 
     want_rows = 0
     want_rows_prefill = 0
     want_hidden = ()
     draft_cost_prior = 0.3  # the cost controller's prior for C_d / C_v(B, 1, N): a smaller model's forward
 
-    def __init__(self, model: Transformer, spec: SpecConfig, capacity: int, batch_size: int, max_k: int):
-        if spec.draft_model is None:
-            raise ValueError("draft-model needs method_options={'draft_model': <preset or path>}")
+    def __init__(self, model: Transformer, spec: DraftModelOptions, capacity: int, batch_size: int, max_k: int):
         folder = resolve_model(spec.draft_model)
         same = model.source_folder is not None and Path(folder).resolve() == Path(model.source_folder).resolve()
         self.draft = model if same else load_draft_model(folder, model.dtype, model.device)

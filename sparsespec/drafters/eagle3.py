@@ -26,12 +26,13 @@ the acceptance measured at long context are what this baseline is here to show.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from sparsespec.config import SpecConfig
+from sparsespec.config import SpecOptions
 from sparsespec.drafters.base import Draft, draft_loop, empty_draft
 from sparsespec.eagle3 import Eagle3Head
 from sparsespec.kv.cache import KVCache
@@ -90,16 +91,35 @@ def load_head(model: Transformer, folder: Path) -> Eagle3Head:
     return _HEADS[key]
 
 
+@dataclass(frozen=True)
+class Eagle3Options(SpecOptions):
+    """``eagle3``'s options (``SpecOptions`` plus):
+
+    Attributes:
+        draft_model: the EAGLE-3 head: a local folder or a hub id ``owner/name`` (``resolve_head``);
+            None = the head trained here for the target.
+    """
+
+    draft_model: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.draft_model is not None and (not isinstance(self.draft_model, str) or not self.draft_model):
+            raise ValueError(f"draft_model must be a head folder or hub id, got {self.draft_model!r}")
+
+
 @DRAFTERS.register("eagle3")
 class Eagle3Drafter:
     """EAGLE-3 chain drafting; see the module docstring."""
+
+    options = Eagle3Options
 
     draft_cost_prior = 0.1  # the cost controller's prior for C_d / C_v(B, 1, N): a one-layer head
 
     want_rows = 0
     want_rows_prefill = 0
 
-    def __init__(self, model: Transformer, spec: SpecConfig, capacity: int, max_num_seqs: int, max_k: int,
+    def __init__(self, model: Transformer, spec: Eagle3Options, capacity: int, max_num_seqs: int, max_k: int,
                  head: Eagle3Head | None = None):
         self.model = model
         self.head = head if head is not None else load_head(model, resolve_head(model, spec.draft_model))

@@ -10,12 +10,13 @@ exact match when greedy. With ``k="auto"`` the whole matched continuation is pro
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from sparsespec.config import SpecConfig
+from sparsespec.config import SpecOptions, check_int
 from sparsespec.drafters.base import Draft
 from sparsespec.kv.cache import KVCache
 from sparsespec.registry import DRAFTERS
@@ -49,14 +50,35 @@ def ngram_propose(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list
     return []
 
 
+@dataclass(frozen=True)
+class NgramOptions(SpecOptions):
+    """``ngram``'s options (``SpecOptions`` plus):
+
+    Attributes:
+        ngram_min / ngram_max: the n-gram sizes (tokens) looked up, longest first
+            (``1 <= ngram_min <= ngram_max``).
+    """
+
+    ngram_min: int = 1
+    ngram_max: int = 4
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int("ngram_min", self.ngram_min, 1)
+        check_int("ngram_max", self.ngram_max, 1)
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+
+
 @DRAFTERS.register("ngram")
 class NgramDrafter:
+    options = NgramOptions
     want_rows = 0
     want_rows_prefill = 0
     want_hidden = ()
     draft_cost_prior = 0.0  # the cost controller's prior for C_d / C_v(B, 1, N): a host-side lookup, no forward
 
-    def __init__(self, model, spec: SpecConfig, capacity: int, batch_size: int, max_k: int):
+    def __init__(self, model, spec: NgramOptions, capacity: int, batch_size: int, max_k: int):
         self.spec = spec
         self.vocab_size = model.cfg.vocab_size
         self.batch_size = batch_size

@@ -18,13 +18,15 @@ true positions and draft queries use true positions. They differ only in how the
 """
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from sparsespec.config import SpecConfig
+from sparsespec.config import SpecOptions, check_int
 from sparsespec.drafters.base import Draft, self_draft_loop
 from sparsespec.kv.cache import KVCache
 from sparsespec.kv.index import ImportanceWindow, RowsTarget, build_index
@@ -33,18 +35,118 @@ from sparsespec.model import DraftKV, Transformer
 from sparsespec.registry import DRAFTERS
 
 
+@dataclass(frozen=True)
+class SelfSpecOptions(SpecOptions):
+    """What the self-speculative methods share: the index budget and the draft's weights.
+
+    Attributes:
+        budget_frac: index size N as a fraction of the context, in (0, 1] (SparseSpec-L: 0.1).
+        min_budget / max_budget: floor and cap of N in tokens (per layer and KV head).
+        draft_weights: the linear weights the draft forward reads: ``"target"`` (the model's own)
+            or ``"int8"`` (a weight-only int8 copy made once at load, ``sparsespec.quant``).
+            Verification always reads the target's weights, so outputs are unchanged; only q and
+            the draft's cost move.
+    """
+
+    budget_frac: float = 0.1
+    min_budget: int = 128
+    max_budget: int = 8192
+    draft_weights: str = "target"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        from sparsespec.quant import DRAFT_WEIGHTS
+
+        f = self.budget_frac
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f <= 1.0:
+            raise ValueError(f"budget_frac must be in (0, 1], got {f!r}")
+        check_int("min_budget", self.min_budget, 1)
+        check_int("max_budget", self.max_budget, 1)
+        if self.max_budget < self.min_budget:
+            raise ValueError(f"max_budget ({self.max_budget}) must be >= min_budget ({self.min_budget})")
+        if self.draft_weights not in DRAFT_WEIGHTS:
+            raise ValueError(f"draft_weights must be one of {DRAFT_WEIGHTS}, got {self.draft_weights!r}")
+
+    def budget(self, context_len: int) -> int:
+        """Index size N for a context of ``context_len`` tokens (capped at the context)."""
+        n = max(self.min_budget, min(self.max_budget, math.ceil(self.budget_frac * context_len)))
+        return min(n, context_len)
+
+
+@dataclass(frozen=True)
+class SparseSpecLOptions(SelfSpecOptions):
+    """``sparsespec-l``'s options (``SelfSpecOptions`` plus):
+
+    Attributes:
+        n_sink: first positions always kept (attention sinks), >= 0.
+        n_recent: last positions always kept, >= 1 (``n_sink + n_recent <= min_budget``).
+        window: W, the number of most recent query positions whose attention mass scores a key.
+    """
+
+    n_sink: int = 4
+    n_recent: int = 32
+    window: int = 16
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int("n_sink", self.n_sink, 0)
+        check_int("n_recent", self.n_recent, 1)
+        check_int("window", self.window, 1)
+        if self.min_budget < self.n_sink + self.n_recent:
+            raise ValueError(
+                f"min_budget ({self.min_budget}) must be >= n_sink + n_recent ({self.n_sink + self.n_recent})")
+
+
+@dataclass(frozen=True)
+class StreamingOptions(SelfSpecOptions):
+    """``magicdec-streaming``'s options (``SelfSpecOptions`` plus):
+
+    Attributes:
+        n_sink: first positions always kept (attention sinks), >= 0 and < ``min_budget`` (the
+            rest of the budget is the sliding window of the most recent positions).
+    """
+
+    n_sink: int = 4
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int("n_sink", self.n_sink, 0)
+        if self.min_budget <= self.n_sink:
+            raise ValueError(f"min_budget ({self.min_budget}) must be > n_sink ({self.n_sink})")
+
+
+@dataclass(frozen=True)
+class SnapKVOptions(SelfSpecOptions):
+    """``magicdec-snapkv``'s options (``SelfSpecOptions`` plus):
+
+    Attributes:
+        window: SnapKV's observation window (the last prompt positions whose attention votes).
+        pool_kernel: the 1-D max-pooling kernel over key positions (odd; 1 = no pooling).
+    """
+
+    window: int = 16
+    pool_kernel: int = 7
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int("window", self.window, 1)
+        check_int("pool_kernel", self.pool_kernel, 1)
+        if self.pool_kernel % 2 == 0:
+            raise ValueError(f"pool_kernel must be a positive odd integer, got {self.pool_kernel!r}")
+
+
 class _IndexedSelfDrafter(ABC):
     """Shared machinery; subclasses set ``want_rows`` and implement ``_rebuild``."""
 
     want_rows = 0
     want_rows_prefill = 0
     want_hidden = ()
-    supports_draft_weights = True  # the draft forward may read an int8 copy (``spec.draft_weights``)
+    options: type[SelfSpecOptions] = SelfSpecOptions
     #: a draft forward's cost relative to a dense forward over the N keys it reads (the cost
     #: controller's prior until measured): the same weights, the same layers
     draft_cost_prior = 1.0
 
-    def __init__(self, model: Transformer, spec: SpecConfig, capacity: int, batch_size: int, max_k: int):
+    def __init__(self, model: Transformer, spec: SelfSpecOptions, capacity: int, batch_size: int, max_k: int):
         cfg = model.cfg
         self.model, self.spec = model, spec
         self.weights = model.draft_weights(spec.draft_weights)  # None: the target's own
@@ -131,7 +233,9 @@ class _IndexedSelfDrafter(ABC):
 class SparseSelfDrafter(_IndexedSelfDrafter):
     """SparseSpec-L: recallable index from recycled verification attention."""
 
-    def __init__(self, model: Transformer, spec: SpecConfig, capacity: int, batch_size: int, max_k: int):
+    options = SparseSpecLOptions
+
+    def __init__(self, model: Transformer, spec: SelfSpecOptions, capacity: int, batch_size: int, max_k: int):
         super().__init__(model, spec, capacity, batch_size, max_k)
         cfg = model.cfg
         self.want_rows = self.want_rows_prefill = spec.window
@@ -214,6 +318,8 @@ def streaming_index(length: int, budget: int, n_sink: int, lead: tuple[int, ...]
 class StreamingDrafter(_IndexedSelfDrafter):
     """MagicDec with a StreamingLLM draft: attention sinks + a sliding window, same budget."""
 
+    options = StreamingOptions
+
     def _rebuild(self, cache: KVCache, b: int) -> None:
         S = cache.lengths[b]
         cfg = self.model.cfg
@@ -252,9 +358,10 @@ def snapkv_select(rows: torch.Tensor, length: int, budget: int, window: int, ker
 class SnapKVDrafter(_IndexedSelfDrafter):
     """MagicDec with a SnapKV draft: a one-shot, permanent prefill selection plus all later tokens."""
 
+    options = SnapKVOptions
     want_rows = 0  # verification attention is not used: the selection is never revisited
 
-    def __init__(self, model: Transformer, spec: SpecConfig, capacity: int, batch_size: int, max_k: int):
+    def __init__(self, model: Transformer, spec: SelfSpecOptions, capacity: int, batch_size: int, max_k: int):
         super().__init__(model, spec, capacity, batch_size, max_k)
         self.want_rows_prefill = spec.window
         self.selected: list[torch.Tensor | None] = [None] * batch_size  # [L, 1, H_kv, N_sel] prompt positions
