@@ -153,7 +153,6 @@ class StepCosts:
         self._c_v: dict[int | None, float] = {}
         self._c_o: float | None = None
         self._last_width: int | None = None
-        self.num_updates = 0
 
     def _blend(self, old: float | None, x: Any) -> float | None:
         x = _to_float(x)
@@ -175,7 +174,6 @@ class StepCosts:
             o = _to_float(other_s)
             if math.isfinite(o) and o >= 0.0:
                 self._c_o = o if self._c_o is None else self._c_o + self.ema * (o - self._c_o)
-        self.num_updates += 1
 
     @property
     def measured(self) -> bool:
@@ -320,8 +318,6 @@ class EntropyAdaptive:
         # counters
         self.num_steps = 0
         self.num_decisions = 0
-        self.num_updates = 0
-        self.num_cost_updates = 0
         self._overhead_s = 0.0
 
     # ------------------------------------------------------------------ costs
@@ -465,7 +461,6 @@ class EntropyAdaptive:
                 self.mu_reject += a * (h - self.mu_reject)
             self._label(0.0)
         self._cache_raw, self._cache_p = [], []
-        self.num_updates += 1
         self._overhead_s += time.perf_counter() - t0
 
     def _unprofitable(self) -> bool:
@@ -508,7 +503,6 @@ class EntropyAdaptive:
         row when known) and other seconds of the round (see ``StepCosts.observe``)."""
         t0 = time.perf_counter()
         self.costs.observe(draft_step_s, verify_step_s, verify_tokens, other_s)
-        self.num_cost_updates += 1
         self._overhead_s += time.perf_counter() - t0
 
     @classmethod

@@ -222,10 +222,3 @@ class Eagle3Drafter:
     def nbytes(self) -> int:
         return self.hcache.nbytes
 
-    @property
-    def head_bytes(self) -> int:
-        """Bytes of the head's own weights (the shared embedding excluded; like a draft model's
-        weights, not in ``nbytes`` and not a ``draft_weight_bytes`` int8 copy)."""
-        h = self.head
-        return sum(t.numel() * t.element_size() for t in (h.fc, h.wqkv, h.wo, h.w_gate_up, h.w_down, h.lm_head,
-                                                            h.ln_input, h.hidden_norm, h.ln_post, h.norm))
