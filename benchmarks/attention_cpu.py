@@ -1,0 +1,80 @@
+"""One layer's dense attention kernel on the CPU (``sparsespec.kernels.cpu.attention``) against
+its roofline, at decode (T = 1) and verify widths (T = k + 1), with and without importance rows.
+
+Shape: SmolLM2-135M's attention (H = 9, H_kv = 3, D = 64) by default, batch B x context S, fp32,
+random K/V/q (timing only). Each width is timed ``--reps`` times, the widths interleaved in one
+loop (a slow moment lands on every width alike); the median is reported. The roofline is
+max(K and V bytes / measured read bandwidth, FLOPs / measured GEMM rate), both measured at the
+start (``sparsespec.roofline.measure_machine``); FLOPs = 4 x B x H x T x S x D (QK^T and PV).
+A verify step's attention reads the same bytes as a decode step's, so at T > 1 the kernel turns
+compute-bound on a CPU whose GEMM rate per byte of bandwidth is low: the ``GFLOP/s`` column
+against the GEMM rate says how far its score and P.V phases are from a GEMM's efficiency.
+
+    .venv/bin/python benchmarks/attention_cpu.py --batch 4 --context 6144 --widths 1,3,9
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--context", type=int, default=6144)
+    ap.add_argument("--heads", type=int, default=9)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--widths", default="1,3,9", help="query tokens per row (verify: k + 1)")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=None)
+    a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    from sparsespec.kernels import cpu as kc
+    from sparsespec.roofline import measure_machine
+
+    if not kc.available():
+        print(f"attention_cpu: our CPU kernels are unavailable here: {kc.unavailable_reason()}")
+        return 1
+    B, H, Hkv, D, S = a.batch, a.heads, a.kv_heads, a.head_dim, a.context
+    widths = [int(x) for x in a.widths.split(",")]
+    machine = measure_machine("cpu", torch.float32, reps=3)
+    bw, gemm = machine["read_bytes_per_s"], machine["gemm_flops_per_s"]
+    k = torch.randn(B, Hkv, S + max(widths), D)
+    v = torch.randn_like(k)
+    starts = torch.full((B,), S, dtype=torch.int64)
+    calls = {}
+    for T in widths:
+        q = torch.randn(B, H, T, D)
+        calls[(T, False)] = (lambda q=q: kc.attention(q, k, v, starts, S, D ** -0.5))
+        if T > 1:
+            rows = torch.zeros(B, Hkv, T, S + T)
+            calls[(T, True)] = (lambda q=q, rows=rows: kc.attention(q, k, v, starts, S, D ** -0.5, rows_out=rows))
+    for f in calls.values():
+        f()
+    times: dict = {key: [] for key in calls}
+    for _ in range(a.reps):
+        for key, f in calls.items():
+            t0 = time.perf_counter()
+            f()
+            times[key].append(time.perf_counter() - t0)
+    print(f"{kc.cpu_model()} [{kc.isa_summary()}], {torch.get_num_threads()} threads; read {bw / 1e9:.1f} GB/s, "
+          f"GEMM {gemm / 1e9:.0f} GFLOP/s; B={B} S={S} H={H} H_kv={Hkv} D={D}\n")
+    print("| T | rows | ms | x roofline | GB/s (K+V) | GFLOP/s |")
+    print("|---|---|---|---|---|---|")
+    kv_bytes = 2 * B * Hkv * S * D * 4
+    for (T, rows), ts in times.items():
+        t = statistics.median(ts)
+        flops = 4 * B * H * T * S * D
+        roof = max(kv_bytes / bw, flops / gemm)
+        print(f"| {T} | {'yes' if rows else 'no'} | {t * 1e3:.2f} | {t / roof:.2f} | {kv_bytes / t / 1e9:.1f} | "
+              f"{flops / t / 1e9:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
