@@ -40,7 +40,7 @@ from typing import Any, Sequence
 import torch
 
 from sparsespec import SamplingParams
-from sparsespec.engine import _DTYPES, Engine, EngineCore
+from sparsespec.engine import _DTYPES, Engine, EngineCore, step_in_turn
 from sparsespec.stats import batch_tpot, derive, pool
 
 
@@ -96,7 +96,11 @@ class _Run:
     def step(self, clock) -> None:
         t0 = clock()
         outs = self.core.step()
-        self.wall_s += clock() - t0
+        self.took(outs, clock() - t0)
+
+    def took(self, outs, seconds: float) -> None:
+        """One of this core's steps: its outputs and wall seconds."""
+        self.wall_s += seconds
         for o in outs:
             if o.finished:
                 self.outputs[int(o.request_id)] = o.output
@@ -130,12 +134,8 @@ def run_cell(engine: Engine, methods: Sequence[tuple[str, dict[str, Any]]], prom
             del r
         return results
     runs = [_Run(engine, name, opts, prompts, gen_tokens, window) for name, opts in methods]
-    turn = 0
-    while not all(r.done for r in runs):
-        for r in runs[turn % len(runs):] + runs[: turn % len(runs)]:  # the order rotates every round
-            if not r.done:
-                r.step(clock)
-        turn += 1
+    for i, outs, seconds in step_in_turn([r.core for r in runs], clock):  # the order rotates every round
+        runs[i].took(outs, seconds)
     return {label(r.name, r.opts): r.result() for r in runs}
 
 

@@ -189,16 +189,16 @@ class EngineWorker:
         """Every method's core holds the batch; the cores step in turn (the order rotating every
         round) until all are done. Per method: outputs in sample order and its own steps' wall
         seconds."""
-        cores = [(m, self._core(shard, m, prompts, None, own_clock=True)) for m in methods]
+        from sparsespec.engine import step_in_turn
+
+        cores = [self._core(shard, m, prompts, None, own_clock=True) for m in methods]
         outputs = {m: [None] * len(prompts) for m in methods}
         wall = dict.fromkeys(methods, 0.0)
-        turn = 0
-        while any(c.has_unfinished_requests() for _, c in cores):
-            r = turn % len(cores)
-            for m, core in cores[r:] + cores[:r]:
-                if core.has_unfinished_requests():
-                    wall[m] += self._step(core, outputs[m])
-            turn += 1
+        for i, outs, seconds in step_in_turn(cores, self.engine.clock):
+            wall[methods[i]] += seconds
+            for out in outs:
+                if out.finished:
+                    outputs[methods[i]][int(out.request_id)] = out.output
         return {m: (outputs[m], wall[m]) for m in methods}
 
     def warm_up(self, shard: Shard, method: str) -> None:

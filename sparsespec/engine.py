@@ -592,6 +592,24 @@ class EngineCore:
         return (self.cache.nbytes + self.drafter.nbytes) // self.max_num_seqs
 
 
+def step_in_turn(cores: Sequence[Any], clock: Any) -> Iterator[tuple[int, list[RequestOutput], float]]:
+    """Step several cores on one device in turn until all are done: round r steps every core
+    that has work, starting from core ``r % len(cores)`` (the order rotates every round, so no
+    core always runs right after another's step). Yields ``(core index, its step's outputs, the
+    step's wall seconds on clock)``. The paired comparison of methods on a shared, noisy machine:
+    a slow moment lands on every core alike (give the cores ``own_clock=True`` so their requests'
+    times leave the other cores' steps out)."""
+    n, turn = len(cores), 0
+    while any(c.has_unfinished_requests() for c in cores):
+        r = turn % n
+        for i in list(range(r, n)) + list(range(r)):
+            if cores[i].has_unfinished_requests():
+                t0 = clock()
+                outs = cores[i].step()
+                yield i, outs, clock() - t0
+        turn += 1
+
+
 def _common_prefix(a: str, b: str) -> str:
     n = 0
     for x, y in zip(a, b):

@@ -555,3 +555,28 @@ def test_own_clock_times_requests_by_the_cores_own_steps(engine):
     assert mine["ttft_s"] == pytest.approx(mine["prefill_s"], abs=0.02)  # no pause before the first step counted
     assert mine["decode_s"] < wall["decode_s"]
     assert cores[False].step_clock is None
+
+
+def test_step_in_turn_rotates_and_steps_only_cores_with_work():
+    """step_in_turn: round r starts at core r % n, a finished core is skipped, and each yield
+    carries that core's outputs and its step's seconds on the given clock."""
+    from sparsespec.engine import step_in_turn
+
+    class Fake:
+        def __init__(self, name, steps):
+            self.name, self.left = name, steps
+
+        def has_unfinished_requests(self):
+            return self.left > 0
+
+        def step(self):
+            self.left -= 1
+            now[0] += 1.0 if self.name == "a" else 2.0
+            return [self.name]
+
+    now = [0.0]
+    cores = [Fake("a", 3), Fake("b", 1), Fake("c", 2)]
+    got = [(i, outs, s) for i, outs, s in step_in_turn(cores, lambda: now[0])]
+    assert [i for i, _, _ in got] == [0, 1, 2, 2, 0, 0]  # rounds: a b c | (b done) c a | a
+    assert all(outs == [cores[i].name] for i, outs, _ in got)
+    assert [s for _, _, s in got] == [1.0, 2.0, 2.0, 2.0, 1.0, 1.0]
