@@ -500,3 +500,11 @@ def test_ray_session_starts_its_own_ray_unless_an_address_is_given(monkeypatch):
     with ray_session():
         pass
     assert calls[-1]["address"] == "auto"
+
+
+def test_an_unknown_schedule_is_refused_before_the_model_loads():
+    def never(*a):
+        raise AssertionError("the model must not load")
+
+    with pytest.raises(ValueError, match=r"schedule must be one of \['step', 'run'\], got 'batch'"):
+        EngineWorker("tiny", engine_factory=never, schedule="batch")
