@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from sparsespec.kernels import cpu
-from sparsespec.kernels.plan import TIE_MARGIN, KernelPlan, choose, ours_plan, torch_plan, tune_plan
+from sparsespec.kernels.plan import LINEAR_RANGES, TIE_MARGIN, KernelPlan, choose, ours_plan, range_worst, torch_plan, tune_plan
 from sparsespec.kernels.reference import sparse_attention_ref, verify_attention_ref
 from sparsespec.kv.cache import KVCache
 from sparsespec.shapes import random_transformer
@@ -228,18 +228,34 @@ def test_tune_measures_caches_and_reads_back(tmp_path, monkeypatch):
     plan = tune_plan(model, reps=1)
     assert plan.source == "measured" and plan.tune_s > 0
     lin = plan.timings["linear"]
-    assert set(lin) == {"1", "4", "16", "64", "256"} and all("ss" in v and "mkl" in v for v in lin.values())
-    for m, upper in zip((1, 4, 16, 64, 256), (1, 8, 32, 128, None)):  # each range: its measured winner,
-        t = lin[str(m)]                                                   # ours when within the margin
-        chosen = plan.linear_backend(upper or 10**6)
-        assert t[chosen] <= min(t.values()) * (1 + TIE_MARGIN)
-        assert chosen == "ss" or t[chosen] * (1 + TIE_MARGIN) < t["ss"]
+    assert set(lin) == {"1", "4", "8", "12", "16", "24", "32", "36", "64", "96", "128", "256"}
+    assert all("ss" in v and "mkl" in v for v in lin.values())
+    fwd = plan.timings["forward"]
+    lows = (1, 2, 9, 17, 33, 65, 129)
+    for (upper, widths), low in zip(LINEAR_RANGES, lows):  # each range: the backend whose worst width
+        worst = {be: max(lin[str(m)][be] / min(lin[str(m)].values()) for m in widths)  # is fastest,
+                 for be in lin[str(widths[0])]}                                      # ours within the margin
+        best = min(worst, key=worst.get)
+        if worst["ss"] <= worst[best] * (1 + TIE_MARGIN):
+            best = "ss"
+        # then a library keeps its range only if whole forwards at every width agree
+        kept = best == "ss" or upper is None or all(fwd[str(m)][best] * (1 + TIE_MARGIN) < fwd[str(m)]["ss"]
+                                                    for m in widths)
+        for rows in (low, upper or 10**6):
+            assert plan.linear_backend(rows) == (best if kept else "ss")
     files = list((tmp_path / "tuning").glob("plan-*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["cpu"] == cpu.cpu_model()
     again = tune_plan(model)
     assert again.source == "cache" and again.linear == plan.linear and again.attention == plan.attention
     files[0].write_text("{not json")  # a corrupt entry is measured again, not an error
     assert tune_plan(model, reps=1).source == "measured"
+
+
+def test_a_range_goes_to_the_backend_whose_worst_width_is_fastest():
+    # MKL fastest at 32 but slow at 24; oneDNN never the fastest yet never far: oneDNN's worst wins
+    lin = {24: {"ss": 1.10, "onednn": 1.05, "mkl": 1.50}, 32: {"ss": 1.30, "onednn": 1.05, "mkl": 1.00}}
+    worst = range_worst(lin, (24, 32))
+    assert worst == pytest.approx({"ss": 1.30, "onednn": 1.05, "mkl": 1.50 / 1.05})
 
 
 # ------------------------------------------------------------------ the model

@@ -15,9 +15,9 @@ A ``KernelPlan`` names, for one model on one device:
 
 Where none of our kernels can run (a GPU, a dtype other than fp32, no compiler) the plan is the
 PyTorch one. On a CPU the default is decided by a short measured trial (``tune``): each linear
-backend over the model's own weights at M = 1, 4, 16, 64 and 256 rows, each attention backend at
-a decode and a verify shape, interleaved, the best of three (ours is kept within ``TIE_MARGIN`` of
-the fastest). A kernel choice that wins on one CPU can lose 25-30 % on another, so nothing is
+backend over the model's own weights at two widths M per range of rows (``LINEAR_RANGES``), each
+attention backend at a decode and a verify shape, interleaved, the best of three; a range goes to
+the backend whose worst width is fastest (ours kept within ``TIE_MARGIN``). A kernel choice that wins on one CPU can lose 25-30 % on another, so nothing is
 assumed: the trial's winner is the default, cached
 per CPU (model and ISA flags), torch version, threads, kernel build and model shape in
 ``$SPARSESPEC_CACHE/tuning/``, so a later load on the same machine reads it (``source="cache"``).
@@ -42,15 +42,26 @@ import torch
 import torch.nn.functional as F
 
 from sparsespec.kernels import cpu
+from sparsespec.kv.cache import KVCache
+from sparsespec.kv.index import RowsTarget
 from sparsespec.quant import PACKED_ATTR, PANELS_ATTR, Int8Weight, prepack_available
 
 #: linear backends (``KernelPlan.linear``)
 LINEAR_BACKENDS = ("ss", "onednn", "mkl")
-#: rows at which the trial times the linears, and the ranges they stand for (upper bounds)
-TRIAL_ROWS = (1, 4, 16, 64, 256)
-RANGE_UPPER = (1, 8, 32, 128, None)
+#: the linear plan's row ranges (upper bound) and the widths the trial times in each. A decode step
+#: has B rows, a verify B * (k + 1), a prefill chunk hundreds. Two widths per range: MKL's and
+#: oneDNN's speed jumps between neighbouring widths (SmolLM2 on a 2-core Xeon, MKL over every
+#: weight: 64 ms at M = 32, 84 ms at M = 36), so a range goes to the backend whose worst width is best
+LINEAR_RANGES: tuple[tuple[int | None, tuple[int, ...]], ...] = (
+    (1, (1,)), (8, (4, 8)), (16, (12, 16)), (32, (24, 32)), (64, (36, 64)), (128, (96, 128)), (None, (256,)))
+TRIAL_ROWS = tuple(m for _, ms in LINEAR_RANGES for m in ms)
+RANGE_UPPER = tuple(u for u, _ in LINEAR_RANGES)
+#: the forwards of ``_confirm_in_forward``: verifies of k + 1 tokens per row over this many keys, for
+#: the ranges up to ``FORWARD_TRIAL_UPTO`` rows (decode and verify widths; in a prefill chunk the
+#: per-layer overhead that our fused forward saves is a small share, and the linear trial decides)
+FORWARD_TRIAL_K, FORWARD_TRIAL_CONTEXT, FORWARD_TRIAL_UPTO = 8, 256, 128
 _KERNELS_ENV, _LINEAR_ENV = "SPARSESPEC_KERNELS", "SPARSESPEC_LINEAR"
-TUNE_VERSION = 3
+TUNE_VERSION = 6
 #: another linear backend replaces ours for a range of rows only when the trial measured it faster
 #: by more than this (best-of-3 timings on a shared machine move by about this much between runs);
 #: one kernel for every decode width keeps a row's logits independent of its batch and k
@@ -304,6 +315,66 @@ def _attention_trial(model, reps: int, context: int = 2048, k: int = 8) -> dict[
     return res
 
 
+def range_worst(lin: Mapping[int, Mapping[str, float]], widths: tuple[int, ...]) -> dict[str, float]:
+    """Each backend's worst time over ``widths`` as a multiple of the fastest backend at that width
+    (``lin``: seconds per width and backend, as ``_linear_trial`` returns them)."""
+    return {be: max(lin[m][be] / min(lin[m].values()) for m in widths) for be in lin[widths[0]]}
+
+
+def _confirm_in_forward(model, choice: list[tuple[int | None, str]], threads: int, reps: int):
+    """Check each range the linear trial gave to a library against ours in whole forwards.
+
+    With ours for a width, a forward runs every layer in one call of our kernels
+    (``cpu.forward_layers``); with a library it runs the per-layer Python path. A linear-only trial
+    misses that difference (SmolLM2 on a 2-core Xeon: MKL won the linears at M = 36, and the
+    verify at batch 4 x k = 8 then ran 10 % slower than with ours). Each such range up to
+    ``FORWARD_TRIAL_UPTO`` rows is timed at its widths M, as verifies of ``ceil(M / (k + 1))`` rows
+    of ``k + 1 = FORWARD_TRIAL_K + 1`` tokens over ``FORWARD_TRIAL_CONTEXT`` keys (importance rows
+    into a ring, as the engine runs them), under the linear trial's plan and under that plan with
+    ours for the range; the library keeps the range only when it is faster at every width by more
+    than ``TIE_MARGIN``. Returns the choice and the timings
+    (``{"<width>": {"ss"|"<library>": s}}``). Leaves the model's plan as it found it."""
+    saved = model.kernel_plan
+    trial = KernelPlan(tuple(choice), "ss", True, threads, "trial")
+    packs = KernelPlan(((1, "ss"), (None, "onednn" if trial.uses_onednn else "mkl")), "ss", True, threads, "trial")
+    cfg, P = model.cfg, FORWARD_TRIAL_CONTEXT
+    out, timings = [], {}
+    try:
+        model.kernel_plan = packs
+        model.prepack_()  # panels and oneDNN's copies, both kept while both plans are timed
+        for i, (upper, be) in enumerate(choice):
+            if be == "ss" or upper is None or upper > FORWARD_TRIAL_UPTO:
+                out.append((upper, be))
+                continue
+            ours = KernelPlan(tuple((u, "ss" if j == i else b) for j, (u, b) in enumerate(choice)), "ss", True,
+                              threads, "trial")
+            keep = True
+            for width in dict(LINEAR_RANGES)[upper]:
+                T = FORWARD_TRIAL_K + 1
+                B = -(-width // T)
+                cache = KVCache(cfg, B, P + T + 1, model.dtype, "cpu")
+                g = torch.Generator().manual_seed(0)
+                cache.k.normal_(generator=g)
+                cache.v.normal_(generator=g)
+                ring = RowsTarget(torch.empty(cfg.num_layers, B, cfg.num_kv_heads, T, P + T), torch.arange(T).repeat(B, 1))
+                ids = torch.full((B, T), 42)
+
+                def run(plan, B=B, ids=ids, cache=cache, ring=ring):
+                    model.kernel_plan = plan
+                    cache.lengths = [P] * B
+                    model.forward_dense_features(ids, cache, rows_into=ring)
+
+                with torch.inference_mode():
+                    t = _best_of({"ss": lambda: run(ours), be: lambda: run(trial)}, max(1, reps - 1))
+                timings[str(width)] = t
+                keep = keep and t[be] * (1.0 + TIE_MARGIN) < t["ss"]
+            out.append((upper, be if keep else "ss"))
+    finally:
+        model.kernel_plan = saved
+        model.prepack_()
+    return out, timings
+
+
 def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = None) -> KernelPlan:
     """Measure (or read this machine's cached measurements) and return the fastest plan."""
     threads = torch.get_num_threads()
@@ -321,18 +392,25 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
     backends = ["ss"] + (["onednn"] if prepack_available() else []) + ["mkl"]
     lin = _linear_trial(model, backends, reps)
     att = _attention_trial(model, reps)
-    ranges = []
-    for m, upper in zip(TRIAL_ROWS, RANGE_UPPER):
-        be = min(lin[m], key=lin[m].get)
-        if be != "ss" and "ss" in lin[m] and lin[m]["ss"] <= lin[m][be] * (1.0 + TIE_MARGIN):
+    choice = []
+    for upper, widths in LINEAR_RANGES:
+        worst = range_worst(lin, widths)
+        be = min(worst, key=worst.get)
+        if be != "ss" and "ss" in worst and worst["ss"] <= worst[be] * (1.0 + TIE_MARGIN):
             be = "ss"  # within the trial's noise: keep ours (one kernel for every width: batch-invariant)
+        choice.append((upper, be))
+    att_total = {be: sum(att[s][be] for s in att) for be in ("ss", "torch")}
+    attention = min(att_total, key=att_total.get)
+    fwd: dict[str, dict[str, float]] = {}
+    if attention == "ss" and any(be != "ss" for _, be in choice):
+        choice, fwd = _confirm_in_forward(model, choice, threads, reps)
+    ranges: list[tuple[int | None, str]] = []
+    for upper, be in choice:
         if ranges and ranges[-1][1] == be:
             ranges[-1] = (upper, be)
         else:
             ranges.append((upper, be))
-    att_total = {be: sum(att[s][be] for s in att) for be in ("ss", "torch")}
-    attention = min(att_total, key=att_total.get)
-    timings = {"linear": {str(m): v for m, v in lin.items()}, "attention": att,
+    timings = {"linear": {str(m): v for m, v in lin.items()}, "attention": att, "forward": fwd,
                "read_bytes_per_s": _read_bandwidth()}
     tune_s = time.perf_counter() - t0
     plan = KernelPlan(tuple(ranges), attention, True, threads, "measured", tune_s, timings)
