@@ -252,6 +252,36 @@ def test_tune_measures_caches_and_reads_back(tmp_path, monkeypatch):
     assert tune_plan(model, reps=1).source == "measured"
 
 
+def test_a_library_keeps_a_range_only_where_whole_forwards_are_faster_at_every_width():
+    from sparsespec.kernels.plan import _confirm_in_forward
+
+    model = random_transformer("tiny")
+    before = model.kernel_plan
+    widths_run, plans_run = [], []
+    # fake timings per width (library, ours): faster at both widths of 9-16; at 17-32 only at 24;
+    # 65-128 within the margin at 96; the prefill range is never confirmed
+    fake = {12: (0.5, 1.0), 16: (0.5, 1.0), 24: (0.5, 1.0), 32: (1.0, 0.5), 96: (0.98, 1.0), 128: (0.5, 1.0)}
+
+    def timer(fns, reps):
+        for f in fns.values():
+            f()  # the real forward runs (shapes, the plan it sets)
+            plans_run.append(model.kernel_plan)
+        width = fake_order.pop(0)
+        widths_run.append(width)
+        lib, ours = fake[width]
+        return {"ss": ours, **{k: lib for k in fns if k != "ss"}}
+
+    fake_order = [12, 16, 24, 32, 96, 128]
+    choice = [(1, "ss"), (8, "ss"), (16, "mkl"), (32, "onednn"), (64, "ss"), (128, "mkl"), (None, "onednn")]
+    out, timings = _confirm_in_forward(model, choice, 1, 2, timer=timer)
+    assert out == [(1, "ss"), (8, "ss"), (16, "mkl"), (32, "ss"), (64, "ss"), (128, "ss"), (None, "onednn")]
+    assert widths_run == [12, 16, 24, 32, 96, 128] and set(timings) == {str(w) for w in widths_run}
+    # each timed pair ran ours for the range under test and the library's plan otherwise
+    assert plans_run[0].linear_backend(12) == "ss" and plans_run[1].linear_backend(12) == "mkl"
+    assert all(p.linear_backend(200) == "onednn" for p in plans_run)
+    assert model.kernel_plan is before  # the model's plan is restored
+
+
 def test_a_range_goes_to_the_backend_whose_worst_width_is_fastest():
     # MKL fastest at 32 but slow at 24; oneDNN never the fastest yet never far: oneDNN's worst wins
     lin = {24: {"ss": 1.10, "onednn": 1.05, "mkl": 1.50}, 32: {"ss": 1.30, "onednn": 1.05, "mkl": 1.00}}

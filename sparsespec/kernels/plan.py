@@ -321,7 +321,8 @@ def range_worst(lin: Mapping[int, Mapping[str, float]], widths: tuple[int, ...])
     return {be: max(lin[m][be] / min(lin[m].values()) for m in widths) for be in lin[widths[0]]}
 
 
-def _confirm_in_forward(model, choice: list[tuple[int | None, str]], threads: int, reps: int):
+def _confirm_in_forward(model, choice: list[tuple[int | None, str]], threads: int, reps: int,
+                        timer: Callable[[Mapping[str, Callable[[], Any]], int], dict[str, float]] = _best_of):
     """Check each range the linear trial gave to a library against ours in whole forwards.
 
     With ours for a width, a forward runs every layer in one call of our kernels
@@ -333,7 +334,8 @@ def _confirm_in_forward(model, choice: list[tuple[int | None, str]], threads: in
     into a ring, as the engine runs them), under the linear trial's plan and under that plan with
     ours for the range; the library keeps the range only when it is faster at every width by more
     than ``TIE_MARGIN``. Returns the choice and the timings
-    (``{"<width>": {"ss"|"<library>": s}}``). Leaves the model's plan as it found it."""
+    (``{"<width>": {"ss"|"<library>": s}}``). Leaves the model's plan as it found it. ``timer``:
+    ``_best_of`` (a test passes a fake one)."""
     saved = model.kernel_plan
     trial = KernelPlan(tuple(choice), "ss", True, threads, "trial")
     packs = KernelPlan(((1, "ss"), (None, "onednn" if trial.uses_onednn else "mkl")), "ss", True, threads, "trial")
@@ -365,7 +367,7 @@ def _confirm_in_forward(model, choice: list[tuple[int | None, str]], threads: in
                     model.forward_dense_features(ids, cache, rows_into=ring)
 
                 with torch.inference_mode():
-                    t = _best_of({"ss": lambda: run(ours), be: lambda: run(trial)}, max(1, reps - 1))
+                    t = timer({"ss": lambda: run(ours), be: lambda: run(trial)}, max(1, reps - 1))
                 timings[str(width)] = t
                 keep = keep and t[be] * (1.0 + TIE_MARGIN) < t["ss"]
             out.append((upper, be if keep else "ss"))
