@@ -10,9 +10,11 @@ A verify step's attention reads the same bytes as a decode step's, so at T > 1 t
 compute-bound on a CPU whose GEMM rate per byte of bandwidth is low: the ``GFLOP/s`` column
 against the GEMM rate says how far its score and P.V phases are from a GEMM's efficiency.
 
-Every call re-reads the same layer's K and V (2 x B x H_kv x S x D x 4 bytes; 37.7 MB at the
-default 4 x 6K): where a good part of that stays in the last-level cache, the times flatter the
-kernel against a decode step, which streams every layer's cache from memory. Compare with
+Each timed call runs the kernel over ``--layers`` layers' own K and V (SmolLM2's 30 by default:
+1.1 GB at the default 4 x 6K), one after the other as a step does, and the times are per layer:
+the caches stream from memory as in a step. ``--layers 1`` re-reads one layer's 37.7 MB every
+call: on a CPU with a large last-level cache (480 MB on the Xeon of benchmarks/RESULTS.md) that
+times the kernel from cache, 1.3-3x faster than inside a step. Compare with
 ``python -m cluster.bench --steps-only`` (the attention phase of whole steps).
 
     .venv/bin/python benchmarks/attention_cpu.py --batch 4 --context 6144 --widths 1,3,9
@@ -34,6 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--widths", default="1,3,9", help="query tokens per row (verify: k + 1)")
+    ap.add_argument("--layers", type=int, default=30, help="layers of K/V each call runs over (times: per layer)")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args(argv)
@@ -49,16 +52,24 @@ def main(argv=None) -> int:
     widths = [int(x) for x in a.widths.split(",")]
     machine = measure_machine("cpu", torch.float32, reps=3)
     bw, gemm = machine["read_bytes_per_s"], machine["gemm_flops_per_s"]
-    k = torch.randn(B, Hkv, S + max(widths), D)
+    L = a.layers
+    if L < 1:
+        ap.error("--layers must be at least 1")
+    k = torch.randn(L, B, Hkv, S + max(widths), D)  # every layer's own cache, as in a step
     v = torch.randn_like(k)
     starts = torch.full((B,), S, dtype=torch.int64)
     calls = {}
     for T in widths:
         q = torch.randn(B, H, T, D)
-        calls[(T, False)] = (lambda q=q: kc.attention(q, k, v, starts, S, D ** -0.5))
+
+        def run(q=q, rows=None):
+            for i in range(L):
+                kc.attention(q, k[i], v[i], starts, S, D ** -0.5, rows_out=rows)
+
+        calls[(T, False)] = run
         if T > 1:
             rows = torch.zeros(B, Hkv, T, S + T)
-            calls[(T, True)] = (lambda q=q, rows=rows: kc.attention(q, k, v, starts, S, D ** -0.5, rows_out=rows))
+            calls[(T, True)] = (lambda run=run, rows=rows: run(rows=rows))
     for f in calls.values():
         f()
     times: dict = {key: [] for key in calls}
@@ -66,9 +77,10 @@ def main(argv=None) -> int:
         for key, f in calls.items():
             t0 = time.perf_counter()
             f()
-            times[key].append(time.perf_counter() - t0)
+            times[key].append((time.perf_counter() - t0) / L)
     print(f"{kc.cpu_model()} [{kc.isa_summary()}], {torch.get_num_threads()} threads; read {bw / 1e9:.1f} GB/s, "
-          f"GEMM {gemm / 1e9:.0f} GFLOP/s; B={B} S={S} H={H} H_kv={Hkv} D={D}\n")
+          f"GEMM {gemm / 1e9:.0f} GFLOP/s; B={B} S={S} H={H} H_kv={Hkv} D={D}, {L} layer(s) per call, "
+          f"times per layer\n")
     print("| T | rows | ms | x roofline | GB/s (K+V) | GFLOP/s |")
     print("|---|---|---|---|---|---|")
     kv_bytes = 2 * B * Hkv * S * D * 4
@@ -76,7 +88,7 @@ def main(argv=None) -> int:
         t = statistics.median(ts)
         flops = 4 * B * H * T * S * D
         roof = max(kv_bytes / bw, flops / gemm)
-        print(f"| {T} | {'yes' if rows else 'no'} | {t * 1e3:.2f} | {t / roof:.2f} | {kv_bytes / t / 1e9:.1f} | "
+        print(f"| {T} | {'yes' if rows else 'no'} | {t * 1e3:.3f} | {t / roof:.2f} | {kv_bytes / t / 1e9:.1f} | "
               f"{flops / t / 1e9:.0f} |")
     return 0
 

@@ -14,9 +14,22 @@ _spec.loader.exec_module(bench)
 
 @pytest.mark.skipif(not kc.available(), reason="our CPU kernels are not built here")
 def test_prints_one_row_per_width_and_rows_variant(capsys):
-    assert bench.main(["--batch", "2", "--context", "256", "--widths", "1,3", "--reps", "2"]) == 0
+    assert bench.main(["--batch", "2", "--context", "256", "--widths", "1,3", "--reps", "2", "--layers", "3"]) == 0
     out = capsys.readouterr().out
+    assert "3 layer(s) per call" in out
     rows = [line for line in out.splitlines() if line.startswith("| 1 |") or line.startswith("| 3 |")]
     assert [r.split("|")[1:3] for r in rows] == [[" 1 ", " no "], [" 3 ", " no "], [" 3 ", " yes "]]
-    for r in rows:  # ms, x roofline, GB/s, GFLOP/s: positive numbers
-        assert all(float(c) > 0 for c in r.split("|")[3:7])
+    for r in rows:  # ms and x roofline positive; GB/s and GFLOP/s numbers (0.0 when rounded on a loaded machine)
+        ms, roof, gbs, gflops = (float(c) for c in r.split("|")[3:7])
+        assert ms > 0 and roof > 0 and gbs >= 0 and gflops >= 0
+
+
+@pytest.mark.skipif(not kc.available(), reason="our CPU kernels are not built here")
+def test_each_call_runs_every_layer_and_times_are_per_layer(monkeypatch, capsys):
+    calls = []
+    real = kc.attention
+    monkeypatch.setattr(kc, "attention", lambda q, k, *a, **kw: calls.append(k.data_ptr()) or real(q, k, *a, **kw))
+    assert bench.main(["--batch", "1", "--context", "64", "--widths", "1", "--reps", "1", "--layers", "4"]) == 0
+    assert len(calls) == 2 * 4 and len(set(calls)) == 4  # warm-up + 1 rep, each over the 4 layers' own caches
+    with pytest.raises(SystemExit):
+        bench.main(["--layers", "0"])
