@@ -13,7 +13,7 @@ against the GEMM rate says how far its score and P.V phases are from a GEMM's ef
 Every call re-reads the same layer's K and V (2 x B x H_kv x S x D x 4 bytes; 37.7 MB at the
 default 4 x 6K): where a good part of that stays in the last-level cache, the times flatter the
 kernel against a decode step, which streams every layer's cache from memory. Compare with
-``python -m cluster.bench --steps-only`` (the attention phase of whole steps).
+``python -m cluster.speed --steps-only`` (the attention phase of whole steps).
 
     .venv/bin/python benchmarks/attention_cpu.py --batch 4 --context 6144 --widths 1,3,9
 """

@@ -2,8 +2,8 @@
 weighted, sticky split per session.
 
 Run it with ``serve run configs/serve.yaml`` (Ray Serve's config format) or
-``serve run cluster.serve:app`` (defaults: SmolLM2-135M, arms ``ar`` and ``sparsespec-l`` at
-50/50, 127.0.0.1:8000); ``serve run cluster.serve:app model=PATH`` overrides an argument.
+``serve run cluster.serve.endpoint:app`` (defaults: SmolLM2-135M, arms ``ar`` and ``sparsespec-l`` at
+50/50, 127.0.0.1:8000); ``serve run cluster.serve.endpoint:app model=PATH`` overrides an argument.
 
 Layout (the Ray layer stays thin):
 
@@ -86,22 +86,22 @@ POLICY = "policy"  # the arm type that picks method and k per request from a pol
 
 
 def load_policy_options(options: Mapping[str, Any]) -> tuple[Any, str | None]:
-    """A ``policy`` arm's options: ``path`` (the policy file ``python -m cluster.report --policy``
+    """A ``policy`` arm's options: ``path`` (the policy file ``python -m cluster.results.report --policy``
     writes; required) and ``model`` (its key in the file; default the serve ``model``).
 
     Returns:
-        (``cluster.policy.SpeculationPolicy``, the ``model`` option or None).
+        (``cluster.results.policy.SpeculationPolicy``, the ``model`` option or None).
 
     Raises:
         ValueError: a missing or unknown option, or a policy file that is missing or invalid.
     """
-    from cluster.policy import PolicyError, SpeculationPolicy
+    from cluster.results.policy import PolicyError, SpeculationPolicy
 
     unknown = sorted(set(options) - {"path", "model"})
     if unknown:
         raise ValueError(f"unknown policy option(s) {unknown}; a policy arm takes 'path' and 'model'")
     if not isinstance(options.get("path"), str) or not options["path"]:
-        raise ValueError("a policy arm needs options.path: the policy file (python -m cluster.report --policy "
+        raise ValueError("a policy arm needs options.path: the policy file (python -m cluster.results.report --policy "
                          "--policy-out FILE)")
     try:
         policy = SpeculationPolicy.load(options["path"])
@@ -124,7 +124,7 @@ class ArmConfig(BaseModel):
     relative (weights need not sum to 1); a weight of 0 takes explicit requests only.
 
     ``method: policy`` is the policy arm: ``options: {path: FILE, model: KEY}`` names a policy
-    file (``cluster.policy``); the arm holds one ``EngineCore`` per speculative method the policy
+    file (``cluster.results.policy``); the arm holds one ``EngineCore`` per speculative method the policy
     uses and caps each request at its entry's k, k=0 included (``SpeculationPolicy.cores``).
     """
 
@@ -154,7 +154,7 @@ class ArmConfig(BaseModel):
 
 
 class ServeArgs(BaseModel):
-    """The application's ``args`` (Ray Serve config file, or ``serve run cluster.serve:app k=v``).
+    """The application's ``args`` (Ray Serve config file, or ``serve run cluster.serve.endpoint:app k=v``).
 
     Attributes:
         model: preset (``smollm2-135m``) or local Hugging Face folder; ``served_model_name`` is
@@ -306,7 +306,7 @@ class RequestLog:
             self._q.put(dict(row))
 
     def _run(self) -> None:
-        from cluster.store import open_store
+        from cluster.results.store import open_store
 
         store = None
         pending: list[tuple[dict, int]] = []
@@ -341,7 +341,7 @@ class RequestLog:
 # ====================================================================== the arm
 def _load_factory(path: str | None):
     if not path:
-        from cluster.worker import default_engine_factory
+        from cluster.sweep.worker import default_engine_factory
 
         return default_engine_factory
     mod, _, fn = path.partition(":")
@@ -1753,5 +1753,5 @@ def build_app(args: Mapping[str, Any] | None = None):
 
 
 def app(args: dict[str, Any] | None = None):
-    """``serve run cluster.serve:app [key=value ...]`` (an application builder)."""
+    """``serve run cluster.serve.endpoint:app [key=value ...]`` (an application builder)."""
     return build_app(args)

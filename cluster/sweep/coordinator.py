@@ -27,9 +27,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.plan import AR, Shard, lossless_check
-from cluster.store import Store
-from cluster.worker import EngineFactory
+from cluster.sweep.plan import AR, Shard, lossless_check
+from cluster.results.store import Store
+from cluster.sweep.worker import EngineFactory
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class WorkerPlan:
     num_cpus: int  # per actor
     threads: int  # torch threads per actor
     device: str  # "cuda" | "cpu"
-    schedule: str = "step"  # how a batch's methods share the actor's device (cluster.worker.SCHEDULES)
+    schedule: str = "step"  # how a batch's methods share the actor's device (cluster.sweep.worker.SCHEDULES)
 
 
 def plan_workers(num_workers: int | None, threads: int | None, device: str = "auto",
@@ -138,7 +138,7 @@ class WorkerPool:
         self.actors: list[Any] = [self._spawn() for _ in range(plan.num_workers)]
 
     def _spawn(self) -> Any:
-        from cluster.worker import EngineWorkerActor
+        from cluster.sweep.worker import EngineWorkerActor
 
         return EngineWorkerActor.options(num_cpus=self.plan.num_cpus, num_gpus=self.plan.num_gpus,
                                          max_restarts=0).remote(

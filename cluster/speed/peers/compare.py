@@ -16,7 +16,7 @@ speculative config):
   ``min_new_tokens`` / ``min_tokens`` do, so every engine generates the same length);
 * where an engine cannot run a cell, a row that says why, in one line.
 
-Rows (``kind="peer"``) go into ``cluster.bench``'s result and store, keyed by
+Rows (``kind="peer"``) go into ``cluster.speed.measure``'s result and store, keyed by
 ``method = "<engine>:<method>"`` (``sparsespec:ar``, ``transformers:prompt-lookup``, ``vllm:ngram``).
 """
 from __future__ import annotations
@@ -208,8 +208,8 @@ def kv_cache_gib(folder, dtype: str, tokens: int, headroom: float = 2.0) -> int:
 def vllm_peer(folder, dtype: str, threads: int, cells: Mapping[tuple[int, int], list[list[int]]], n: int, reps: int,
               k: int, timeout_s: float = 3600.0) -> list[dict[str, Any]]:
     """vLLM's CPU build (``make peers``), one engine per method for every cell (its startup is
-    ~100 s), through ``cluster.peers.run_vllm``; error rows when it cannot run."""
-    from cluster.peers import run_vllm
+    ~100 s), through ``cluster.speed.peers.run_vllm``; error rows when it cannot run."""
+    from cluster.speed.peers import run_vllm
 
     rows = []
     max_len = max(len(p[0]) for p in cells.values()) + n + 8

@@ -7,7 +7,7 @@ options dataclass and a run's ``config["method_options"][method]`` holds only th
 For a store written before, this revision:
 
 * recomputes the id of every sweep run (a run whose id is the hash of its stored config, as
-  ``cluster.plan.compute_run_id`` made it; others, e.g. ``bench-...`` runs, are left alone) from
+  ``cluster.sweep.plan.compute_run_id`` made it; others, e.g. ``bench-...`` runs, are left alone) from
   its config with each method's options cut to the ones the method takes (``OWN_OPTIONS``, frozen
   here) and ``draft_weights`` filled in for the self-speculative methods (the old form left it
   out at ``"target"``);
@@ -19,7 +19,7 @@ For a store written before, this revision:
 * records every run it looked at in ``run_id_map`` (old id, new id, the old config, a note), so
   the move can be traced and undone (``downgrade`` moves the runs back and drops the table).
 
-So ``cluster.sweep`` on the same spec plans the new ids and finds those runs' shards done.
+So ``cluster.sweep.run`` on the same spec plans the new ids and finds those runs' shards done.
 Two old runs whose configs differed only in options their method never read (e.g. ngram with two
 ``budget_frac`` values) map to the same new id: the first (by old id) moves, the other keeps its
 old id, with the reason in ``note``.
@@ -72,7 +72,7 @@ bench = sa.table("bench", sa.column("id"), sa.column("run_id"), sa.column("metri
 
 
 def run_id_of(benchmark: str, config: Mapping[str, Any]) -> str:
-    """``cluster.plan.compute_run_id`` as of this revision (frozen)."""
+    """``cluster.sweep.plan.compute_run_id`` as of this revision (frozen)."""
     blob = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
     return f"{benchmark}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
 
@@ -95,7 +95,7 @@ def new_config(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def is_sweep_run(run_id: str, config: Any) -> bool:
-    """The run's id is the hash of its stored config (a ``cluster.plan`` cell)."""
+    """The run's id is the hash of its stored config (a ``cluster.sweep.plan`` cell)."""
     return (isinstance(config, Mapping) and isinstance(config.get("method_options"), Mapping)
             and isinstance(config.get("benchmark"), str) and run_id == run_id_of(config["benchmark"], config))
 

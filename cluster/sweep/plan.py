@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.spec import AR, SweepSpec
+from cluster.sweep.schema import AR, SweepSpec
 from evals.base import Sample
 from evals.registry import Benchmark, get_benchmark
 
@@ -42,7 +42,7 @@ class Shard:
     samples: tuple[Sample, ...]
     methods: tuple[str, ...]
     method_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    quantize: str = "none"  # the target's weights (cluster.spec.QUANTIZE): the worker quantises at load
+    quantize: str = "none"  # the target's weights (cluster.sweep.schema.QUANTIZE): the worker quantises at load
     sampling: Mapping[str, Any] = field(default_factory=dict)  # temperature, top_p, top_k, seed
     batch_index: int = 0  # index of this batch within (run, task): sets the method rotation
     sample_offset: int = 0  # index of samples[0] within its task: sets the sampling seeds
@@ -114,7 +114,7 @@ def plan_cells(spec: SweepSpec, method_options: Mapping[str, Mapping[str, Any]],
                tokenizer_info: TokenizerInfo = default_tokenizer_info) -> list[Cell]:
     """Every cell of the sweep, samples built (once per model, benchmark and context length).
 
-    ``method_options``: the resolved options (``cluster.spec.check_methods``). Raises ValueError
+    ``method_options``: the resolved options (``cluster.sweep.schema.check_methods``). Raises ValueError
     (bad task, context length over a model's window, ...) naming the benchmark and model.
     """
     cells: list[Cell] = []

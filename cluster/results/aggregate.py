@@ -10,7 +10,7 @@ A *cell* is one (benchmark, task, model, context_length, batch_size, method, k) 
 ``k`` is the draft length the method ran with (``"auto"``, an integer, or None for ``ar``): a
 fixed-k sweep and the adaptive controller are different cells, never pooled together.
 
-Speedup (``paired_speedup``), as in ``cluster.report``: a pair is one batch (same run, same
+Speedup (``paired_speedup``), as in ``cluster.results.report``: a pair is one batch (same run, same
 samples, same worker) decoded with ``ar`` and with the method; the batch TPOT is
 ``(batch_wall_s - batch_prefill_s) / sum(output tokens - 1)``. ``speedup`` = median over pairs
 of ``TPOT_ar / TPOT_method``; ``speedup_total`` = total ar decode time / total method decode
@@ -633,7 +633,7 @@ def gates_table(rows: Iterable[Mapping[str, Any]], t: GateThresholds = GateThres
 
 # --------------------------------------------------------------------------- A/B traffic
 def _serve_records(requests: Iterable[Mapping[str, Any]]) -> list[Any]:
-    from cluster.loadtest import RequestRecord
+    from cluster.serve.loadtest import RequestRecord
 
     recs = []
     for i, q in enumerate(requests):
@@ -681,8 +681,8 @@ def ab_arms(requests: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 def ab_decisions(requests: Sequence[Mapping[str, Any]], baseline: str | None = None, *, n_boot: int = N_BOOT,
                  seed: int = 0) -> list[dict[str, Any]]:
     """Every arm's median TPOT against the baseline arm's (default ``ar`` if present), with the
-    bootstrap 95 % interval: the same decision ``cluster.loadtest`` prints, from stored rows."""
-    from cluster.loadtest import ab_decisions as decide
+    bootstrap 95 % interval: the same decision ``cluster.serve.loadtest`` prints, from stored rows."""
+    from cluster.serve.loadtest import ab_decisions as decide
 
     return decide(_serve_records(requests), baseline, n_boot=n_boot, seed=seed)
 

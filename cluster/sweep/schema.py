@@ -34,7 +34,7 @@ Schema (every key except ``name``, ``models`` and ``benchmarks`` is optional; se
       schedule: step                  # step: the methods' cores take turns step by step | run: whole batches in turn
     db: sqlite:///results/sparsespec.db
 
-The planner (``cluster.plan``) turns a spec into cells and shards; ``cluster.sweep`` runs them.
+The planner (``cluster.sweep.plan``) turns a spec into cells and shards; ``cluster.sweep.run`` runs them.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from cluster.store import DEFAULT_DB_URL
+from cluster.results.store import DEFAULT_DB_URL
 from sparsespec.registry import AR
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -104,7 +104,7 @@ class WorkersSpec(_Frozen):
     num_workers: int | None = Field(default=None, ge=1)
     threads: int | None = Field(default=None, ge=1)
     max_retries: int = Field(default=2, ge=0)
-    #: how a batch's methods share the device (``cluster.worker``): "step" interleaves their cores'
+    #: how a batch's methods share the device (``cluster.sweep.worker``): "step" interleaves their cores'
     #: steps (paired timing on a noisy machine), "run" decodes each method's whole batch in turn
     #: (one KV pool in memory at a time). Not part of the run id: it changes no output.
     schedule: Literal["step", "run"] = "step"

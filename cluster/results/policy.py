@@ -1,6 +1,6 @@
 """The measured crossover map as a deployable speculation policy (issue 27 item 3).
 
-``build_policy`` turns a store's cells (``cluster.queries.cell_table``, tasks and benchmarks
+``build_policy`` turns a store's cells (``cluster.results.aggregate.cell_table``, tasks and benchmarks
 pooled per (model, context length, batch size, method, k, draft weights), full-precision
 targets only) into, per model and per (batch bucket, context bucket), the fastest *lossless*
 method and k, or ``k = 0`` (speculation off, ``ar``). Every number in an entry is a cell's
@@ -11,7 +11,7 @@ A candidate (a non-``ar`` cell of the bucket) is *eligible* when
 
 - its greedy lossless rate is 1 over at least one conclusive sample (None, i.e. no conclusive
   sample, is not proof: not eligible; below 1 is lossy);
-- it has at least ``min_pairs`` paired batches (default ``cluster.queries.MIN_CI_PAIRS``, the
+- it has at least ``min_pairs`` paired batches (default ``cluster.results.aggregate.MIN_CI_PAIRS``, the
   fewest that get an interval) and an interval;
 - its interval lies above 1 (``ci_low > 1``): conclusively faster than ``ar``; a median above 1
   whose interval reaches 1 is inconclusive.
@@ -31,7 +31,7 @@ and a value on an edge belongs to the upper bucket (contexts 1024 and 8192 split
 ``vllm_fragment`` writes the equivalent ``--speculative-config`` for vLLM (keys of the installed
 version, ``VLLM_SPECULATIVE_KEYS``), with ``notes`` on what vLLM cannot express.
 
-    python -m cluster.report --policy --db URL [--policy-out policy.json] [--vllm-out vllm.json]
+    python -m cluster.results.report --policy --db URL [--policy-out policy.json] [--vllm-out vllm.json]
 """
 from __future__ import annotations
 
@@ -45,12 +45,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from cluster.queries import MIN_CI_PAIRS, N_BOOT, cell_table
+from cluster.results.aggregate import MIN_CI_PAIRS, N_BOOT, cell_table
 from sparsespec.registry import AR
 
 POLICY_VERSION = 1
 
-#: The grouping of a policy's cells: ``cluster.queries.CELL_KEYS`` without benchmark and task.
+#: The grouping of a policy's cells: ``cluster.results.aggregate.CELL_KEYS`` without benchmark and task.
 POLICY_KEYS = ("model", "quantize", "context_length", "batch_size", "method", "k", "draft_weights")
 
 Status = Literal["speculate", "off", "insufficient_pairs"]
@@ -350,8 +350,8 @@ def build_policy(rows: Iterable[Mapping[str, Any]], *, min_pairs: int = MIN_CI_P
 def policy_from_store(db_url: str, *, min_pairs: int = MIN_CI_PAIRS,
                       run_ids: str | Iterable[str] | None = None) -> SpeculationPolicy:
     """``build_policy`` over a store (``StoreError`` for a bad URL or missing file)."""
-    from cluster import queries
-    from cluster.store import open_store, safe_url
+    from cluster.results import aggregate as queries
+    from cluster.results.store import open_store, safe_url
 
     with open_store(db_url, create=False) as store:
         runs = store.runs()

@@ -1,4 +1,4 @@
-"""Report: the per-cell numbers of a store, as ``cluster.queries.cell_table`` derives them.
+"""Report: the per-cell numbers of a store, as ``cluster.results.aggregate.cell_table`` derives them.
 
 There is one aggregation: ``cell_table`` (built on ``sparsespec.stats``: ``pool``, ``derive``,
 ``batch_tpot``). The report, the leaderboard, the dashboard and the bench's end-to-end rows are
@@ -26,17 +26,17 @@ per-batch ratios:
                   when none is conclusive
 
 Rows of several runs of one cell are pooled; pass run ids to report a single configuration.
-``cluster.queries.cell_table`` also carries tokens/s, the total-time speedup and the ledger
+``cluster.results.aggregate.cell_table`` also carries tokens/s, the total-time speedup and the ledger
 prediction per cell; ``report_rows`` keeps exactly ``REPORT_KEYS``.
 
-    python -m cluster.report --db sqlite:///results/sparsespec.db [--json] [--run RUN_ID ...]
+    python -m cluster.results.report --db sqlite:///results/sparsespec.db [--json] [--run RUN_ID ...]
 
-``--policy`` turns the store into a speculation policy (``cluster.policy``): per model and
+``--policy`` turns the store into a speculation policy (``cluster.results.policy``): per model and
 (context, batch) bucket the fastest lossless method and k (k=0: off), with its speedup and
 interval, a file the Serve ``policy`` arm reads (``--policy-out``) and vLLM's equivalent
 ``--speculative-config`` (``--vllm-out``):
 
-    python -m cluster.report --policy --db URL --policy-out policy.json --vllm-out vllm_spec.json
+    python -m cluster.results.report --policy --db URL --policy-out policy.json --vllm-out vllm_spec.json
 """
 from __future__ import annotations
 
@@ -46,11 +46,11 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from cluster.queries import CELL_KEYS, cell_table, paired_batches
-from cluster.store import DEFAULT_DB_URL, StoreError, cli_error, open_store, safe_url
+from cluster.results.aggregate import CELL_KEYS, cell_table, paired_batches
+from cluster.results.store import DEFAULT_DB_URL, StoreError, cli_error, open_store, safe_url
 from sparsespec.stats import derive
 
-#: the keys of a report row's cell (``cluster.queries.CELL_KEYS``)
+#: the keys of a report row's cell (``cluster.results.aggregate.CELL_KEYS``)
 GROUP_KEYS = CELL_KEYS
 
 REPORT_KEYS = (*CELL_KEYS, "n", "score", "speedup", "alpha", "tau", "mean_k", "gamma", "lossless_rate")
@@ -65,14 +65,14 @@ def tpot(stats: Mapping[str, Any]) -> float | None:
 
 def batch_speedups(rs: Sequence[Mapping[str, Any]], ar_rows: Sequence[Mapping[str, Any]]) -> list[float]:
     """Paired per-batch ratios TPOT_ar / TPOT_method (``rs``: one method's rows), as
-    ``cluster.queries.paired_batches`` pairs them (the median is the report's speedup)."""
+    ``cluster.results.aggregate.paired_batches`` pairs them (the median is the report's speedup)."""
     return [t_ar / t_m for t_ar, t_m, _ in paired_batches(rs, ar_rows)]
 
 
 # --------------------------------------------------------------------------- the report
 def compute_report(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Report rows (keys exactly ``REPORT_KEYS``) from result rows (dicts with the store's
-    columns): ``cluster.queries.cell_table``'s cells, projected."""
+    columns): ``cluster.results.aggregate.cell_table``'s cells, projected."""
     return [{k: c[k] for k in REPORT_KEYS} for c in cell_table(rows)]
 
 
@@ -125,8 +125,8 @@ LEADERBOARD_HEADERS = {
 
 def leaderboard_rows(db_url: str, run_ids: str | Iterable[str] | None = None
                      ) -> tuple[list[dict[str, Any]], Any]:
-    """``cluster.queries.leaderboard`` rows of the store and the ``Environment`` they ran in."""
-    from cluster import queries
+    """``cluster.results.aggregate.leaderboard`` rows of the store and the ``Environment`` they ran in."""
+    from cluster.results import aggregate as queries
 
     with open_store(db_url, create=False) as store:
         runs = [r for r in store.runs() if run_ids is None or r["run_id"] in set(
@@ -192,8 +192,8 @@ FOUR_WAY_HEADERS = {
 
 
 def four_way_rows(db_url: str, run_ids: str | Iterable[str] | None = None) -> list[dict[str, Any]]:
-    """``cluster.queries.four_way`` over the store (runs with and without a quantised target)."""
-    from cluster import queries
+    """``cluster.results.aggregate.four_way`` over the store (runs with and without a quantised target)."""
+    from cluster.results import aggregate as queries
 
     with open_store(db_url, create=False) as store:
         runs = [r for r in store.runs() if run_ids is None or r["run_id"] in set(
@@ -219,7 +219,7 @@ def format_four_way(rows: Sequence[Mapping[str, Any]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cluster.report",
+    p = argparse.ArgumentParser(prog="python -m cluster.results.report",
                                 description="Per-cell report of stored results (benchmark, task, model, target, "
                                             "context length, batch size, method, k, draft weights).")
     p.add_argument("--db", default=DEFAULT_DB_URL, help=f"database URL (default {DEFAULT_DB_URL})")
@@ -281,8 +281,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _policy_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from pathlib import Path
 
-    from cluster.policy import PolicyError, format_policy, policy_from_store, vllm_fragment
-    from cluster.queries import MIN_CI_PAIRS
+    from cluster.results.policy import PolicyError, format_policy, policy_from_store, vllm_fragment
+    from cluster.results.aggregate import MIN_CI_PAIRS
 
     min_pairs = MIN_CI_PAIRS if args.min_pairs is None else args.min_pairs
     if min_pairs < MIN_CI_PAIRS:

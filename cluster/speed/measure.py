@@ -1,4 +1,4 @@
-"""Paired speed benchmark against the roofline: ``python -m cluster.bench``.
+"""Paired speed benchmark against the roofline: ``python -m cluster.speed``.
 
 For one model (a preset, a local HF folder, or a random-weight model at a real shape), every
 context length L and batch size B (L = prompt + generated tokens, as in every sweep: the prompts
@@ -17,17 +17,17 @@ hold ``L - --gen-tokens`` tokens), it measures, after warm-up:
   step), and the compute floor ``flops / GEMM throughput``; each step is reported as a multiple
   of ``max`` of the two (``x_roofline``) and of the memory term alone (``x_mem``);
 * end to end (unless ``--steps-only``; needs a real model with a tokenizer, so never with
-  ``--random-weights``): a sweep (``cluster.sweep.run_sweep``) of the ``speed`` benchmark
+  ``--random-weights``): a sweep (``cluster.sweep.run.run_sweep``) of the ``speed`` benchmark
   (``evals.benchmarks.speed``: consecutive windows of a public-domain book, ``ignore_eos``, so
   every method generates exactly ``--gen-tokens``) with ``ar`` and every method, one cell per
   (L, B, repetition), on Ray workers: the same planner, run ids, batches, interleaving, lossless
-  check, store and report as any sweep. Its rows here are ``cluster.report``'s (speedup = median
+  check, store and report as any sweep. Its rows here are ``cluster.results.report``'s (speedup = median
   over paired batches of the batch TPOT ratio, alpha, tau, mean k, gamma, lossless rate) with the
   ledger ``S = (alpha*k + 1) / (k*gamma + 1)``, the prediction from the run's own round times,
   and ``sparsespec.roofline.roofline_speedup`` at the measured acceptance, from the step floors
   (roofline S) and from the measured step times (step-predicted S). Rerunning the same command
   resumes the sweep (finished shards are skipped, no result is written twice);
-* peers (``cluster.peers.compare``): our ``ar`` and ``ngram`` beside transformers' ``generate`` and
+* peers (``cluster.speed.peers.compare``): our ``ar`` and ``ngram`` beside transformers' ``generate`` and
   prompt lookup and vLLM's CPU build (``make peers``) ``ar`` and ``ngram``, on the same prompts,
   model, dtype and threads, every cell's decode milliseconds per step measured the same way for
   every engine, and whether each one's greedy tokens equal our ``ar``'s.
@@ -36,8 +36,8 @@ Results go to the store (``--db``: the sweep's runs and results, and the ``bench
 the step, peer and end-to-end rows), to ``--json-out`` and to stdout as Markdown tables
 (paste them into ``benchmarks/RESULTS.md`` with the date and command).
 
-    python -m cluster.bench --model smollm2-135m --context-lengths 1024,2048,4096,8192 --batch-sizes 1,4,8
-    python -m cluster.bench --shape llama-3.1-8b --random-weights --device cuda --dtype bfloat16 \\
+    python -m cluster.speed --model smollm2-135m --context-lengths 1024,2048,4096,8192 --batch-sizes 1,4,8
+    python -m cluster.speed --shape llama-3.1-8b --random-weights --device cuda --dtype bfloat16 \\
         --context-lengths 16384,32768,65536 --batch-sizes 1 --steps-only --json-out gpu.json
 
 The end-to-end sweep starts a local Ray when none is running, or joins ``--ray-address`` (or
@@ -61,7 +61,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sparsespec.roofline import (  # noqa: F401 - re-exported for ``from cluster.bench import ...``
+from sparsespec.roofline import (  # noqa: F401 - re-exported for ``from cluster.speed.measure import ...``
     _sync,
     kv_bytes,
     machine_desc,
@@ -77,7 +77,7 @@ from sparsespec.roofline import (  # noqa: F401 - re-exported for ``from cluster
 )
 from sparsespec.registry import AR
 
-log = logging.getLogger("cluster.bench")
+log = logging.getLogger("cluster.speed.measure")
 
 SPEED = "speed"  # the registry key of the fixed-length speed benchmark
 #: Prompt tokens every context length must leave after the generated ones.
@@ -150,7 +150,7 @@ class BenchConfig:
     e2e_samples: int | None = None
     warmup: int = 2
     steps_only: bool = False
-    #: external engines timed beside ours on the same prompts (``cluster.peers.compare``): our ``ar``
+    #: external engines timed beside ours on the same prompts (``cluster.speed.peers.compare``): our ``ar``
     #: and ``ngram`` always, then ``transformers`` (generate, prompt lookup) and ``vllm`` (its CPU
     #: build from ``make peers``: ar and its ngram); () = no peer table
     peers: tuple[str, ...] = ("transformers", "vllm")
@@ -197,7 +197,7 @@ class BenchConfig:
             raise ValueError(f"peer_tokens must be >= 2, got {self.peer_tokens}")
         if self.peer_ngram_k < 1 or self.peer_reps < 1:
             raise ValueError(f"peer_ngram_k and peer_reps must be >= 1, got {self.peer_ngram_k}, {self.peer_reps}")
-        from cluster.peers.compare import PEERS
+        from cluster.speed.peers.compare import PEERS
 
         unknown = [p for p in self.peers if p not in PEERS]
         if unknown:
@@ -523,11 +523,11 @@ def profile_step(model, prompts: list[list[int]], cfg: BenchConfig, step: str, r
 
 def peer_rows(model, tokenizer, cells: Mapping[tuple[int, int], list[list[int]]], cfg: BenchConfig,
               progress: Callable[[str], None]) -> list[dict[str, Any]]:
-    """The peer table (``cluster.peers.compare``): our ``ar`` and ``ngram``, then each of
+    """The peer table (``cluster.speed.peers.compare``): our ``ar`` and ``ngram``, then each of
     ``cfg.peers``, one engine after the other (never two at once), on the same cells."""
     import torch
 
-    from cluster.peers import compare
+    from cluster.speed.peers import compare
     from sparsespec.engine import Engine
 
     n, reps, k = cfg.peer_tokens, cfg.peer_reps, cfg.peer_ngram_k
@@ -674,11 +674,11 @@ def measure_steps(cfg: BenchConfig, *, progress: Callable[[str], None] = log.inf
 
 # --------------------------------------------------------------------------- end to end: a sweep
 def e2e_specs(cfg: BenchConfig, db: str, *, num_workers: int | None = None, threads: int | None = None) -> list:
-    """The end-to-end sweep as specs (``cluster.spec.SweepSpec``), one per batch size with the
+    """The end-to-end sweep as specs (``cluster.sweep.schema.SweepSpec``), one per batch size with the
     context lengths that ``e2e_max_tokens`` allows at it: benchmark ``speed``, ``ar`` plus every
     method with ``k`` (and ``budget_frac``, ``draft_weights`` where it takes them), greedy,
     ``gen_tokens`` generated, ``e2e_reps`` repetitions. Raises SpecError."""
-    from cluster.spec import parse_spec
+    from cluster.sweep.schema import parse_spec
 
     from sparsespec import options_class
 
@@ -706,7 +706,7 @@ def e2e_specs(cfg: BenchConfig, db: str, *, num_workers: int | None = None, thre
             "repetitions": cfg.e2e_reps,
             "workers": {"num_workers": num_workers, "threads": threads},
             "db": db,
-        }, where="cluster.bench"))
+        }, where="cluster.speed.measure"))
     return specs
 
 
@@ -725,11 +725,11 @@ def _batch_decode_tokens_per_s(rows: Sequence[Mapping[str, Any]]) -> float | Non
 
 def e2e_rows(results: Sequence[Mapping[str, Any]], steps: Sequence[Mapping[str, Any]],
              cfg: BenchConfig) -> list[dict[str, Any]]:
-    """The bench's end-to-end rows: ``cluster.queries.cell_table`` of the sweep's result rows
+    """The bench's end-to-end rows: ``cluster.results.aggregate.cell_table`` of the sweep's result rows
     (the report's numbers), one per (L, B, method), joined with the step timings of the same
     (L, B) (``steps``: the ``steps`` and ``hf`` rows) for the roofline predictions."""
-    from cluster.queries import cell_table
-    from cluster.report import batch_speedups
+    from cluster.results.aggregate import cell_table
+    from cluster.results.report import batch_speedups
     from sparsespec.stats import ledger_speedup
 
     results = list(results)
@@ -784,15 +784,15 @@ def e2e_rows(results: Sequence[Mapping[str, Any]], steps: Sequence[Mapping[str, 
 def run_e2e(cfg: BenchConfig, steps: Sequence[Mapping[str, Any]], *, db: str | None, ray_address: str | None = None,
             num_workers: int | None = None, threads: int | None = None, bar: bool = False,
             progress: Callable[[str], None] = log.info) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Run the end-to-end sweep (``e2e_specs``) with ``cluster.sweep.run_sweep`` (on the Ray
+    """Run the end-to-end sweep (``e2e_specs``) with ``cluster.sweep.run.run_sweep`` (on the Ray
     that is running, else ``ray_address``/RAY_ADDRESS, else a local one), then report it
     (``e2e_rows``). ``db`` None: a throwaway SQLite store (no resume). Returns the rows and
     ``{"run_ids", "shards", "done", "skipped", "failed", "wall_s"}``."""
     import tempfile
 
-    from cluster.coordinator import ray_session
-    from cluster.store import open_store
-    from cluster.sweep import run_sweep
+    from cluster.sweep.coordinator import ray_session
+    from cluster.results.store import open_store
+    from cluster.sweep.run import run_sweep
 
     with tempfile.TemporaryDirectory(prefix="sparsespec-bench-") as tmp:
         url = db or f"sqlite:///{Path(tmp) / 'e2e.db'}"
@@ -864,12 +864,12 @@ def run_bench_ray(cfg: BenchConfig, *, ray_address: str | None = None, num_worke
                   progress: Callable[[str], None] = log.info) -> dict[str, Any]:
     """``run_bench`` with the step timings fanned out over Ray: one task per context length,
     each on one worker (one GPU when the device is cuda, else all of a node's CPUs per worker
-    as ``cluster.coordinator.plan_workers`` plans them, so CPU timings never share cores); rows
+    as ``cluster.sweep.coordinator.plan_workers`` plans them, so CPU timings never share cores); rows
     are merged in context order; failed tasks are retried once. The end-to-end sweep then runs
     on the same Ray."""
     import ray
 
-    from cluster.coordinator import plan_workers, ray_session
+    from cluster.sweep.coordinator import plan_workers, ray_session
 
     with ray_session(ray_address):
         plan = plan_workers(num_workers, threads, cfg.device)
@@ -961,7 +961,7 @@ def markdown(result: dict[str, Any]) -> str:
             "",
             f"end to end: sweep of the `speed` benchmark, {len(info.get('run_ids') or [])} run(s), "
             f"{info.get('done', 0)} shard(s) run, {info.get('skipped', 0)} already stored, "
-            f"{len(info.get('failed') or {})} failed; speedup = median over paired batches (`cluster.report`)",
+            f"{len(info.get('failed') or {})} failed; speedup = median over paired batches (`cluster.results.report`)",
             "",
             "| ctx | B | method | n | decode tok/s | speedup (per batch) | alpha | tau | mean k | gamma | ledger S | "
             "cycle-predicted S | step-predicted S | roofline S | measured / roofline | roofline k (S) | lossless |",
@@ -987,7 +987,7 @@ def store_result(db: str, result: dict[str, Any]) -> str:
     id. The end-to-end results themselves are the sweep's runs (``meta["e2e"]["run_ids"]``)."""
     import hashlib
 
-    from cluster.store import open_store
+    from cluster.results.store import open_store
 
     blob = json.dumps(result["meta"], sort_keys=True, default=str)
     run_id = "bench-" + hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -1024,9 +1024,9 @@ def _k(text: str) -> int | str:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, argparse.Namespace]:
-    from cluster.store import DEFAULT_DB_URL
+    from cluster.results.store import DEFAULT_DB_URL
 
-    p = argparse.ArgumentParser(prog="python -m cluster.bench", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m cluster.speed", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="model preset or local HF folder")
     p.add_argument("--shape", default=None, help="model shape from sparsespec.shapes (with --random-weights)")
@@ -1109,8 +1109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     import sparsespec
-    from cluster.coordinator import WorkerStartError
-    from cluster.store import StoreError, safe_url
+    from cluster.sweep.coordinator import WorkerStartError
+    from cluster.results.store import StoreError, safe_url
 
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -1,7 +1,7 @@
 """initial schema: runs, results, shards, bench, serve_requests
 
 The schema the store had before migrations (written by ``Base.metadata.create_all``). A database
-made by that code has these tables and no ``alembic_version``; ``cluster.store.migrate`` stamps it
+made by that code has these tables and no ``alembic_version``; ``cluster.results.store.migrate`` stamps it
 with this revision (creating any of these tables it lacks, through ``TABLES``) and upgrades on.
 
 Revision ID: 0001
@@ -21,7 +21,7 @@ down_revision: str | Sequence[str] | None = None
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-# JSON on SQLite, JSONB on PostgreSQL (frozen here: a later change of cluster.store.JSONType is a
+# JSON on SQLite, JSONB on PostgreSQL (frozen here: a later change of cluster.results.store.JSONType is a
 # new revision)
 JSONType = sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
 
@@ -151,7 +151,7 @@ def create_serve_requests() -> None:
 
 
 #: This revision's tables in creation order (foreign keys point backwards), each with its creator
-#: (``cluster.store.migrate`` creates those a pre-migration database lacks before stamping it).
+#: (``cluster.results.store.migrate`` creates those a pre-migration database lacks before stamping it).
 TABLES: dict[str, Callable[[], None]] = {
     "runs": create_runs,
     "results": create_results,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from cluster.worker import default_engine_factory
+from cluster.sweep.worker import default_engine_factory
 
 
 class _Core:

@@ -1,4 +1,4 @@
-"""Load test for the OpenAI-compatible A/B serving endpoint (``cluster/serve.py``), in the
+"""Load test for the OpenAI-compatible A/B serving endpoint (``cluster/serve/endpoint.py``), in the
 conventions of ``vllm bench serve``.
 
 It sends real benchmark prompts (token ids from :mod:`evals.registry`, chat template applied) to
@@ -12,7 +12,7 @@ arms, no A/B).
 Run it against a local Ray Serve app::
 
     serve run configs/serve.yaml                     # in one shell (the A/B ingress on :8000)
-    .venv/bin/python -m cluster.loadtest --url http://127.0.0.1:8000 --model smollm2-135m \\
+    .venv/bin/python -m cluster.serve.loadtest --url http://127.0.0.1:8000 --model smollm2-135m \\
         --benchmark longbench --context-length 2048 --num-prompts 40 --request-rate 0.5 \\
         --max-concurrency 4 --num-warmups 2 --goodput ttft:2000 tpot:200 \\
         --save-result --result-dir results --result-filename loadtest.json --save-requests
@@ -1152,7 +1152,7 @@ def result_json(result: LoadResult, overall: Mapping[str, Any], args: argparse.N
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m cluster.loadtest",
+        prog="python -m cluster.serve.loadtest",
         description="Load-test the local OpenAI-compatible A/B endpoint (vllm bench serve conventions).",
     )
     g = p.add_argument_group("server")

@@ -11,7 +11,7 @@ Measurement discipline:
   the tails of the shard's prompts (compilation, allocator and first-call paths are not timed);
 - all methods of a batch run on the same samples in the same actor. ``schedule="step"`` (the
   default): one ``EngineCore`` per method holds the batch, and the cores take their steps in
-  turn, the order rotating every round (starting from ``cluster.plan.method_order``); each core
+  turn, the order rotating every round (starting from ``cluster.sweep.plan.method_order``); each core
   times its requests on its own clock (``sparsespec.stats.StepClock``), so a slow minute of a
   shared machine lands on every method alike. Sequential whole batches, each method's a minute
   or two after the other's, moved the paired speedup of one cell from 0.71 to 1.11 across demo
@@ -22,7 +22,7 @@ Measurement discipline:
   completion; each row keeps its own stats, and every row also records the batch's wall time
   (``batch_wall_s``: the core's own steps), its prefill part (``batch_prefill_s``, the sum of
   the rows' prefills), its size and the schedule, so the speedup can be paired per batch
-  (``cluster.report``).
+  (``cluster.results.report``).
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from typing import Any
 
 import ray
 
-from cluster.plan import Shard, method_order
+from cluster.sweep.plan import Shard, method_order
 
 EngineFactory = Callable[[str, str, str], Any]  # (model, dtype, device) -> engine
 

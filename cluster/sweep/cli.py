@@ -13,9 +13,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from cluster.spec import SpecError, parse_spec
-from cluster.store import DEFAULT_DB_URL
-from cluster.sweep import add_override_flags, execute, overrides_from, setup_logging
+from cluster.sweep.schema import SpecError, parse_spec
+from cluster.results.store import DEFAULT_DB_URL
+from cluster.sweep.run import add_override_flags, execute, overrides_from, setup_logging
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_METHODS = ("sparsespec-l",)
@@ -64,7 +64,7 @@ def build_parser(name: str) -> argparse.ArgumentParser:
 
 def spec_from_args(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """The sweep spec (a plain mapping, before validation) that the flags describe."""
-    from cluster.spec import apply_overrides
+    from cluster.sweep.schema import apply_overrides
     from evals.registry import get_benchmark
 
     bench = get_benchmark(name)
@@ -85,7 +85,7 @@ def spec_from_args(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def benchmark_main(name: str, argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``evals/<name>.py``; returns the exit status (see ``cluster.sweep``)."""
+    """Entry point of ``evals/<name>.py``; returns the exit status (see ``cluster.sweep.run``)."""
     try:
         parser = build_parser(name)
     except ValueError as e:

@@ -27,11 +27,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.coordinator import WorkerStartError, plan_workers, ray_session, run_shards
-from cluster.plan import Cell, Shard, TokenizerInfo, default_tokenizer_info, plan_cells, plan_shards
-from cluster.spec import SpecError, SweepSpec, check_methods, load_spec
-from cluster.store import StoreError, open_store, safe_url
-from cluster.worker import EngineFactory
+from cluster.sweep.coordinator import WorkerStartError, plan_workers, ray_session, run_shards
+from cluster.sweep.plan import Cell, Shard, TokenizerInfo, default_tokenizer_info, plan_cells, plan_shards
+from cluster.sweep.schema import SpecError, SweepSpec, check_methods, load_spec
+from cluster.results.store import StoreError, open_store, safe_url
+from cluster.sweep.worker import EngineFactory
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def run_sweep(spec: SweepSpec, *, ray_address: str | None = None, engine_factory
     resources, model load failure), StoreError; KeyboardInterrupt leaves the store consistent
     (the runs are marked ``interrupted`` and resume on the next call).
     """
-    from cluster import provenance
+    from cluster.sweep import provenance
     from evals.registry import get_benchmark
 
     t0 = time.perf_counter()
@@ -195,7 +195,7 @@ def _names(text: str) -> list[str]:
 
 
 def add_override_flags(p: argparse.ArgumentParser, *, benchmark_flags: bool = True) -> None:
-    """Flags that override a spec (shared by ``cluster.sweep`` and the benchmark scripts)."""
+    """Flags that override a spec (shared by ``cluster.sweep.run`` and the benchmark scripts)."""
     p.add_argument("--models", "--model", dest="models", type=_names, default=None,
                    help="comma list of models (presets, hub ids or local folders)")
     p.add_argument("--methods", type=_names, default=None,
@@ -234,7 +234,7 @@ def add_override_flags(p: argparse.ArgumentParser, *, benchmark_flags: bool = Tr
 
 
 def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
-    """Spec overrides (dotted keys, see ``cluster.spec.apply_overrides``) from parsed flags."""
+    """Spec overrides (dotted keys, see ``cluster.sweep.schema.apply_overrides``) from parsed flags."""
     g = lambda name: getattr(args, name, None)  # noqa: E731
     methods = g("methods")
     return {
@@ -278,7 +278,7 @@ def _sigterm_is_interrupt() -> Any:
 
 def execute(spec: SweepSpec, args: argparse.Namespace, *, engine_factory: EngineFactory | None = None) -> int:
     """Dry-run or run ``spec`` and print the report; the exit status (see the module docstring)."""
-    from cluster.report import format_table, report_rows
+    from cluster.results.report import format_table, report_rows
 
     try:
         if getattr(args, "dry_run", False):
@@ -312,7 +312,7 @@ def execute(spec: SweepSpec, args: argparse.Namespace, *, engine_factory: Engine
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m cluster.sweep", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("spec", help="sweep spec (YAML; schema in cluster/spec.py and the README)")
+    p.add_argument("spec", help="sweep spec (YAML; schema in cluster/sweep/schema.py and the README)")
     p.add_argument("--dry-run", action="store_true", help="print the shard keys, one per line, and run nothing")
     add_override_flags(p)
     args = p.parse_args(argv)

@@ -4,7 +4,7 @@ Tables:
 
 ``runs``
     One row per resolved configuration. ``run_id`` is a deterministic hash of that configuration
-    (see :func:`cluster.coordinator.compute_run_id`), so rerunning the same configuration resumes
+    (see :func:`cluster.sweep.coordinator.compute_run_id`), so rerunning the same configuration resumes
     the same run instead of starting a new one.
 
 ``shards``
@@ -13,7 +13,7 @@ Tables:
 
 ``results``
     One row per (run, task, sample, method) generation, carrying raw counts and seconds
-    (``stats``), never derived ratios: those are computed when read (``cluster.report``).
+    (``stats``), never derived ratios: those are computed when read (``cluster.results.report``).
     ``UNIQUE(run_id, task, sample_id, method)`` makes writes idempotent.
 
 ``acceptance_steps``
@@ -24,22 +24,22 @@ Tables:
     run) deletes them.
 
 ``serve_requests``
-    One row per request the Serve A/B endpoint (``cluster.serve``) answered or refused: arm,
+    One row per request the Serve A/B endpoint (``cluster.serve.endpoint``) answered or refused: arm,
     method, session, token counts, latencies in seconds, acceptance counts, finish reason,
     status and error. ``request_id`` is unique, so a re-sent batch is not stored twice.
 
 ``run_id_map``
     Run ids rewritten by a migration (revision 0003, when run ids came to hash only each
-    method's own options): old id, new id, the run's old config and a note. ``cluster.sweep``
+    method's own options): old id, new id, the run's old config and a note. ``cluster.sweep.run``
     resumes a store written before it under the new ids.
 
 ``alembic_version``
-    The schema revision (Alembic, ``cluster/migrations``). ``open_store(create=True)`` upgrades
+    The schema revision (Alembic, ``cluster/results/migrations``). ``open_store(create=True)`` upgrades
     to the newest revision under a lock (a file lock beside a SQLite file, an advisory lock on
     PostgreSQL), so concurrent writers opening a new database are safe; a database made before
     migrations existed (tables, no ``alembic_version``) is stamped ``0001`` and upgraded, its rows
     kept. Readers (``create=False``) never migrate: tables an older schema lacks read as empty.
-    By hand: ``python -m cluster.store upgrade --db URL`` and ``python -m cluster.store current
+    By hand: ``python -m cluster.results.store upgrade --db URL`` and ``python -m cluster.results.store current
     --db URL``.
 
 The same code runs against ``sqlite:///path.db`` and ``postgresql+psycopg://user@host/db``.
@@ -206,7 +206,7 @@ class ShardRow(Base):
 
 
 class BenchRow(Base):
-    """One measurement of ``python -m cluster.bench``: a step-timing row (``kind="steps"``), an
+    """One measurement of ``python -m cluster.speed``: a step-timing row (``kind="steps"``), an
     end-to-end row per method (``"e2e"``) or the transformers reference (``"hf"``). The numbers
     (seconds, bytes, roofline multiples) live in ``metrics``; ``(run_id, kind, context_len,
     batch_size, method)`` is unique, so re-storing a run is idempotent."""
@@ -227,7 +227,7 @@ class BenchRow(Base):
 
 
 class ServeRequest(Base):
-    """One request of the Serve A/B endpoint (``cluster.serve``): counts and seconds only (the
+    """One request of the Serve A/B endpoint (``cluster.serve.endpoint``): counts and seconds only (the
     dashboard's A/B view derives TPOT ratios and percentiles from them). Requests refused before
     reaching an arm (4xx, 401, 503) have no arm and ``status`` = the HTTP status."""
 
@@ -557,7 +557,7 @@ class Store:
             self._trace_table = inspect(s.connection()).has_table(AcceptanceStep.__tablename__)
             if not self._trace_table:
                 log.warning("%s has no acceptance_steps table (schema before revision 0002): step traces "
-                            "are not stored; run python -m cluster.store upgrade --db URL", self.url)
+                            "are not stored; run python -m cluster.results.store upgrade --db URL", self.url)
         return self._trace_table
 
     # --------------------------------------------------------------- shards
@@ -663,7 +663,7 @@ class Store:
 
     # ----------------------------------------------------------------- bench
     def add_bench_rows(self, run_id: str, model: str, device: str, rows: Iterable[Mapping[str, Any]]) -> int:
-        """Store ``cluster.bench`` rows (each with ``kind``, ``context_len``, ``batch_size`` and
+        """Store ``cluster.speed.measure`` rows (each with ``kind``, ``context_len``, ``batch_size`` and
         optionally ``method``); an existing (run, kind, context, batch, method) row is replaced."""
         n = 0
         with self._session.begin() as s:
@@ -809,7 +809,7 @@ class Store:
 
 # ------------------------------------------------------------------ schema migrations (Alembic)
 #: Where the revisions live, as a package path (works from any working directory and installed).
-MIGRATIONS = "cluster:migrations"
+MIGRATIONS = "cluster.results:migrations"
 #: The revision of the schema written before migrations existed (``Base.metadata.create_all``).
 BASE_REVISION = "0001"
 #: Key of the PostgreSQL advisory lock held (for the migration's transaction) while migrating.
@@ -837,7 +837,7 @@ def head_revision() -> str:
     from alembic.script import ScriptDirectory
 
     head = ScriptDirectory.from_config(alembic_config()).get_current_head()
-    assert head is not None, "cluster/migrations has no revisions"
+    assert head is not None, "cluster/results/migrations has no revisions"
     return head
 
 
@@ -1028,10 +1028,11 @@ def open_store(url: str | URL = DEFAULT_DB_URL, *, create: bool = True, echo: bo
 
 # ------------------------------------------------------------------ command line
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m cluster.store upgrade|current --db URL``. Exit 0; 1 on a database error;
+    """``python -m cluster.results.store upgrade|current --db URL``. Exit 0; 1 on a database error;
     2 on a bad URL or bad arguments."""
-    ap = argparse.ArgumentParser(prog="python -m cluster.store",
-                                 description="Schema revision of the result store (Alembic, cluster/migrations).")
+    ap = argparse.ArgumentParser(
+        prog="python -m cluster.results.store",
+        description="Schema revision of the result store (Alembic, cluster/results/migrations).")
     sub = ap.add_subparsers(dest="command", required=True)
     for name, text_ in (("upgrade", "upgrade the database to the newest revision (creating it if new); "
                                     "prints FROM -> TO"),
@@ -1059,7 +1060,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             elif rev is not None and not _known_revision(rev):
                 print(f"{rev} (unknown to this code, whose head is {head}: upgraded by a newer version?)")
             elif rev is not None:
-                print(f"{rev} (head is {head}: python -m cluster.store upgrade --db URL)")
+                print(f"{rev} (head is {head}: python -m cluster.results.store upgrade --db URL)")
             elif tables:
                 print(f"none (tables from before migrations: upgrade stamps it {BASE_REVISION} and upgrades to "
                       f"{head})")
@@ -1074,6 +1075,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from cluster.store import main as _main  # the importable module, not a second copy as __main__
+    from cluster.results.store import main as _main  # the importable module, not a second copy as __main__
 
     sys.exit(_main())

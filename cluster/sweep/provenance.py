@@ -17,7 +17,7 @@ from typing import Any
 PACKAGES = ("sparsespec", "torch", "transformers", "tokenizers", "numpy", "ray", "sqlalchemy", "triton",
             "pydantic", "pyyaml")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def git_state(root: Path = ROOT) -> dict[str, Any]:

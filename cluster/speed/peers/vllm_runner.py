@@ -3,7 +3,7 @@
 Executed by ``.venv-peers/bin/python`` (``make peers``), never by the main venv: it imports only the
 standard library and that venv's vllm / torch / transformers, nothing from this repository.
 
-    .venv-peers/bin/python cluster/peers/vllm_runner.py REQUEST.json RESULT.json
+    .venv-peers/bin/python cluster/speed/peers/vllm_runner.py REQUEST.json RESULT.json
 
 Request (JSON object; defaults in brackets):
     model               local Hugging Face folder (required; loaded offline)
@@ -34,7 +34,7 @@ Request (JSON object; defaults in brackets):
 Timing: ``warmup`` untimed generates, then ``reps`` timed ones of N tokens each. Every timed rep
 gives, per prompt, its emissions ``[[t_first_s, 1], [t_last_s, N - 1]]`` from vLLM's own engine-core
 token timestamps (seconds since the batch was scheduled; no prefill enters the decode span), and
-its wall. The caller (``cluster.peers.compare.decode_span``) turns them into ms per decode step.
+its wall. The caller (``cluster.speed.peers.compare.decode_span``) turns them into ms per decode step.
 
 Result: vllm/torch/transformers versions, startup_s (LLM construction), token_ids per prompt (of the
 first timed generate; `deterministic` says whether every timed generate gave the same), reps (wall_s,

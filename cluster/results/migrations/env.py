@@ -1,9 +1,9 @@
 """Alembic environment of the result store.
 
-Run programmatically (``cluster.store.migrate``): the caller passes an open connection in
+Run programmatically (``cluster.results.store.migrate``): the caller passes an open connection in
 ``config.attributes["connection"]`` (inside its transaction and migration lock) and commits.
 From the ``alembic`` command line (``alembic.ini``), the URL is ``-x db=URL``, else
-``sqlalchemy.url``, else ``cluster.store.DEFAULT_DB_URL``.
+``sqlalchemy.url``, else ``cluster.results.store.DEFAULT_DB_URL``.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from logging.config import fileConfig
 from alembic import context
 from sqlalchemy import create_engine
 
-from cluster.store import DEFAULT_DB_URL, Base
+from cluster.results.store import DEFAULT_DB_URL, Base
 
 config = context.config
 target_metadata = Base.metadata
