@@ -17,11 +17,9 @@ import httpx
 import numpy as np
 import pytest
 
+from cluster.results.ab import RequestRecord, ab_decision, ab_decisions
 from cluster.serve.loadtest import (
     Prompt,
-    RequestRecord,
-    ab_decision,
-    ab_decisions,
     check_loopback,
     main,
     parse_goodput,

@@ -633,7 +633,7 @@ def gates_table(rows: Iterable[Mapping[str, Any]], t: GateThresholds = GateThres
 
 # --------------------------------------------------------------------------- A/B traffic
 def _serve_records(requests: Iterable[Mapping[str, Any]]) -> list[Any]:
-    from cluster.serve.loadtest import RequestRecord
+    from cluster.results.ab import RequestRecord
 
     recs = []
     for i, q in enumerate(requests):
@@ -681,8 +681,9 @@ def ab_arms(requests: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 def ab_decisions(requests: Sequence[Mapping[str, Any]], baseline: str | None = None, *, n_boot: int = N_BOOT,
                  seed: int = 0) -> list[dict[str, Any]]:
     """Every arm's median TPOT against the baseline arm's (default ``ar`` if present), with the
-    bootstrap 95 % interval: the same decision ``cluster.serve.loadtest`` prints, from stored rows."""
-    from cluster.serve.loadtest import ab_decisions as decide
+    bootstrap 95 % interval: the same decision (``cluster.results.ab``) ``cluster.serve.loadtest``
+    prints, from stored rows."""
+    from cluster.results.ab import ab_decisions as decide
 
     return decide(_serve_records(requests), baseline, n_boot=n_boot, seed=seed)
 
