@@ -339,11 +339,16 @@ class RequestLog:
 
 
 # ====================================================================== the arm
+def _pretrained_engine(model: str, dtype: str, device: str = "cpu") -> Any:
+    """The real engine (``sparsespec.Engine.from_pretrained``, imported in the replica)."""
+    import sparsespec
+
+    return sparsespec.Engine.from_pretrained(model, dtype=dtype, device=device)
+
+
 def _load_factory(path: str | None):
     if not path:
-        from cluster.sweep.worker import default_engine_factory
-
-        return default_engine_factory
+        return _pretrained_engine
     mod, _, fn = path.partition(":")
     return getattr(importlib.import_module(mod), fn)
 
