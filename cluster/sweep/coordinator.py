@@ -1,13 +1,16 @@
-"""Coordinator: drive Ray engine actors over planned shards, score, check losslessness, store.
+"""Coordinator: drive Ray engine actors over planned shards, score, check losslessness, and hand
+every shard event back to the caller.
 
 Thin, resumable and idempotent:
 
 - Workers are actors that each pin one GPU (``num_gpus=1``) on a GPU cluster, or a share of the
   CPUs (``device="cpu"``); each loads its model once. Shards are run grouped by model, so weights
   load once per worker per model; one shard per actor is in flight at a time.
-- A shard's results and its ``done`` mark are written in one transaction as it completes
-  (``Store.complete_shard``), so a crash or Ctrl-C loses at most the shards in flight, and a
-  resume skips every ``done`` shard. No (run, task, sample, method) row is written twice.
+- The coordinator never touches the store: it hands each event (:data:`ShardEvent`: workers
+  ready, shard started, done with its scored rows, failed) to ``emit`` as it happens, and the
+  caller writes it (``cluster.sweep.run.SweepRecorder``, the one writer: a shard's results and
+  its ``done`` mark in one transaction), so a crash or Ctrl-C loses at most the shards in flight,
+  and a resume skips every ``done`` shard. No (run, task, sample, method) row is written twice.
 - A worker that dies mid-shard (SIGKILL, out of memory, node lost) is replaced by a new actor
   and its shard goes back to the front of the queue for the next free worker, up to
   ``max_retries`` times; an error raised by the engine is retried the same way. A shard that
@@ -28,7 +31,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.sweep.plan import AR, Shard, lossless_check
-from cluster.results.store import Store
 from cluster.sweep.worker import EngineFactory
 
 log = logging.getLogger(__name__)
@@ -260,6 +262,48 @@ def shard_summary(shard: Shard, rows: Sequence[Mapping[str, Any]]) -> str:
     return f"{shard.key} B={len(shard.samples)}: " + ", ".join(parts)
 
 
+# --------------------------------------------------------------------------- events
+@dataclass(frozen=True)
+class WorkersReady:
+    """A model's workers have loaded it (``quantize``: the target's weights): their host records."""
+
+    model: str
+    quantize: str
+    hosts: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class ShardStarted:
+    """A shard was handed to the worker in ``worker`` (``{"pid": ..., "slot": ...}``)."""
+
+    shard: Shard
+    worker: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ShardDone:
+    """A shard's scored, AR-checked result rows (``result_rows``), its wall time and worker."""
+
+    shard: Shard
+    rows: list[dict[str, Any]]
+    wall_s: float | None
+    worker: Any
+
+
+@dataclass(frozen=True)
+class ShardFailed:
+    """An attempt failed with ``error``; ``final``: the shard will not be retried. ``note``: the
+    line for the run's event log (None: nothing to log)."""
+
+    shard: Shard
+    error: str
+    final: bool
+    note: str | None = None
+
+
+ShardEvent = WorkersReady | ShardStarted | ShardDone | ShardFailed
+
+
 # --------------------------------------------------------------------------- the loop
 @dataclass
 class Outcome:
@@ -269,17 +313,18 @@ class Outcome:
     hosts: list[dict[str, Any]] = field(default_factory=list)
 
 
-def run_shards(store: Store, shards: Sequence[Shard], *, plan: WorkerPlan, dtype: str,
-               scorers: Mapping[str, Scorer], max_retries: int = 2,
-               engine_factory: EngineFactory | None = None, bar: Any = None,
-               on_workers: Callable[[str, list[dict[str, Any]], str], None] | None = None) -> Outcome:
-    """Run ``shards`` (grouped by model and target quantisation) on ``plan``'s actors; store each
-    as it completes.
+def run_shards(shards: Sequence[Shard], *, plan: WorkerPlan, dtype: str, scorers: Mapping[str, Scorer],
+               emit: Callable[[ShardEvent], None], max_retries: int = 2,
+               engine_factory: EngineFactory | None = None, bar: Any = None) -> Outcome:
+    """Run ``shards`` (grouped by model and target quantisation) on ``plan``'s actors; hand every
+    event to ``emit`` as it happens (the caller stores them).
 
-    ``scorers``: benchmark name -> ``score_sample``. ``on_workers(model, pings, quantize)`` is
-    called once the model's workers have loaded (provenance). ``bar``: a tqdm-like progress bar over shards
-    (``update``, ``set_postfix_str``, ``write``). KeyboardInterrupt propagates after the shards
-    in flight are released (status back to ``pending``) and the actors are stopped.
+    ``scorers``: benchmark name -> ``score_sample``. ``emit`` gets :class:`WorkersReady` once a
+    model's workers have loaded (provenance), :class:`ShardStarted` before a shard is submitted,
+    :class:`ShardDone` with its rows, and :class:`ShardFailed` for each failed attempt. ``bar``: a
+    tqdm-like progress bar over shards (``update``, ``set_postfix_str``, ``write``).
+    KeyboardInterrupt propagates after the shards in flight are released (a non-final
+    :class:`ShardFailed` ``"interrupted"`` each: back to ``pending``) and the actors are stopped.
     """
     import ray
 
@@ -298,16 +343,13 @@ def run_shards(store: Store, shards: Sequence[Shard], *, plan: WorkerPlan, dtype
         try:
             hosts = pool.ping_all()
             outcome.hosts.extend(hosts)
-            if on_workers is not None:
-                on_workers(model, hosts, quantize)
+            emit(WorkersReady(model, quantize, hosts))
             pids = {slot: h.get("pid") for slot, h in enumerate(hosts)}
 
             def submit(slot: int) -> None:
                 if queue:
                     shard, failures = queue.popleft()
-                    store.start_shard(shard.run_id, shard.key, task=shard.task,
-                                      sample_ids=[s.sample_id for s in shard.samples],
-                                      worker={"pid": pids.get(slot), "slot": slot})
+                    emit(ShardStarted(shard, {"pid": pids.get(slot), "slot": slot}))
                     in_flight[pool.actors[slot].run_shard.remote(shard)] = (slot, shard, failures)
 
             for slot in range(len(pool.actors)):
@@ -323,8 +365,7 @@ def run_shards(store: Store, shards: Sequence[Shard], *, plan: WorkerPlan, dtype
                     err = f"worker died (attempt {failures + 1}): {_short_error(e)}"
                     final = failures >= max_retries
                     _log(bar, f"{shard.key}: {err}; " + ("giving up" if final else "retrying on a new worker"))
-                    store.fail_shard(shard.run_id, shard.key, err, final=final)
-                    store.record_event(shard.run_id, err, shard=shard.key)
+                    emit(ShardFailed(shard, err, final, note=err))
                     pool.restart(slot)
                     try:
                         pids[slot] = ray.get(pool.actors[slot].ping.remote(),
@@ -344,17 +385,15 @@ def run_shards(store: Store, shards: Sequence[Shard], *, plan: WorkerPlan, dtype
                     scorer_fault = isinstance(e, ValueError)  # deterministic: the driver's own check
                     final = scorer_fault or failures >= max_retries
                     _log(bar, f"{shard.key}: {err}; " + ("recorded as failed" if final else "retrying"))
-                    store.fail_shard(shard.run_id, shard.key, err, final=final)
+                    emit(ShardFailed(shard, err, final, note=f"shard failed: {err}" if final else None))
                     if final:
                         outcome.failed[shard.key] = err
-                        store.record_event(shard.run_id, f"shard failed: {err}", shard=shard.key)
                         _advance(bar, samples_done)
                     else:
                         queue.append((shard, failures + 1))
                     submit(slot)
                     continue
-                store.complete_shard(shard.run_id, shard.key, rows, wall_s=res.get("wall_s"),
-                                     worker=res.get("worker"))
+                emit(ShardDone(shard, rows, res.get("wall_s"), res.get("worker")))
                 outcome.done.append(shard.key)
                 samples_done += len(shard.samples)
                 _log(bar, shard_summary(shard, rows))
@@ -363,7 +402,7 @@ def run_shards(store: Store, shards: Sequence[Shard], *, plan: WorkerPlan, dtype
         except BaseException:
             for _, shard, _ in in_flight.values():
                 with contextlib.suppress(Exception):
-                    store.fail_shard(shard.run_id, shard.key, "interrupted", final=False)
+                    emit(ShardFailed(shard, "interrupted", False))
             raise
         finally:
             pool.shutdown()
@@ -384,5 +423,6 @@ def _advance(bar: Any, samples_done: int) -> None:
         bar.update(1)
 
 
-__all__ = ["Outcome", "WorkerPlan", "WorkerPool", "WorkerStartError", "plan_workers", "ray_session",
-           "result_rows", "run_shards", "shard_summary"]
+__all__ = ["Outcome", "ShardDone", "ShardEvent", "ShardFailed", "ShardStarted", "WorkerPlan", "WorkerPool",
+           "WorkerStartError", "WorkersReady", "plan_workers", "ray_session", "result_rows", "run_shards",
+           "shard_summary"]

@@ -23,14 +23,15 @@ import dataclasses
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.sweep.coordinator import WorkerStartError, plan_workers, ray_session, run_shards
+from cluster.results.store import Store, StoreError, open_store, safe_url
+from cluster.sweep.coordinator import (ShardDone, ShardEvent, ShardFailed, ShardStarted, WorkersReady, WorkerStartError,
+                                       plan_workers, ray_session, run_shards)
 from cluster.sweep.plan import Cell, Shard, TokenizerInfo, default_tokenizer_info, plan_cells, plan_shards
-from cluster.sweep.schema import SpecError, SweepSpec, check_methods, load_spec
-from cluster.results.store import StoreError, open_store, safe_url
+from cluster.sweep.schema import SpecError, SweepSpec, check_benchmarks, check_methods, load_spec
 from cluster.sweep.worker import EngineFactory
 
 log = logging.getLogger(__name__)
@@ -45,17 +46,6 @@ class SweepResult:
     failed: dict[str, str] = field(default_factory=dict)
     worker_deaths: int = 0
     wall_s: float = 0.0
-
-
-def check_benchmarks(spec: SweepSpec) -> None:
-    """Each benchmark's fast preflight (task names, data folders, option keys). Raises SpecError."""
-    from evals.registry import get_benchmark
-
-    for b in spec.benchmarks:
-        try:
-            get_benchmark(b.name).check(tasks=b.tasks, options=dict(b.options))
-        except (ValueError, FileNotFoundError) as e:
-            raise SpecError(f"benchmark {b.name}: {e}") from None
 
 
 def plan(spec: SweepSpec, tokenizer_info: TokenizerInfo = default_tokenizer_info) -> tuple[list[Cell], list[Shard]]:
@@ -79,10 +69,78 @@ def _bar(total: int, enabled: bool, desc: str) -> Any:
     return tqdm(total=total, desc=desc, unit="shard", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
 
 
+class SweepRecorder:
+    """The one place a sweep writes to the store: its runs (started or resumed, their workers,
+    finished) and every shard event the coordinator hands back (``cluster.sweep.coordinator``:
+    started, done with its rows, failed). ``tests/test_layering.py`` checks that no other code
+    in ``cluster.sweep`` calls a store write.
+
+    ``prov``: the runs' provenance, stored with each run (the caller fills it in before
+    :meth:`start_runs` and may add to it until the workers are ready)."""
+
+    def __init__(self, store: Store, cells: Sequence[Cell]) -> None:
+        self.store, self.cells = store, list(cells)
+        self.prov: dict[str, Any] = {}
+
+    def start_runs(self) -> set[str]:
+        """Start or resume every cell's run (shards a dead driver left ``running`` go back to
+        ``pending``); the keys of the shards already stored."""
+        done_keys: set[str] = set()
+        for c in self.cells:
+            new = self.store.start_run(c.run_id, benchmark=c.benchmark, model=c.model,
+                                       methods=list(c.config["methods"]), config=c.config,
+                                       host={"provenance": self.prov})
+            self.store.release_running(c.run_id)  # a previous driver that died mid-shard
+            done_keys |= self.store.done_shards(c.run_id)
+            log.info("%s run %s (%s, L=%s, B=%d, rep %d)", "new" if new else "resuming", c.run_id, c.model,
+                     c.context_length, c.batch_size, c.repetition)
+        return done_keys
+
+    def shard_event(self, event: ShardEvent) -> None:
+        """Store one event of ``cluster.sweep.coordinator.run_shards``."""
+        st = self.store
+        if isinstance(event, ShardStarted):
+            sh = event.shard
+            st.start_shard(sh.run_id, sh.key, task=sh.task, sample_ids=[s.sample_id for s in sh.samples],
+                           worker=event.worker)
+        elif isinstance(event, ShardDone):
+            st.complete_shard(event.shard.run_id, event.shard.key, event.rows, wall_s=event.wall_s,
+                              worker=event.worker)
+        elif isinstance(event, ShardFailed):
+            st.fail_shard(event.shard.run_id, event.shard.key, event.error, final=event.final)
+            if event.note is not None:
+                st.record_event(event.shard.run_id, event.note, shard=event.shard.key)
+        elif isinstance(event, WorkersReady):
+            from cluster.sweep import provenance
+
+            for c in self.cells:
+                if c.model == event.model and c.quantize == event.quantize:
+                    st.update_run(c.run_id, host={"provenance": self.prov, "workers": event.hosts,
+                                                  "devices": provenance.summarize_workers(event.hosts)})
+        else:
+            raise TypeError(f"not a shard event: {event!r}")
+
+    def finish_all(self, status: str) -> None:
+        """Every run ends with ``status`` (nothing was left to run)."""
+        for c in self.cells:
+            self.store.finish_run(c.run_id, status=status)
+
+    def finish(self, status_of: Mapping[str, str]) -> None:
+        """Each run ends with its status, its ``running`` shards back to ``pending``; an error
+        is logged, never raised (the caller may be unwinding another)."""
+        for run_id, status in status_of.items():
+            try:
+                self.store.release_running(run_id)
+                self.store.finish_run(run_id, status=status)
+            except Exception:  # noqa: BLE001 - never mask the original error
+                log.exception("could not mark run %s as %s", run_id, status)
+
+
 def run_sweep(spec: SweepSpec, *, ray_address: str | None = None, engine_factory: EngineFactory | None = None,
               tokenizer_info: TokenizerInfo = default_tokenizer_info, progress: bool = True,
               local_num_cpus: int | None = None) -> SweepResult:
-    """Plan, resume and run ``spec``; every completed shard is stored as it finishes.
+    """Plan, resume and run ``spec``; every completed shard is stored as it finishes (by a
+    :class:`SweepRecorder`, from the coordinator's events).
 
     ``engine_factory`` (tests) replaces ``sparsespec.Engine.from_pretrained`` in the workers;
     it must be importable there. Raises SpecError (bad spec), WorkerStartError (no such
@@ -97,23 +155,17 @@ def run_sweep(spec: SweepSpec, *, ray_address: str | None = None, engine_factory
     result = SweepResult(run_ids=[c.run_id for c in cells], num_shards=len(shards))
     store = open_store(spec.db)
     status_of: dict[str, str] = {}
+    recorder = SweepRecorder(store, cells)
     try:
-        prov = {"sweep": {"name": spec.name, "spec": spec.resolved()}, **provenance.collect()}
-        done_keys: set[str] = set()
-        for c in cells:
-            new = store.start_run(c.run_id, benchmark=c.benchmark, model=c.model, methods=list(c.config["methods"]),
-                                  config=c.config, host={"provenance": prov})
-            store.release_running(c.run_id)  # a previous driver that died mid-shard
-            done_keys |= store.done_shards(c.run_id)
-            log.info("%s run %s (%s, L=%s, B=%d, rep %d)", "new" if new else "resuming", c.run_id, c.model,
-                     c.context_length, c.batch_size, c.repetition)
+        prov = recorder.prov
+        prov.update({"sweep": {"name": spec.name, "spec": spec.resolved()}, **provenance.collect()})
+        done_keys = recorder.start_runs()
         todo = [s for s in shards if s.key not in done_keys]
         result.skipped = [s.key for s in shards if s.key in done_keys]
         log.info("sweep %s: %d run(s), %d shard(s): %d stored, %d to run", spec.name, len(cells), len(shards),
                  len(result.skipped), len(todo))
         if not todo:
-            for c in cells:
-                store.finish_run(c.run_id, status="finished")
+            recorder.finish_all("finished")
             return result
         status_of = {c.run_id: "failed" for c in cells}
         with ray_session(ray_address, num_cpus=local_num_cpus):
@@ -125,21 +177,11 @@ def run_sweep(spec: SweepSpec, *, ray_address: str | None = None, engine_factory
             prov["worker_plan"] = {"num_workers": wplan.num_workers, "num_gpus": wplan.num_gpus,
                                    "num_cpus": wplan.num_cpus, "threads": wplan.threads, "device": wplan.device,
                                    "schedule": wplan.schedule}
-            pings: dict[str, list[dict[str, Any]]] = {}
-
-            def on_workers(model: str, hosts: list[dict[str, Any]], quantize: str = "none") -> None:
-                pings[f"{model}/{quantize}"] = hosts
-                for c in cells:
-                    if c.model == model and c.quantize == quantize:
-                        store.update_run(c.run_id, host={"provenance": prov, "workers": hosts,
-                                                         "devices": provenance.summarize_workers(hosts)})
-
             scorers = {b.name: get_benchmark(b.name).score_sample for b in spec.benchmarks}
             bar = _bar(len(todo), progress, spec.name)
             try:
-                out = run_shards(store, todo, plan=wplan, dtype=spec.dtype, scorers=scorers,
-                                 max_retries=spec.workers.max_retries, engine_factory=engine_factory, bar=bar,
-                                 on_workers=on_workers)
+                out = run_shards(todo, plan=wplan, dtype=spec.dtype, scorers=scorers, emit=recorder.shard_event,
+                                 max_retries=spec.workers.max_retries, engine_factory=engine_factory, bar=bar)
             finally:
                 bar.close()
         result.done, result.failed, result.worker_deaths = out.done, out.failed, out.worker_deaths
@@ -149,12 +191,7 @@ def run_sweep(spec: SweepSpec, *, ray_address: str | None = None, engine_factory
         status_of = {r: "interrupted" for r in status_of} or {c.run_id: "interrupted" for c in cells}
         raise
     finally:
-        for run_id, status in status_of.items():
-            try:
-                store.release_running(run_id)
-                store.finish_run(run_id, status=status)
-            except Exception:  # noqa: BLE001 - never mask the original error
-                log.exception("could not mark run %s as %s", run_id, status)
+        recorder.finish(status_of)
         store.close()
         result.wall_s = time.perf_counter() - t0
     return result

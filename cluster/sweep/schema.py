@@ -259,6 +259,17 @@ def check_methods(spec: SweepSpec) -> dict[str, dict[str, Any]]:
         raise SpecError(str(e)) from None
 
 
+def check_benchmarks(spec: SweepSpec) -> None:
+    """Each benchmark's fast preflight (task names, data folders, option keys). Raises SpecError."""
+    from evals.registry import get_benchmark
+
+    for b in spec.benchmarks:
+        try:
+            get_benchmark(b.name).check(tasks=b.tasks, options=dict(b.options))
+        except (ValueError, FileNotFoundError) as e:
+            raise SpecError(f"benchmark {b.name}: {e}") from None
+
+
 def _format_validation(e: ValidationError, where: str) -> str:
     lines = []
     for err in e.errors():
@@ -322,4 +333,4 @@ def apply_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> di
 
 
 __all__ = ["AR", "BenchmarkSpec", "SamplingSpec", "SpecError", "SweepSpec", "WorkersSpec", "apply_overrides",
-           "check_methods", "load_spec", "parse_spec"]
+           "check_benchmarks", "check_methods", "load_spec", "parse_spec"]
