@@ -347,7 +347,9 @@ def test_ctrl_c_leaves_the_store_consistent_and_resumable(ray_session, tiny, tmp
         def write(self, *a, **k): ...
         def close(self): ...
 
-    monkeypatch.setattr(sweep, "_bar", lambda *a, **k: Bar())
+    from cluster.sweep import coordinator
+
+    monkeypatch.setattr(coordinator, "_bar", lambda *a, **k: Bar())
     with pytest.raises(KeyboardInterrupt):
         sweep.run_sweep(spec, progress=False)
     n, unique, shards = _counts(db)

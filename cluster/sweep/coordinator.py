@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.sweep.plan import AR, Shard, lossless_check
+from cluster.sweep.plan import AR, Shard
 from cluster.sweep.worker import EngineFactory
 
 log = logging.getLogger(__name__)
@@ -202,6 +202,29 @@ def _short_error(e: BaseException, limit: int = 600) -> str:
 Scorer = Callable[[Any, str], float]
 
 
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first differing token (or the shorter length); None if identical."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def lossless_check(ar_tokens: Sequence[int] | None, tokens: Sequence[int], stats: Mapping[str, Any],
+                   temperature: float) -> tuple[bool | None, int | None]:
+    """(lossless, first_divergence) of a method's output against AR on the same sample.
+
+    None when not applicable: sampling runs (equality is distributional, not per token) or no AR
+    output. Identical output with zero drafted tokens is inconclusive (None), not a pass.
+    """
+    if ar_tokens is None or temperature > 0:
+        return None, None
+    div = first_divergence(ar_tokens, tokens)
+    if div is None:
+        return (True if int(stats.get("num_drafted", 0) or 0) > 0 else None), None
+    return False, div
+
+
 def result_rows(shard: Shard, outs: Sequence[Mapping[str, Any]], scorer: Scorer) -> list[dict[str, Any]]:
     """The store's result rows for a finished shard: scored, AR-checked (losslessness vs the AR
     row of the same sample in the same batch). Raises ValueError if rows are missing or the
@@ -315,17 +338,34 @@ class Outcome:
 
 def run_shards(shards: Sequence[Shard], *, plan: WorkerPlan, dtype: str, scorers: Mapping[str, Scorer],
                emit: Callable[[ShardEvent], None], max_retries: int = 2,
-               engine_factory: EngineFactory | None = None, bar: Any = None) -> Outcome:
+               engine_factory: EngineFactory | None = None, progress: bool = False, desc: str = "") -> Outcome:
     """Run ``shards`` (grouped by model and target quantisation) on ``plan``'s actors; hand every
     event to ``emit`` as it happens (the caller stores them).
 
     ``scorers``: benchmark name -> ``score_sample``. ``emit`` gets :class:`WorkersReady` once a
     model's workers have loaded (provenance), :class:`ShardStarted` before a shard is submitted,
-    :class:`ShardDone` with its rows, and :class:`ShardFailed` for each failed attempt. ``bar``: a
-    tqdm-like progress bar over shards (``update``, ``set_postfix_str``, ``write``).
+    :class:`ShardDone` with its rows, and :class:`ShardFailed` for each failed attempt.
+    ``progress``: a progress bar over the shards on stderr (``desc``: its label).
     KeyboardInterrupt propagates after the shards in flight are released (a non-final
     :class:`ShardFailed` ``"interrupted"`` each: back to ``pending``) and the actors are stopped.
     """
+    bar = _bar(len(shards), progress, desc)
+    try:
+        return _run_shards(shards, plan=plan, dtype=dtype, scorers=scorers, emit=emit, max_retries=max_retries,
+                           engine_factory=engine_factory, bar=bar)
+    finally:
+        bar.close()
+
+
+def _bar(total: int, enabled: bool, desc: str) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="shard", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
+
+
+def _run_shards(shards: Sequence[Shard], *, plan: WorkerPlan, dtype: str, scorers: Mapping[str, Scorer],
+                emit: Callable[[ShardEvent], None], max_retries: int, engine_factory: EngineFactory | None,
+                bar: Any) -> Outcome:
     import ray
 
     outcome = Outcome()
@@ -424,5 +464,5 @@ def _advance(bar: Any, samples_done: int) -> None:
 
 
 __all__ = ["Outcome", "ShardDone", "ShardEvent", "ShardFailed", "ShardStarted", "WorkerPlan", "WorkerPool",
-           "WorkerStartError", "WorkersReady", "plan_workers", "ray_session", "result_rows", "run_shards",
-           "shard_summary"]
+           "WorkerStartError", "WorkersReady", "first_divergence", "lossless_check", "plan_workers", "ray_session",
+           "result_rows", "run_shards", "shard_summary"]

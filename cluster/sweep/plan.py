@@ -187,28 +187,5 @@ def plan_shards(cell: Cell) -> list[Shard]:
     return shards
 
 
-def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """Index of the first differing token (or the shorter length); None if identical."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def lossless_check(ar_tokens: Sequence[int] | None, tokens: Sequence[int], stats: Mapping[str, Any],
-                   temperature: float) -> tuple[bool | None, int | None]:
-    """(lossless, first_divergence) of a method's output against AR on the same sample.
-
-    None when not applicable: sampling runs (equality is distributional, not per token) or no AR
-    output. Identical output with zero drafted tokens is inconclusive (None), not a pass.
-    """
-    if ar_tokens is None or temperature > 0:
-        return None, None
-    div = first_divergence(ar_tokens, tokens)
-    if div is None:
-        return (True if int(stats.get("num_drafted", 0) or 0) > 0 else None), None
-    return False, div
-
-
-__all__ = ["AR", "Cell", "Shard", "compute_run_id", "default_tokenizer_info", "first_divergence",
-           "lossless_check", "method_order", "plan_cells", "plan_shards", "samples_digest"]
+__all__ = ["AR", "Cell", "Shard", "compute_run_id", "default_tokenizer_info", "method_order", "plan_cells",
+           "plan_shards", "samples_digest"]

@@ -63,12 +63,7 @@ def plan(spec: SweepSpec, tokenizer_info: TokenizerInfo = default_tokenizer_info
     return cells, [sh for c in cells for sh in plan_shards(c)]
 
 
-def _bar(total: int, enabled: bool, desc: str) -> Any:
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="shard", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
-
-
+@dataclass
 class SweepRecorder:
     """The one place a sweep writes to the store: its runs (started or resumed, their workers,
     finished) and every shard event the coordinator hands back (``cluster.sweep.coordinator``:
@@ -78,9 +73,9 @@ class SweepRecorder:
     ``prov``: the runs' provenance, stored with each run (the caller fills it in before
     :meth:`start_runs` and may add to it until the workers are ready)."""
 
-    def __init__(self, store: Store, cells: Sequence[Cell]) -> None:
-        self.store, self.cells = store, list(cells)
-        self.prov: dict[str, Any] = {}
+    store: Store
+    cells: Sequence[Cell]
+    prov: dict[str, Any] = field(default_factory=dict)
 
     def start_runs(self) -> set[str]:
         """Start or resume every cell's run (shards a dead driver left ``running`` go back to
@@ -178,12 +173,9 @@ def run_sweep(spec: SweepSpec, *, ray_address: str | None = None, engine_factory
                                    "num_cpus": wplan.num_cpus, "threads": wplan.threads, "device": wplan.device,
                                    "schedule": wplan.schedule}
             scorers = {b.name: get_benchmark(b.name).score_sample for b in spec.benchmarks}
-            bar = _bar(len(todo), progress, spec.name)
-            try:
-                out = run_shards(todo, plan=wplan, dtype=spec.dtype, scorers=scorers, emit=recorder.shard_event,
-                                 max_retries=spec.workers.max_retries, engine_factory=engine_factory, bar=bar)
-            finally:
-                bar.close()
+            out = run_shards(todo, plan=wplan, dtype=spec.dtype, scorers=scorers, emit=recorder.shard_event,
+                             max_retries=spec.workers.max_retries, engine_factory=engine_factory,
+                             progress=progress, desc=spec.name)
         result.done, result.failed, result.worker_deaths = out.done, out.failed, out.worker_deaths
         failed_runs = {k.rsplit("/", 2)[0] for k in out.failed}
         status_of = {c.run_id: ("failed" if c.run_id in failed_runs else "finished") for c in cells}
