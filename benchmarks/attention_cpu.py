@@ -15,7 +15,7 @@ Each timed call runs the kernel over ``--layers`` layers' own K and V (SmolLM2's
 the caches stream from memory as in a step. ``--layers 1`` re-reads one layer's 37.7 MB every
 call: on a CPU with a large last-level cache (480 MB on the Xeon of benchmarks/RESULTS.md) that
 times the kernel from cache, 1.3-3x faster than inside a step. Compare with
-``python -m cluster.bench --steps-only`` (the attention phase of whole steps).
+``python -m cluster.speed --steps-only`` (the attention phase of whole steps).
 
     .venv/bin/python benchmarks/attention_cpu.py --batch 4 --context 6144 --widths 1,3,9
 """

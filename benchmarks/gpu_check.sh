@@ -11,7 +11,7 @@
 # 2. correctness: pytest -q -m gpu tests/gpu (kernel parity at real shapes, greedy losslessness of
 #    the speculative methods with the kernels active, kernel path == torch path).
 # 3. timing: per-layer attention kernels (benchmarks/kernel_timing.py), then the step benchmark
-#    `python -m cluster.bench --shape llama-3.1-8b --random-weights ...` (16K-64K, batch 1), then
+#    `python -m cluster.speed --shape llama-3.1-8b --random-weights ...` (16K-64K, batch 1), then
 #    paired end-to-end ar vs sparsespec-l (k=auto, k=4) at batch 1, 4, 16 x 16K-64K
 #    (benchmarks/paired_e2e.py; random weights, so alpha is not a real model's; cells that do
 #    not fit in memory are reported as such).
@@ -41,7 +41,7 @@ log "GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 check_env() {
     "$1" - <<'EOF' 2>/dev/null
 import torch, triton, pytest, transformers, safetensors  # noqa: F401
-import sparsespec.engine, cluster.bench  # noqa: F401
+import sparsespec.engine, cluster.speed.measure  # noqa: F401
 assert torch.cuda.is_available()
 EOF
 }
@@ -99,13 +99,13 @@ else
     [ "$status" -eq 0 ] && status=2
 fi
 
-log "timing: python -m cluster.bench (llama-3.1-8b shape, random weights, bf16, 16K-64K, batch 1, steps only)"
-if "$PY" -m cluster.bench --shape llama-3.1-8b --random-weights --device cuda --dtype bfloat16 \
+log "timing: python -m cluster.speed (llama-3.1-8b shape, random weights, bf16, 16K-64K, batch 1, steps only)"
+if "$PY" -m cluster.speed --shape llama-3.1-8b --random-weights --device cuda --dtype bfloat16 \
         --context-lengths 16384,32768,65536 --batch-sizes 1 --steps-only --json-out "$OUT/bench.json" \
         2>&1 | tee "$OUT/bench.log"; then
     log "timing: bench done"
 else
-    log "timing: cluster.bench FAILED (see bench.log)"
+    log "timing: cluster.speed.measure FAILED (see bench.log)"
     [ "$status" -eq 0 ] && status=2
 fi
 

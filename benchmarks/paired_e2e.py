@@ -18,7 +18,7 @@ stats), ``k="auto"``'s choices (the controller's k histogram) and whether its gr
 rate measured at its start.
 
 Real model (``--model``: a preset or a local HF folder; prompts are the ``speed`` benchmark's
-windows of a public-domain book, as in ``cluster.bench``) or random weights at a real shape
+windows of a public-domain book, as in ``cluster.speed.measure``) or random weights at a real shape
 (``--shape``, for GPU checks where no checkpoint is on the machine; random ids, near-uniform
 logits, so alpha says little there)::
 
@@ -191,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     batch_sizes = [int(x) for x in a.batch_sizes.split(",")]
     lengths = [int(x) for x in a.context_lengths.split(",")]
 
-    from cluster.bench import BenchConfig, make_prompts, run_stamp
+    from cluster.speed.measure import BenchConfig, make_prompts, run_stamp
     from sparsespec.roofline import measure_machine
 
     if a.model is not None:

@@ -5,11 +5,11 @@
 One Serve app (a local Ray on loopback, never an existing cluster) with arms ``ar``,
 ``sparsespec-l`` (``--spec-options``, default ``{"k": 2}``) and ``policy`` (``--policy``). For each
 ``--concurrencies`` level, the same prompts (book windows of each ``--lengths``, interleaved) go to
-each arm in turn through ``cluster.loadtest`` (``--arm``, closed loop at that concurrency,
+each arm in turn through ``cluster.serve.loadtest`` (``--arm``, closed loop at that concurrency,
 ``--max-tokens`` fixed-length outputs), so every arm sees the same mix at the same load. The
 stored rows (experiment ``policy-ab-c<concurrency>``) give the decisions: every arm's median
 TPOT against ``ar`` and against ``sparsespec-l`` with the bootstrap 95 % interval
-(``cluster.queries.ab_decisions``), and what the policy arm chose per (context, batch) bucket.
+(``cluster.results.aggregate.ab_decisions``), and what the policy arm chose per (context, batch) bucket.
 
     python benchmarks/policy_ab.py --policy results/policy.json --db sqlite:///$PWD/results/policy_ab.db \\
         --lengths 992,8160 --concurrencies 1,4 --num-prompts 8 --max-tokens 32
@@ -57,7 +57,8 @@ def book_prompts(tokenizer, lengths: list[int], n: int, book: Path = BOOK) -> li
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python benchmarks/policy_ab.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--policy", required=True, help="policy file (python -m cluster.report --policy --policy-out)")
+    p.add_argument("--policy", required=True,
+                   help="policy file (python -m cluster.results.report --policy --policy-out)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--policy-model", default=None, help="the model's key in the policy (default --model)")
     p.add_argument("--spec-options", default='{"k": 2}', help="the sparsespec-l arm's options (JSON)")
@@ -76,9 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     from ray import serve
     from transformers import AutoTokenizer
 
-    from cluster import loadtest, queries
-    from cluster.serve import build_app
-    from cluster.store import open_store
+    from cluster.results import aggregate as queries
+    from cluster.results.store import open_store
+    from cluster.serve import loadtest
+    from cluster.serve.endpoint import build_app
     from sparsespec.provision import resolve_model
 
     lengths, levels = _ints(a.lengths), _ints(a.concurrencies)

@@ -1,6 +1,13 @@
-"""Everything distributed: result store, Ray workers, coordinator, reports and CLI entry points.
+"""Everything distributed, in four packages by responsibility (imports point down this list):
 
-Import the submodules you need (``cluster.store``, ``cluster.report``, ``cluster.spec``, ``cluster.plan``,
-``cluster.sweep``, ``cluster.cli``); this package itself imports nothing heavy, so ``import cluster.store`` does
-not pull in Ray and ``import cluster.report`` does not pull in torch.
+``cluster.speed``    the micro-benchmark against the roofline (``python -m cluster.speed``) and
+                     the peer engines (``cluster.speed.peers``)
+``cluster.sweep``    sweeps on Ray: spec, plan, coordinator, workers (``python -m cluster.sweep``)
+``cluster.serve``    the Ray Serve A/B endpoint and its load test (siblings: neither imports the other)
+``cluster.results``  the result store, its migrations, the one aggregation, reports and the policy
+
+Import the submodules you need (``cluster.results.store``, ``cluster.results.report``,
+``cluster.sweep.schema``, ``cluster.sweep.plan``, ``cluster.sweep.run``, ...); the packages
+themselves import nothing, so ``import cluster.results.store`` does not pull in Ray and
+``import cluster.results.report`` does not pull in torch.
 """

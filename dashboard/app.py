@@ -14,9 +14,9 @@ Pages (``dashboard/views/``; url paths in brackets):
 - A/B traffic [ab]: the Serve endpoint's arms: requests over time, latency percentiles,
   acceptance, errors, and the TPOT ratio with its confidence interval.
 - Runs [runs]: runs and shards (status, attempts, errors), a run's provenance, its per-sample
-  rows and (``cluster.bench`` runs) its step times against their rooflines.
+  rows and (``cluster.speed.measure`` runs) its step times against their rooflines.
 
-Every number comes from ``cluster.queries`` through ``dashboard.queries`` (pure functions);
+Every number comes from ``cluster.results.aggregate`` through ``dashboard.queries`` (pure functions);
 the pages only lay them out.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What every dashboard page shares: the database URL, the cached loads, the sidebar filters,
-the empty-state messages and the CSV download. Numbers come from ``cluster.queries`` through
+the empty-state messages and the CSV download. Numbers come from ``cluster.results.aggregate`` through
 ``dashboard.queries``; the pages only lay them out."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import pandas as pd
 import streamlit as st
 
-from cluster.store import StoreError, StoreNotFoundError, safe_url
+from cluster.results.store import StoreError, StoreNotFoundError, safe_url
 from dashboard import queries
 
 #: The sweep that fills an empty store, shown wherever a page has nothing to show.

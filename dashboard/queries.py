@@ -1,7 +1,7 @@
 """Pure query functions over the result store, returning pandas DataFrames (no Streamlit here).
 
 Every function takes a database URL and opens the store read-only (``create=False``): a missing
-SQLite file raises ``cluster.store.StoreNotFoundError``; an empty store gives empty frames with
+SQLite file raises ``cluster.results.store.StoreNotFoundError``; an empty store gives empty frames with
 the documented columns, so callers can test ``df.empty``.
 """
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 
 import pandas as pd
 
-from cluster.report import tpot
-from cluster import queries as cq
-from cluster.store import DEFAULT_DB_URL, open_store
+from cluster.results.report import tpot
+from cluster.results import aggregate as cq
+from cluster.results.store import DEFAULT_DB_URL, open_store
 from sparsespec.roofline import max_speedup, x_roofline
 from sparsespec.stats import derive
 
@@ -90,7 +90,7 @@ def _ms(v: float | None) -> float | None:
 
 
 def roofline_frame(db_url: str = DEFAULT_DB_URL, run_ids: str | Iterable[str] | None = None) -> pd.DataFrame:
-    """The stored ``cluster.bench`` step rows (``kind == "steps"``) against their rooflines:
+    """The stored ``cluster.speed.measure`` step rows (``kind == "steps"``) against their rooflines:
     the AR, verify (K+1 tokens, importance rows on) and draft step times and their floors (ms),
     each time as a multiple of its floor, gamma (draft / verify) measured and at the floors, and
     the best-case speedup (every draft accepted) at the floors (``roofline_max_speedup``) and at
@@ -207,7 +207,7 @@ def filtered(data: Data, f: Filters) -> list[dict[str, Any]]:
 
 
 def cells_frame(rows: Sequence[Mapping[str, Any]], by: Sequence[str] = cq.CELL_KEYS) -> pd.DataFrame:
-    """``cluster.queries.cell_table`` as a frame (``k`` as text, so "auto" and 4 share a column)."""
+    """``cluster.results.aggregate.cell_table`` as a frame (``k`` as text, so "auto" and 4 share a column)."""
     return _k_text(pd.DataFrame(cq.cell_table(rows, by=by)))
 
 
@@ -233,7 +233,7 @@ FOUR_WAY_ARMS = cq.FOUR_WAY_ARMS
 
 
 def four_way_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
-    """``cluster.queries.four_way``: baseline, quantisation only, speculation only, both."""
+    """``cluster.results.aggregate.four_way``: baseline, quantisation only, speculation only, both."""
     return pd.DataFrame(cq.four_way(rows), columns=FOUR_WAY_COLUMNS)
 
 
@@ -255,7 +255,7 @@ def ledger_page_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
 
 
 def s_vs_k_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
-    """``cluster.queries.s_vs_k`` per setting (benchmark, task, model, context, batch, method)
+    """``cluster.results.aggregate.s_vs_k`` per setting (benchmark, task, model, context, batch, method)
     that has at least two fixed-k cells."""
     cells = cq.cell_table(rows)
     setting = [k for k in cq.CELL_KEYS if k != "k"]  # one curve per setting, draft weights included

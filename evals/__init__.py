@@ -8,7 +8,7 @@
   :mod:`evals.metrics`, :mod:`evals.records`, :mod:`evals.sample_io`, :mod:`evals.hub`.
 * ``python -m evals.score`` -- re-score an official prediction file through the registry.
 * ``evals/<benchmark>.py`` -- the runnable scripts (``python evals/ruler.py``, also through
-  ``ray job submit``): a few lines over the registry and ``cluster.cli``, and the only modules
+  ``ray job submit``): a few lines over the registry and ``cluster.sweep.cli``, and the only modules
   here that import ``cluster``.
 
 Everything else in this package never imports ``cluster``, ``sparsespec``, ``ray``,

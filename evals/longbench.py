@@ -8,7 +8,7 @@ from __future__ import annotations
 
 
 def main(argv=None) -> int:
-    from cluster.cli import benchmark_main
+    from cluster.sweep.cli import benchmark_main
 
     return benchmark_main("longbench", argv)
 

@@ -62,7 +62,7 @@ def parse_method_options(method: str, options: dict[str, Any] | None = None) -> 
 def resolve_method_options(method: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
     """The full, validated options of ``method`` as a plain dict: only that method's own options,
     defaults filled in (``{}`` for ``"ar"``). A run id hashes this per method of the run
-    (``cluster.plan``), so another method's options never move it.
+    (``cluster.sweep.plan``), so another method's options never move it.
 
     Raises:
         ValueError: as ``parse_method_options``.

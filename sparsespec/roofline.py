@@ -1,7 +1,7 @@
 """Machine probes and roofline arithmetic: what one decode step must cost on this machine.
 
 Pure arithmetic plus two small probes; no Ray, no SQL (``torch`` is imported lazily, only by
-the probes). ``cluster.bench`` measures with it and the dashboard (``dashboard.queries``)
+the probes). ``cluster.speed.measure`` measures with it and the dashboard (``dashboard.queries``)
 derives its roofline table with it.
 
 Units: seconds, bytes, FLOPs; bandwidth in bytes/s, compute in FLOP/s. A step's roofline is

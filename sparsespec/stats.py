@@ -49,7 +49,7 @@ class StepClock:
     clock reads the instant it paused at. Timestamps on it (a request's arrival, first token and
     every emission: ``ttft_s``, ``decode_s``, ``total_s``, ``emit_times``) then measure the core as
     if its steps had run back to back, which is what a schedule that interleaves several cores'
-    steps on one device needs (``cluster.worker``'s ``schedule="step"``: one core per method,
+    steps on one device needs (``cluster.sweep.worker``'s ``schedule="step"``: one core per method,
     stepped in turn, so a slow minute of a shared machine lands on every method alike). Seconds
     measured within one step (draft, verify, prefill) equal the device clock's. Created paused.
 

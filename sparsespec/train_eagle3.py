@@ -20,7 +20,7 @@ the target's rows of those ids and stays frozen; ``fc`` starts by picking the hi
 
 At the end: top-1 agreement per draft step on held-out windows, and the acceptance measured by
 the engine (``eagle3`` vs the target's greedy output) on held-out chat prompts; both are saved
-with the head (``config.json`` -> ``sparsespec``) in the EAGLE-3 format ``sparsespec.eagle3``
+with the head (``config.json`` -> ``sparsespec``) in the EAGLE-3 format ``sparsespec.eagle3_head``
 reads, under ``$SPARSESPEC_CACHE/eagle3/<model>`` by default.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from sparsespec.eagle3 import Eagle3Config, Eagle3Head
+from sparsespec.eagle3_head import Eagle3Config, Eagle3Head
 from sparsespec.kv.cache import KVCache
 from sparsespec.model import Transformer
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from cluster.store import open_store
+from cluster.results.store import open_store
 
 MODEL = "m"
 CONTEXTS = (1024, 2048)

@@ -112,7 +112,7 @@ def eagle3_head(model, *, windows: int = 24, seq_len: int = 64, steps: int = 300
     exercises the draft-to-target map (ids outside it are never drafted)."""
     import tempfile
 
-    from sparsespec.eagle3 import Eagle3Config
+    from sparsespec.eagle3_head import Eagle3Config
     from sparsespec.train_eagle3 import TrainConfig, choose_draft_vocab, init_head, teacher_pass, train
 
     key = (id(model), windows, seq_len, steps, draft_vocab, seed, lr)  # a call with other settings trains its own

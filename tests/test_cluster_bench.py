@@ -1,4 +1,4 @@
-"""cluster.bench: roofline arithmetic (``sparsespec.roofline``), flag validation, the step timings,
+"""cluster.speed.measure: roofline arithmetic (``sparsespec.roofline``), flag validation, the step timings,
 and the end-to-end part as a sweep of the ``speed`` benchmark (same run ids, pairing, lossless
 check and report as any sweep; resumable)."""
 from __future__ import annotations
@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
-from cluster import bench
-from cluster.bench import BenchConfig
-from cluster.report import report_rows
-from cluster.store import open_store
+from cluster.speed import measure as bench
+from cluster.speed.measure import BenchConfig
+from cluster.results.report import report_rows
+from cluster.results.store import open_store
 from helpers import tiny_model_like
 from sparsespec.roofline import (kv_bytes, max_speedup, roofline, roofline_speedup, step_flops, weight_bytes,
                                  x_roofline)
@@ -223,7 +223,7 @@ def test_random_weights_measure_every_step_and_store_them_without_an_e2e_run(tmp
 def test_profile_prints_the_op_table_of_one_step(capsys, caplog):
     import logging
 
-    caplog.set_level(logging.INFO, logger="cluster.bench")
+    caplog.set_level(logging.INFO, logger="cluster.speed.measure")
     rc = bench.main(["--shape", "tiny", "--random-weights", "--context-lengths", "128", "--batch-sizes", "2",
                      "--k", "3", "--reps", "1", "--warmup", "0", "--gen-tokens", "6", "--db", "", "--threads", "1",
                      "--profile", "verify"])
@@ -235,7 +235,7 @@ def test_profile_prints_the_op_table_of_one_step(capsys, caplog):
 
 
 def test_the_e2e_part_is_a_speed_sweep_spec_per_batch_size(tmp_path):
-    from cluster.plan import compute_run_id
+    from cluster.sweep.plan import compute_run_id
 
     tiny = str(tiny_model_like(tmp_path / "tiny"))
     cfg = BenchConfig(model=tiny, context_lengths=(256, 512), batch_sizes=(1, 4), methods=("sparsespec-l",),
@@ -247,7 +247,7 @@ def test_the_e2e_part_is_a_speed_sweep_spec_per_batch_size(tmp_path):
     assert s.methods == {"ar": {}, "sparsespec-l": {"k": 3, "budget_frac": 0.2}}
     assert [(b.name, b.num_samples) for b in s.benchmarks] == [("speed", 1)] and specs[1].benchmarks[0].num_samples == 4
     assert (s.sampling.max_new_tokens, s.sampling.temperature, s.repetitions, s.device, s.db) == (6, 0.0, 2, "cpu", db)
-    from cluster.sweep import plan
+    from cluster.sweep.run import plan
 
     cells, shards = plan(s)
     assert [(c.context_length, c.batch_size, c.repetition) for c in cells] == [(256, 1, 0), (256, 1, 1),

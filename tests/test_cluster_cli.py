@@ -2,9 +2,9 @@
 import pytest
 import yaml
 
-from cluster import cli
-from cluster.spec import parse_spec
-from cluster.worker import sampling_params
+from cluster.sweep import cli
+from cluster.sweep.schema import parse_spec
+from cluster.sweep.worker import sampling_params
 from evals.base import Sample
 
 

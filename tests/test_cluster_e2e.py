@@ -5,8 +5,8 @@ Deliberately no importorskip: a missing or broken engine or model must fail this
 """
 import pytest
 
-from cluster.report import REPORT_KEYS, report_rows
-from cluster.store import open_store
+from cluster.results.report import REPORT_KEYS, report_rows
+from cluster.results.store import open_store
 
 
 @pytest.mark.slow

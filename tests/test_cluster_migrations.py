@@ -1,4 +1,4 @@
-"""Schema migrations of the result store (Alembic, ``cluster/migrations``) and the per-step
+"""Schema migrations of the result store (Alembic, ``cluster/results/migrations``) and the per-step
 acceptance trace, on SQLite and (when SPARSESPEC_TEST_PG_URL is set) PostgreSQL."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Column, Integer, MetaData, create_engine, delete, inspect, text
 
-from cluster.store import (
+from cluster.results.store import (
     ACCEPTANCE_STEP_FIELDS,
     BASE_REVISION,
     Base,
@@ -104,7 +104,7 @@ def test_upgrade_from_empty_matches_the_models(db_url):
     with open_store(db_url) as st:
         assert st.revision() == head_revision() == "0003"
         assert STORE_TABLES <= set(inspect(st.engine).get_table_names())
-        assert _diffs(st.engine) == [], "the models changed without a migration (cluster/migrations/versions)"
+        assert _diffs(st.engine) == [], "the models changed without a migration (cluster/results/migrations/versions)"
         # the check bites: a model column the migrations do not create is a difference
         changed = MetaData()
         for t in Base.metadata.tables.values():
@@ -212,10 +212,10 @@ def test_cli_from_another_directory(tmp_path):
     """``script_location`` is a package path: the command works from any working directory."""
     db = f"sqlite:///{tmp_path}/x.db"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    up = subprocess.run([sys.executable, "-m", "cluster.store", "upgrade", "--db", db], cwd=tmp_path, env=env,
+    up = subprocess.run([sys.executable, "-m", "cluster.results.store", "upgrade", "--db", db], cwd=tmp_path, env=env,
                         capture_output=True, text=True, timeout=120)
     assert up.returncode == 0, up.stderr
-    cur = subprocess.run([sys.executable, "-m", "cluster.store", "current", "--db", db], cwd=tmp_path, env=env,
+    cur = subprocess.run([sys.executable, "-m", "cluster.results.store", "current", "--db", db], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=120)
     assert (cur.returncode, cur.stdout.strip()) == (0, "0003 (head)"), cur.stderr
 

@@ -1,11 +1,11 @@
-"""cluster.queries on the seeded store (tests/dashboard_seed.py): every value checked by hand."""
+"""cluster.results.aggregate on the seeded store (tests/dashboard_seed.py): every value checked by hand."""
 import math
 
 import numpy as np
 import pytest
 
-from cluster import queries as q
-from cluster.store import open_store
+from cluster.results import aggregate as q
+from cluster.results.store import open_store
 from tests import dashboard_seed as seed
 
 CELL = ("model", "context_length", "batch_size", "method", "k")

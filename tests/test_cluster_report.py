@@ -3,10 +3,10 @@ import json
 
 import pytest
 
-from cluster import report
-from cluster.queries import cell_table
-from cluster.report import REPORT_KEYS, compute_report, main, report_rows, tpot
-from cluster.store import open_store
+from cluster.results import report
+from cluster.results.aggregate import cell_table
+from cluster.results.report import REPORT_KEYS, compute_report, main, report_rows, tpot
+from cluster.results.store import open_store
 
 
 def _r(method, sample_id, stats, *, run_id="r1", task="t", score=None, lossless=None):

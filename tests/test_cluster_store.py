@@ -4,7 +4,7 @@ import os
 import pytest
 from sqlalchemy.exc import IntegrityError
 
-from cluster.store import (
+from cluster.results.store import (
     RESULT_FIELDS,
     StoreNotFoundError,
     StoreURLError,
@@ -36,7 +36,7 @@ def store(request, tmp_path):
     if request.param == "postgresql":  # start clean: a new database, migrated from nothing
         from sqlalchemy import text
 
-        from cluster.store import Base
+        from cluster.results.store import Base
 
         with s.engine.begin() as c:
             Base.metadata.drop_all(c)
@@ -53,7 +53,7 @@ def test_open_creates_parent_dirs_and_tables(tmp_path):
         assert db.exists()
         assert s.has_tables
         assert s.runs() == [] and s.acceptance_steps() == []
-        from cluster.store import head_revision
+        from cluster.results.store import head_revision
 
         assert s.revision() == head_revision()
 
@@ -134,7 +134,7 @@ def test_readers_do_not_create(tmp_path):
 
 
 def test_password_is_masked_in_errors():
-    from cluster.store import StoreError
+    from cluster.results.store import StoreError
 
     with pytest.raises(StoreError) as e:
         open_store("postgresql+psycopg://user:hunter2@127.0.0.1:1/db")
@@ -142,7 +142,7 @@ def test_password_is_masked_in_errors():
 
 
 def test_shard_lifecycle_and_atomic_completion(store):
-    from cluster.store import StoreError
+    from cluster.results.store import StoreError
 
     store.start_run("r1", benchmark="ruler", model="m", methods=["ar"], config={"context_length": 512,
                                                                               "batch_size": 2})

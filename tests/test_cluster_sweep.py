@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster import sweep
-from cluster.coordinator import WorkerStartError, plan_workers, result_rows
-from cluster.plan import plan_shards
-from cluster.report import batch_speedups, compute_report
-from cluster.spec import SpecError, load_spec, parse_spec
-from cluster.store import open_store
-from cluster.worker import EngineWorker
+from cluster.sweep import run as sweep
+from cluster.sweep.coordinator import WorkerStartError, plan_workers, result_rows
+from cluster.sweep.plan import plan_shards
+from cluster.results.report import batch_speedups, compute_report
+from cluster.sweep.schema import SpecError, load_spec, parse_spec
+from cluster.results.store import open_store
+from cluster.sweep.worker import EngineWorker
 from helpers import tiny_model_like
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -287,7 +287,7 @@ def _killer(db, killed, delay_s=0.4):
 
 @pytest.mark.slow
 def test_a_worker_killed_mid_shard_is_retried_and_nothing_is_lost_or_duplicated(ray_session, tiny, tmp_path):
-    from cluster.testing import slow_engine_factory
+    from cluster.sweep.testing import slow_engine_factory
 
     db = f"sqlite:///{tmp_path}/k.db"
     spec = _spec(tiny, db, workers={"num_workers": 2, "threads": 1, "max_retries": 2})
@@ -310,7 +310,7 @@ def test_a_worker_killed_mid_shard_is_retried_and_nothing_is_lost_or_duplicated(
 
 @pytest.mark.slow
 def test_a_shard_that_keeps_failing_is_recorded_and_the_rest_complete(ray_session, tiny, tmp_path):
-    from cluster.testing import failing_engine_factory
+    from cluster.sweep.testing import failing_engine_factory
 
     db = f"sqlite:///{tmp_path}/f.db"
     spec = _spec(tiny, db)
@@ -347,7 +347,9 @@ def test_ctrl_c_leaves_the_store_consistent_and_resumable(ray_session, tiny, tmp
         def write(self, *a, **k): ...
         def close(self): ...
 
-    monkeypatch.setattr(sweep, "_bar", lambda *a, **k: Bar())
+    from cluster.sweep import coordinator
+
+    monkeypatch.setattr(coordinator, "_bar", lambda *a, **k: Bar())
     with pytest.raises(KeyboardInterrupt):
         sweep.run_sweep(spec, progress=False)
     n, unique, shards = _counts(db)
@@ -384,7 +386,7 @@ def test_step_schedule_interleaves_the_methods_and_times_each_core_alone(tiny, t
     """schedule="step": the methods' cores take turns (the order rotating every round), the
     tokens equal those of schedule="run", and each method's ``batch_wall_s`` and per-row times
     count only its own steps: a method whose steps are slow does not slow the others' numbers."""
-    from cluster.worker import default_engine_factory
+    from cluster.sweep.worker import default_engine_factory
 
     log: list[str] = []
     inside: dict[str, float] = {}  # seconds inside each method's core.step calls
@@ -464,8 +466,8 @@ def test_sampled_outputs_do_not_depend_on_the_batching(tiny, tmp_path):
 
 
 def test_worker_provenance_carries_the_kernel_plan():
-    from cluster import provenance
-    from cluster.worker import EngineWorker
+    from cluster.sweep import provenance
+    from cluster.sweep.worker import EngineWorker
     from sparsespec.engine import Engine
     from sparsespec.shapes import IdTokenizer, random_transformer
 
@@ -482,7 +484,7 @@ def test_ray_session_starts_its_own_ray_unless_an_address_is_given(monkeypatch):
     RAY_ADDRESS) is joined as given."""
     import ray
 
-    from cluster.coordinator import ray_session
+    from cluster.sweep.coordinator import ray_session
 
     calls = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)

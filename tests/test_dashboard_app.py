@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from cluster.store import open_store
+from cluster.results.store import open_store
 from dashboard import PAGES, queries
 from tests import dashboard_seed as seed
 
@@ -20,7 +20,7 @@ def db(tmp_path):
 
 
 def test_db_url_precedence():
-    from cluster.store import DEFAULT_DB_URL
+    from cluster.results.store import DEFAULT_DB_URL
 
     f = queries.resolve_db_url
     assert f([], {}) == DEFAULT_DB_URL
@@ -188,7 +188,7 @@ def test_every_page_on_an_empty_and_a_missing_db(monkeypatch, tmp_path, path):
     assert any("Cannot read the result store" in w.value for w in at.warning)
 
 
-# --------------------------------------------------------------------------- roofline (cluster.bench rows)
+# --------------------------------------------------------------------------- roofline (cluster.speed.measure rows)
 def _steps_row(**kw):
     row = {"kind": "steps", "context_len": 1024, "prompt_len": 960, "batch_size": 1, "k": 4, "n_index": 128,
            "ar_step_s": 0.020, "ar_step_roofline_s": 0.010, "verify_importance_s": 0.030, "verify_roofline_s": 0.012,

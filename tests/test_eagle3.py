@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from sparsespec import METHODS, Engine, SamplingParams
 from sparsespec.drafters.eagle3 import Eagle3Drafter, resolve_head
-from sparsespec.eagle3 import Eagle3Config, Eagle3Head, default_aux_layers
+from sparsespec.eagle3_head import Eagle3Config, Eagle3Head, default_aux_layers
 from sparsespec.kv.cache import KVCache
 from sparsespec.model import Transformer
 from sparsespec.train_eagle3 import TrainConfig, choose_draft_vocab, init_head, teacher_pass, ttt_forward
@@ -264,7 +264,7 @@ def test_greedy_is_token_identical_to_ar(engine, head_dir, k):
     accepted = one.stats["num_accepted"] + sum(o.stats["num_accepted"] for o in ragged)
     assert 0 < accepted < drafted, "both the accepted and the rejected path must run"
     assert one.stats["draft_weight_bytes"] == 0  # no int8 copy of the target: the report's label stays plain
-    from cluster.queries import run_draft_weights
+    from cluster.results.aggregate import run_draft_weights
 
     assert run_draft_weights({"method": "eagle3", "stats": one.stats}) == "target"
 

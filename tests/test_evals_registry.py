@@ -1,6 +1,6 @@
 """evals.registry: one Benchmark protocol for the four benchmarks -- the registry, options,
 preflight checks, the context-length contract of build_samples, determinism, pickling, and the
-entry scripts over cluster.cli (CPU, real SmolLM2 tokenizer)."""
+entry scripts over cluster.sweep.cli (CPU, real SmolLM2 tokenizer)."""
 from __future__ import annotations
 
 import argparse
@@ -256,7 +256,7 @@ def test_max_new_tokens_overrides_the_budget(tok):
 
 
 def _fake_cluster_cli(monkeypatch, tokenizer, calls):
-    """A stand-in for cluster.cli.benchmark_main with the contract it is written against: shared
+    """A stand-in for cluster.sweep.cli.benchmark_main with the contract it is written against: shared
     flags + the benchmark's add_arguments, check, then build_samples with the parsed options."""
     from evals.registry import get_benchmark as get
 
@@ -281,9 +281,9 @@ def _fake_cluster_cli(monkeypatch, tokenizer, calls):
         calls.append((name, samples))
         return 0
 
-    cli = types.ModuleType("cluster.cli")
+    cli = types.ModuleType("cluster.sweep.cli")
     cli.benchmark_main = benchmark_main
-    monkeypatch.setitem(sys.modules, "cluster.cli", cli)
+    monkeypatch.setitem(sys.modules, "cluster.sweep.cli", cli)
 
 
 def test_entry_scripts_hand_over_to_cluster_cli(monkeypatch, tok):

@@ -116,11 +116,11 @@ def test_no_quality_score_and_no_official_prediction_format():
 
 def test_the_coordinator_and_the_report_accept_none_scores(smol_tokenizer, tmp_path):
     """A speed shard goes through the planner, ``result_rows`` and the report with score None."""
-    from cluster.coordinator import result_rows
-    from cluster.plan import plan_shards
-    from cluster.report import compute_report
-    from cluster.spec import parse_spec
-    from cluster.sweep import plan
+    from cluster.sweep.coordinator import result_rows
+    from cluster.sweep.plan import plan_shards
+    from cluster.results.report import compute_report
+    from cluster.sweep.schema import parse_spec
+    from cluster.sweep.run import plan
 
     spec = parse_spec({"name": "s", "models": ["smollm2-135m"], "methods": {"sparsespec-l": {"k": 2}},
                        "batch_sizes": [2], "context_lengths": [256],

@@ -1,4 +1,4 @@
-"""cluster.loadtest: statistics against hand-computed numbers, the A/B bootstrap, arrivals, CLI
+"""cluster.serve.loadtest: statistics against hand-computed numbers, the A/B bootstrap, arrivals, CLI
 checks, and an end-to-end run against a fake OpenAI-compatible streaming server (Starlette served
 by uvicorn on 127.0.0.1 in a background thread). No Ray, no model weights (the registry test
 loads SmolLM2's tokenizer only).
@@ -17,11 +17,9 @@ import httpx
 import numpy as np
 import pytest
 
-from cluster.loadtest import (
+from cluster.results.ab import RequestRecord, ab_decision, ab_decisions
+from cluster.serve.loadtest import (
     Prompt,
-    RequestRecord,
-    ab_decision,
-    ab_decisions,
     check_loopback,
     main,
     parse_goodput,
@@ -682,7 +680,7 @@ def test_forced_arm_sessions_and_concurrency(server):
 
 
 def test_warmups_reach_every_arm_the_server_lists(server):
-    from cluster.loadtest import check_reachable
+    from cluster.serve.loadtest import check_reachable
 
     url, state = server
 
@@ -755,7 +753,7 @@ def test_run_load_accepts_prompt_objects(server):
 def test_load_prompts_from_registry():
     """Real RULER prompts with SmolLM2's tokenizer (about 4 s, so not marked slow; like the evals
     tests it uses the provisioned model's tokenizer)."""
-    from cluster.loadtest import load_prompts
+    from cluster.serve.loadtest import load_prompts
 
     ps = load_prompts("smollm2-135m", "ruler", num_prompts=4, context_length=1024,
                       tasks=["niah_single_1", "niah_single_2"])

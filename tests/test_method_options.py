@@ -11,15 +11,15 @@ import pytest
 from sqlalchemy import inspect, select
 
 import sparsespec
-from cluster.plan import compute_run_id, plan_cells, plan_shards
-from cluster.spec import check_methods, parse_spec
-from cluster.store import RunIdMap, Store, alembic_config, current_revision, head_revision, open_store
+from cluster.sweep.plan import compute_run_id, plan_cells, plan_shards
+from cluster.sweep.schema import check_methods, parse_spec
+from cluster.results.store import RunIdMap, Store, alembic_config, current_revision, head_revision, open_store
 from sparsespec import options_class, parse_method_options, resolve_method_options
 from sparsespec.config import MethodOptions, SpecOptions, later_option
 from sparsespec.registry import DRAFTERS
 from tests.test_cluster_migrations import _engine, db_url  # noqa: F401  (db_url: SQLite, and PostgreSQL when set)
 
-MIGRATION = importlib.import_module("cluster.migrations.versions.0003_per_method_run_ids")
+MIGRATION = importlib.import_module("cluster.results.migrations.versions.0003_per_method_run_ids")
 
 #: ``SpecConfig`` as it was before per-method options (frozen here: the old run ids' form)
 OLD_DEFAULTS = dict(k="auto", max_k=16, budget_frac=0.1, min_budget=128, max_budget=8192, n_sink=4, n_recent=32,
@@ -117,7 +117,7 @@ def test_unknown_or_invalid_options_name_the_method_and_the_option(method, optio
 
 
 def test_a_spec_reports_a_bad_option_of_one_method(tmp_path):
-    from cluster.spec import SpecError
+    from cluster.sweep.schema import SpecError
 
     spec = _spec({"sparsespec-l": {}, "ngram": {"ngram_mx": 4}}, tmp_path)
     with pytest.raises(SpecError, match=r"unknown method_options \['ngram_mx'\] for method 'ngram' "
@@ -217,7 +217,7 @@ def test_a_store_written_before_resumes_under_the_new_ids(tmp_path, db_url):  # 
         assert run["config"] == new.config and compute_run_id(new.benchmark, run["config"]) == new.run_id
         assert run["config"]["method_options"]["ngram"] == {"k": 3, "max_k": 16, "ngram_min": 1, "ngram_max": 3}
         assert run["events"][0]["shard"] == f"{new.run_id}/fixed/0"
-        # what cluster.sweep checks to resume: every planned shard is done, nothing left to run
+        # what cluster.sweep.run checks to resume: every planned shard is done, nothing left to run
         planned = {sh.key for sh in plan_shards(new)}
         assert planned == st.done_shards(new.run_id) and len(planned) == len(old_keys[old.run_id]) == 2
         results = st.results(run_ids=[new.run_id])

@@ -1,8 +1,8 @@
-"""cluster.policy (issue 27 item 3): the crossover map as a speculation policy built from a
+"""cluster.results.policy (issue 27 item 3): the crossover map as a speculation policy built from a
 synthetic store (the fastest lossless, conclusively faster cell wins; lossy, unproven,
 inconclusive and thin cells never do), its bucket lookup, the policy file's validation, the vLLM
 ``--speculative-config`` fragment (keys checked against vLLM's own ``SpeculativeConfig`` where
-the peers environment is installed), and ``python -m cluster.report --policy`` (the Serve
+the peers environment is installed), and ``python -m cluster.results.report --policy`` (the Serve
 ``policy`` arm: tests/test_serve_policy.py)."""
 import json
 import math
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.policy import (VLLM_SPECULATIVE_KEYS, PolicyError, SpeculationPolicy, bucket_of,
+from cluster.results.policy import (VLLM_SPECULATIVE_KEYS, PolicyError, SpeculationPolicy, bucket_of,
                             build_policy, vllm_fragment, vllm_speculative_keys)
 
 VLLM_SOURCE = (Path(__file__).resolve().parents[1] / ".venv-peers" / "lib" / "python3.11" / "site-packages" / "vllm"
@@ -225,7 +225,7 @@ def test_vllm_fragment_never_speculating_and_auto_k():
 
 # ---------------------------------------------------------------- the CLI
 def _store(url, rows):
-    from cluster.store import open_store
+    from cluster.results.store import open_store
 
     with open_store(url) as store:
         for run in sorted({r["run_id"] for r in rows}):
@@ -242,7 +242,7 @@ def _store(url, rows):
 
 
 def test_report_policy_cli_writes_the_policy_and_the_vllm_fragment(tmp_path, capsys):
-    from cluster.report import main
+    from cluster.results.report import main
 
     url = f"sqlite:///{tmp_path}/p.db"
     _store(url, _cell(8192, 4, "sparsespec-l", 2, FAST) + _cell(1024, 4, "sparsespec-l", 2, [0.6] * 5)

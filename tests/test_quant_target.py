@@ -164,7 +164,7 @@ def tiny(tmp_path_factory):
 
 
 def _spec(tiny, db, **kw):
-    from cluster.spec import parse_spec
+    from cluster.sweep.schema import parse_spec
 
     data = {"name": "q", "models": [tiny], "methods": {"sparsespec-l": {"k": 3}}, "batch_sizes": [2],
             "benchmarks": [{"name": "ruler", "tasks": ["niah_single_1"], "num_samples": 2, "context_lengths": [512]}],
@@ -173,8 +173,8 @@ def _spec(tiny, db, **kw):
 
 
 def test_quantize_is_a_sweep_axis_with_its_own_runs(tiny, tmp_path):
-    from cluster import sweep
-    from cluster.spec import SpecError
+    from cluster.sweep import run as sweep
+    from cluster.sweep.schema import SpecError
 
     db = f"sqlite:///{tmp_path}/x.db"
     plain_cells, _ = sweep.plan(_spec(tiny, db))
@@ -196,10 +196,10 @@ def test_quantize_is_a_sweep_axis_with_its_own_runs(tiny, tmp_path):
 
 
 def test_a_worker_on_an_int8_target_pairs_every_method_with_its_own_ar(tiny, tmp_path):
-    from cluster import sweep
-    from cluster.coordinator import result_rows
-    from cluster.plan import plan_shards
-    from cluster.worker import EngineWorker
+    from cluster.sweep import run as sweep
+    from cluster.sweep.coordinator import result_rows
+    from cluster.sweep.plan import plan_shards
+    from cluster.sweep.worker import EngineWorker
 
     cells, _ = sweep.plan(_spec(tiny, f"sqlite:///{tmp_path}/x.db", quantize=["none", "int8"]))
     w8 = EngineWorker(tiny, "float32", "cpu", threads=1, quantize="int8")

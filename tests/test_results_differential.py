@@ -3,7 +3,7 @@ leaderboard CSV and the dashboard's tables, on random stores (several methods, f
 int8 drafts and int8 targets, batch sizes, cells whose ar is missing, runs pooled).
 
 The views group differently (the report and the dashboard's cell table per task, the leaderboard
-and the speedup map with tasks pooled), so each is compared with ``cluster.queries.cell_table``
+and the speedup map with tasks pooled), so each is compared with ``cluster.results.aggregate.cell_table``
 at its own grouping, and the per-task views with each other cell by cell."""
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import math
 import numpy as np
 import pytest
 
-from cluster import queries as cq
-from cluster import report
-from cluster.store import open_store
+from cluster.results import aggregate as cq
+from cluster.results import report
+from cluster.results.store import open_store
 from dashboard import queries as dq
 
 METHODS = ("ngram", "sparsespec-l", "magicdec-streaming")

@@ -28,7 +28,7 @@ def served(ray_session, tmp_path_factory):
     import httpx
     from ray import serve
 
-    from cluster.serve import build_app
+    from cluster.serve.endpoint import build_app
     from helpers import tiny_model_like
 
     root = tmp_path_factory.mktemp("serve")
@@ -42,7 +42,7 @@ def served(ray_session, tmp_path_factory):
                                   {"method": "sparsespec-l", "options": {"k": 4}, "weight": 0.3}]}),
               name="ab", route_prefix="/")
     serve.run(build_app({**common, "max_num_seqs": 2, "experiment": "slow", "max_ongoing_requests": 2,
-                         "max_queued_requests": 1, "engine_factory": "cluster.testing:slow_engine_factory",
+                         "max_queued_requests": 1, "engine_factory": "cluster.sweep.testing:slow_engine_factory",
                          "factory_kwargs": {"step_sleep_s": 0.1}, "arms": [{"method": "ar"}]}),
               name="slow", route_prefix="/slow")
     base = f"http://127.0.0.1:{port}"
@@ -66,7 +66,7 @@ def _sse(text: str) -> list:
 
 
 def _rows(served, experiment="ab", wait_for=None):
-    from cluster.store import open_store
+    from cluster.results.store import open_store
 
     for _ in range(50):  # the writer flushes every 0.5 s
         rows = open_store(served["db"]).serve_requests(experiment)
@@ -98,7 +98,7 @@ def test_api_key_missing_or_wrong_is_401_and_reaches_no_engine(served):
 
 
 def test_sessions_are_sticky_and_the_split_is_weighted(served):
-    from cluster.serve import pick_arm
+    from cluster.serve.endpoint import pick_arm
 
     c, m = served["client"], served["model"]
     weights = [("ar", 0.7), ("sparsespec-l", 0.3)]
@@ -126,7 +126,7 @@ def test_sessions_are_sticky_and_the_split_is_weighted(served):
 
 def test_an_explicit_arm_bypasses_the_split(served):
     c, m = served["client"], served["model"]
-    from cluster.serve import pick_arm
+    from cluster.serve.endpoint import pick_arm
 
     s = next(f"s{i}" for i in range(100) if pick_arm([("ar", 0.7), ("sparsespec-l", 0.3)], f"s{i}") == "ar")
     r = c.post("/v1/completions", headers={"x-session-id": s},

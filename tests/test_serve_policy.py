@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cluster.policy import PolicyEntry
+from cluster.results.policy import PolicyEntry
 
 
 def _e(ctx, B, method="ar", k=0, status=None, **kw):
@@ -37,8 +37,8 @@ def test_policy_arm_routes_by_length_and_batch_and_records_the_choice(tiny, tmp_
     """Short requests (context 64 bucket) alone: ar; short in a batch of 2+: sparsespec-l k=2; long
     (context 256 bucket): sparsespec-l k=3. Outputs are ar's tokens whichever core decodes."""
     import sparsespec
-    from cluster.serve import ArmServer, parse_args
-    from cluster.store import open_store
+    from cluster.serve.endpoint import ArmServer, parse_args
+    from cluster.results.store import open_store
 
     pol = tmp_path / "policy.json"
     pol.write_text(json.dumps({"version": 1, "models": {"tiny": [
@@ -82,14 +82,14 @@ def test_policy_arm_routes_by_length_and_batch_and_records_the_choice(tiny, tmp_
                                                                                                  3, 256)
     assert lg["stats"]["policy"]["context_tokens"] == 216
     # the A/B table names both methods the policy arm used
-    from cluster.queries import ab_arms
+    from cluster.results.aggregate import ab_arms
 
     assert ab_arms(list(rows.values()))[0]["method"] == "ar+sparsespec-l"
     assert parse_args(args).arm("policy").options["model"] == "tiny"
 
 
 def test_policy_arm_config_errors_name_the_problem(tiny, tmp_path):
-    from cluster.serve import parse_args
+    from cluster.serve.endpoint import parse_args
 
     base = {"model": str(tiny), "db": ""}
     with pytest.raises(ValueError, match="needs options.path"):
@@ -119,7 +119,7 @@ def test_policy_entry_core_options():
 
 
 def test_policy_cores_one_per_method_with_the_largest_k_and_ar_capped_at_zero():
-    from cluster.policy import SpeculationPolicy
+    from cluster.results.policy import SpeculationPolicy
 
     def pol(entries):
         return SpeculationPolicy.model_validate({"version": 1, "models": {"m": entries}})

@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 
-from cluster.serve import ArmServer, parse_args, pick_arm, session_point
+from cluster.serve.endpoint import ArmServer, parse_args, pick_arm, session_point
 from sparsespec.stats import spec_decode_metrics
 
 
@@ -151,7 +151,7 @@ def test_arm_batches_concurrent_requests_and_matches_a_fresh_ar_decode(tiny, tmp
             assert tm["itl_p50_s"] <= tm["itl_p95_s"] <= tm["itl_p99_s"]
     finally:
         arm.shutdown()
-    from cluster.store import open_store
+    from cluster.results.store import open_store
 
     rows = open_store(f"sqlite:///{tmp_path}/r.db").serve_requests()
     assert sorted(r["request_id"] for r in rows) == ["r0", "r1"]
@@ -168,7 +168,7 @@ def test_an_abandoned_request_frees_its_slot(tiny, tmp_path):
 
     arm = ArmServer({"model": str(tiny), "arms": [{"method": "ar"}], "threads": 1, "max_num_seqs": 1,
                      "db": f"sqlite:///{tmp_path}/r.db", "device": "cpu", "max_model_len": 512,
-                     "engine_factory": "cluster.testing:slow_engine_factory",
+                     "engine_factory": "cluster.sweep.testing:slow_engine_factory",
                      "factory_kwargs": {"step_sleep_s": 0.02}}, "ar")
     try:
         events = asyncio.run(_collect(arm, _payload("gone", [1, 2, 3, 4], 400), stop_after=3))
@@ -182,7 +182,7 @@ def test_an_abandoned_request_frees_its_slot(tiny, tmp_path):
         # the slot is usable again: a new request completes
         final = asyncio.run(_collect(arm, _payload("next", [5, 6, 7], 3)))[-1]
         assert final["type"] == "final" and final["usage"]["completion_tokens"] == 3
-        from cluster.serve import MetricsBoard  # vLLM's metrics count the abort as vLLM does
+        from cluster.serve.endpoint import MetricsBoard  # vLLM's metrics count the abort as vLLM does
 
         board = MetricsBoard()
         board.update(arm.metrics_snapshot())
@@ -192,7 +192,7 @@ def test_an_abandoned_request_frees_its_slot(tiny, tmp_path):
         assert _value(f, "vllm:prompt_tokens_total") == 4 + 3
     finally:
         arm.shutdown()
-    from cluster.store import open_store
+    from cluster.results.store import open_store
 
     rows = {r["request_id"]: r for r in open_store(f"sqlite:///{tmp_path}/r.db").serve_requests()}
     assert rows["gone"]["status"] == 499 and rows["gone"]["finish_reason"] == "abort"
@@ -223,7 +223,7 @@ KEY = "sk-unit"
 def gw(tiny):
     from transformers import AutoTokenizer
 
-    from cluster.serve import Gateway
+    from cluster.serve.endpoint import Gateway
 
     args = parse_args({"model": str(tiny), "arms": [{"method": "ar", "weight": 0.7},
                                                     {"method": "sparsespec-l", "options": {"k": 4}, "weight": 0.3}],
@@ -314,7 +314,7 @@ BAD = [
 
 @pytest.mark.parametrize("body, chat, status, param", BAD)
 def test_bad_input_is_refused_naming_the_field(gw, tiny, body, chat, status, param):
-    from cluster.serve import APIError
+    from cluster.serve.endpoint import APIError
 
     if isinstance(body, dict) and isinstance(body.get("model"), str):
         body = {**body, "model": body["model"].replace("M", str(tiny), 1) if body["model"].startswith("M") else
@@ -347,7 +347,7 @@ def test_no_op_values_of_unsupported_fields_are_accepted(gw, tiny):
 
 
 def test_api_key(gw, tiny):
-    from cluster.serve import APIError
+    from cluster.serve.endpoint import APIError
 
     body = {"model": str(tiny), "prompt": "hi", "max_tokens": 2}
     for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": KEY}, {"authorization": f"bearer {KEY}"}):
@@ -358,7 +358,7 @@ def test_api_key(gw, tiny):
 
 
 def test_routing_explicit_arms_and_sticky_sessions(gw, tiny):
-    from cluster.serve import APIError
+    from cluster.serve.endpoint import APIError
 
     m = str(tiny)
     assert _prep(gw, {"model": f"{m}:sparsespec-l", "prompt": "x"})[1] == "sparsespec-l"
@@ -443,7 +443,7 @@ def _drain(gen, stop_after=None):
 def test_sse_chunks_concatenate_to_the_text_and_end_with_done(gw, chat):
     import json as _json
 
-    from cluster.serve import Gateway
+    from cluster.serve.endpoint import Gateway
 
     abandoned = []
     chunks = _drain(Gateway.sse(_agen(_events(["Hel", "", "lo"], " world")), "id1", "m", "ar", "ar", chat, True,
@@ -468,7 +468,7 @@ def test_sse_chunks_concatenate_to_the_text_and_end_with_done(gw, chat):
 def test_sse_abandoned_midway_cancels_the_arm_call_and_errors_are_reported():
     import json as _json
 
-    from cluster.serve import Gateway
+    from cluster.serve.endpoint import Gateway
 
     abandoned = []
     got = _drain(Gateway.sse(_agen(_events(["a", "b", "c"], "d")), "i", "m", "ar", "ar", False, True,
@@ -492,8 +492,8 @@ def test_full_body(gw):
 
 
 def test_refusal_row_fits_the_store(gw, tmp_path):
-    from cluster.serve import APIError
-    from cluster.store import SERVE_REQUEST_FIELDS, open_store
+    from cluster.serve.endpoint import APIError
+    from cluster.results.store import SERVE_REQUEST_FIELDS, open_store
 
     row = gw.refusal_row({"X-Session-Id": "s9"}, True, APIError(400, "temperature: bad", "temperature"))
     assert set(row) <= set(SERVE_REQUEST_FIELDS) and row["session"] == "s9" and row["arm"] is None
@@ -550,7 +550,7 @@ TOKENIZE_BAD = [
 def test_tokenize_bad_input_is_refused_naming_the_field(gw, route, body, status, param):
     import json as _json
 
-    from cluster.serve import APIError
+    from cluster.serve.endpoint import APIError
 
     raw = body if isinstance(body, bytes) else _json.dumps(body).encode()
     with pytest.raises(APIError) as e:
@@ -576,7 +576,7 @@ def _value(fams, name, **labels):
 
 
 def test_arm_metrics_count_rows_as_vllm_does():
-    from cluster.serve import MetricsBoard, VllmArmMetrics
+    from cluster.serve.endpoint import MetricsBoard, VllmArmMetrics
 
     running = [2]
     m = VllmArmMetrics("M", "fast", "sparsespec-l", 512, 4, lambda: running[0], lambda: 1)
@@ -625,7 +625,7 @@ def test_arm_metrics_count_rows_as_vllm_does():
 
 
 def test_metrics_board_sums_replicas_and_drops_stale_gauges():
-    from cluster.serve import MetricsBoard, VllmArmMetrics
+    from cluster.serve.endpoint import MetricsBoard, VllmArmMetrics
 
     now = [100.0]
     board = MetricsBoard(gauge_ttl_s=30.0, clock=lambda: now[0])
@@ -697,7 +697,7 @@ def http(tiny):
     from ray import serve
     from transformers import AutoTokenizer
 
-    from cluster.serve import Gateway, Router, fastapi_app
+    from cluster.serve.endpoint import Gateway, Router, fastapi_app
 
     common = {"model": str(tiny), "threads": 1, "db": "", "device": "cpu", "max_num_seqs": 2,
               "arms": [{"method": "ar"}, {"method": "sparsespec-l", "options": {"k": 4}}]}

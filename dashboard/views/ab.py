@@ -7,14 +7,14 @@ import streamlit as st
 
 from dashboard import common
 from dashboard import queries as dq
-from cluster import queries as cq
+from cluster.results import aggregate as cq
 
 st.title("A/B traffic")
 data = common.data_or_stop()
 exps = dq.experiments(data)
 if not exps:
     st.info("No Serve requests stored yet. Start the A/B endpoint with `make serve` (configs/serve.yaml) and "
-            "send traffic, e.g. `python -m cluster.loadtest --base-url http://127.0.0.1:8000`.")
+            "send traffic, e.g. `python -m cluster.serve.loadtest --base-url http://127.0.0.1:8000`.")
     st.stop()
 with st.sidebar:
     st.header("A/B")

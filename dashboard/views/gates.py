@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from cluster.queries import GATES, GateThresholds
+from cluster.results.aggregate import GATES, GateThresholds
 from dashboard import common
 from dashboard import queries as dq
 

@@ -57,6 +57,6 @@ else:
 roof = dq.roofline_frame(common.db_url(), [run_id])
 if not roof.empty:
     st.subheader("Roofline")
-    st.caption("cluster.bench step timings (ms) against their floors: max(bytes / measured read bandwidth, "
+    st.caption("cluster.speed.measure step timings (ms) against their floors: max(bytes / measured read bandwidth, "
                "FLOPs / measured GEMM rate); x_roofline = measured / floor.")
     st.dataframe(roof, hide_index=True)

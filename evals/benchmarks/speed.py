@@ -1,7 +1,7 @@
 """Fixed-length speed samples: consecutive windows of a real book, no quality score.
 
 Registry entry: :data:`benchmark` (``evals.registry.get_benchmark("speed")``), what
-``python -m cluster.bench`` runs its end-to-end measurements on (and any sweep may list).
+``python -m cluster.speed`` runs its end-to-end measurements on (and any sweep may list).
 
 At context length L (default 1024) with generation budget G (``max_new_tokens``, default 64):
 

@@ -1,4 +1,4 @@
-"""``eagle3``: an EAGLE-3 draft head (``sparsespec.eagle3``) drafts from the target's own hidden
+"""``eagle3``: an EAGLE-3 draft head (``sparsespec.eagle3_head``) drafts from the target's own hidden
 states, chain drafting up to K tokens, verified by the same lossless verifier as every method.
 
 Option: ``method_options={"draft_model": <head folder or hub id>}``; default: the head trained
@@ -34,7 +34,7 @@ import torch
 
 from sparsespec.config import SpecOptions
 from sparsespec.drafters.base import Draft, draft_loop, empty_draft
-from sparsespec.eagle3 import Eagle3Head
+from sparsespec.eagle3_head import Eagle3Head
 from sparsespec.kv.cache import KVCache
 from sparsespec.model import Transformer
 from sparsespec.registry import DRAFTERS

@@ -1,1 +1,0 @@
-"""Revisions of the result store's schema (see ``cluster.migrations``)."""

@@ -1,0 +1,1 @@
+"""Revisions of the result store's schema (see ``cluster.results.migrations``)."""
