@@ -257,7 +257,14 @@ def test_a_library_keeps_a_range_only_where_whole_forwards_are_faster_at_every_w
 
     model = random_transformer("tiny")
     before = model.kernel_plan
-    widths_run, plans_run = [], []
+    widths_run, plans_run, forwards = [], [], []
+    real_forward = model.forward_dense_features
+
+    def forward(ids, *a, **kw):  # the rows each forward runs, and the backend they get
+        forwards.append((ids.numel(), model.kernel_plan.linear_backend(ids.numel())))
+        return real_forward(ids, *a, **kw)
+
+    model.forward_dense_features = forward
     # fake timings per width (library, ours): faster at both widths of 9-16; at 17-32 only at 24;
     # 65-128 within the margin at 96; the prefill range is never confirmed
     fake = {12: (0.5, 1.0), 16: (0.5, 1.0), 24: (0.5, 1.0), 32: (1.0, 0.5), 96: (0.98, 1.0), 128: (0.5, 1.0)}
@@ -280,6 +287,18 @@ def test_a_library_keeps_a_range_only_where_whole_forwards_are_faster_at_every_w
     assert plans_run[0].linear_backend(12) == "ss" and plans_run[1].linear_backend(12) == "mkl"
     assert all(p.linear_backend(200) == "onednn" for p in plans_run)
     assert model.kernel_plan is before  # the model's plan is restored
+    # every forward runs exactly its width, ours first, then the library the range was given
+    libs = {12: "mkl", 16: "mkl", 24: "onednn", 32: "onednn", 96: "mkl", 128: "mkl"}
+    assert forwards == [f for w in widths_run for f in ((w, "ss"), (w, libs[w]))]
+
+
+def test_the_forward_trial_runs_exactly_its_width():
+    from sparsespec.kernels.plan import FORWARD_TRIAL_K, forward_trial_tokens
+
+    for width in (1, 4, 8, 12, 16, 24, 32, 36, 64, 96, 128, 7, 11):
+        t = forward_trial_tokens(width)
+        assert width % t == 0 and 1 <= t <= FORWARD_TRIAL_K + 1
+    assert forward_trial_tokens(36) == 9 and forward_trial_tokens(64) == 8 and forward_trial_tokens(7) == 7
 
 
 def test_a_range_goes_to_the_backend_whose_worst_width_is_fastest():

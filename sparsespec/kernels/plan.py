@@ -61,7 +61,7 @@ RANGE_UPPER = tuple(u for u, _ in LINEAR_RANGES)
 #: per-layer overhead that our fused forward saves is a small share, and the linear trial decides)
 FORWARD_TRIAL_K, FORWARD_TRIAL_CONTEXT, FORWARD_TRIAL_UPTO = 8, 256, 128
 _KERNELS_ENV, _LINEAR_ENV = "SPARSESPEC_KERNELS", "SPARSESPEC_LINEAR"
-TUNE_VERSION = 6
+TUNE_VERSION = 7
 #: another linear backend replaces ours for a range of rows only when the trial measured it faster
 #: by more than this (best-of-3 timings on a shared machine move by about this much between runs);
 #: one kernel for every decode width keeps a row's logits independent of its batch and k
@@ -321,6 +321,12 @@ def range_worst(lin: Mapping[int, Mapping[str, float]], widths: tuple[int, ...])
     return {be: max(lin[m][be] / min(lin[m].values()) for m in widths) for be in lin[widths[0]]}
 
 
+def forward_trial_tokens(width: int) -> int:
+    """Tokens per row of the forward trial at ``width`` rows: the largest divisor of ``width`` up to
+    ``FORWARD_TRIAL_K + 1`` (a verify's k + 1), so that the forward's rows are exactly ``width``."""
+    return max(t for t in range(1, FORWARD_TRIAL_K + 2) if width % t == 0)
+
+
 def _confirm_in_forward(model, choice: list[tuple[int | None, str]], threads: int, reps: int,
                         timer: Callable[[Mapping[str, Callable[[], Any]], int], dict[str, float]] = _best_of):
     """Check each range the linear trial gave to a library against ours in whole forwards.
@@ -329,8 +335,8 @@ def _confirm_in_forward(model, choice: list[tuple[int | None, str]], threads: in
     (``cpu.forward_layers``); with a library it runs the per-layer Python path. A linear-only trial
     misses that difference (SmolLM2 on a 2-core Xeon: MKL won the linears at M = 36, and the
     verify at batch 4 x k = 8 then ran 10 % slower than with ours). Each such range up to
-    ``FORWARD_TRIAL_UPTO`` rows is timed at its widths M, as verifies of ``ceil(M / (k + 1))`` rows
-    of ``k + 1 = FORWARD_TRIAL_K + 1`` tokens over ``FORWARD_TRIAL_CONTEXT`` keys (importance rows
+    ``FORWARD_TRIAL_UPTO`` rows is timed at its widths M, as verifies of ``M / T`` rows of
+    ``T = forward_trial_tokens(M)`` tokens over ``FORWARD_TRIAL_CONTEXT`` keys (importance rows
     into a ring, as the engine runs them), under the linear trial's plan and under that plan with
     ours for the range; the library keeps the range only when it is faster at every width by more
     than ``TIE_MARGIN``. Returns the choice and the timings
@@ -352,8 +358,8 @@ def _confirm_in_forward(model, choice: list[tuple[int | None, str]], threads: in
                               threads, "trial")
             keep = True
             for width in dict(LINEAR_RANGES)[upper]:
-                T = FORWARD_TRIAL_K + 1
-                B = -(-width // T)
+                T = forward_trial_tokens(width)
+                B = width // T  # B x T == width: the forward runs the range under test
                 cache = KVCache(cfg, B, P + T + 1, model.dtype, "cpu")
                 g = torch.Generator().manual_seed(0)
                 cache.k.normal_(generator=g)
