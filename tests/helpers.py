@@ -140,3 +140,25 @@ def own_options(method: str, options: dict) -> dict:
 
     names = set(options_class(method).option_names())
     return {k: v for k, v in options.items() if k in names}
+
+
+def hf_logits_and_greedy(folder, prompt_ids: list[int], new_tokens: int, check=None):
+    """transformers' (eager attention, fp32) logits ``[T, V]`` at every prompt position and its greedy
+    continuation of ``new_tokens`` tokens, the independent oracle of the real-model tests; the model
+    is freed before returning (so ours can load next). ``check(hf_model)`` runs on the loaded model."""
+    import gc
+
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager",
+                                              local_files_only=True).eval()
+    if check is not None:
+        check(hf)
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        logits = hf(ids).logits[0].clone()  # [T, V]
+        gen = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
+                          pad_token_id=hf.generation_config.pad_token_id)[0, ids.shape[1]:].tolist()
+    del hf
+    gc.collect()
+    return logits, gen

@@ -7,7 +7,6 @@ once into the cache); skipped, naming the pip command, only when the wheels are 
 Memory: transformers' model (2.5 GB fp32) runs first and is freed before ours is loaded.
 """
 import dataclasses
-import gc
 import json
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 
 from sparsespec.provision import ModelNotAvailableError, model_max_context, resolve_model
 from sparsespec.shapes import SHAPES
-from tests.helpers import BOOK, chat_prompt
+from tests.helpers import BOOK, chat_prompt, hf_logits_and_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -51,19 +50,10 @@ def prompt_ids(tokenizer) -> list[int]:
 def hf_reference(folder, prompt_ids):
     """transformers' (eager attention, fp32) logits at every prompt position and its greedy
     continuation; the model is freed before ours loads."""
-    from transformers import AutoModelForCausalLM
+    def untied(hf):  # untied in HF too
+        assert hf.lm_head.weight.data_ptr() != hf.model.embed_tokens.weight.data_ptr()
 
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager",
-                                              local_files_only=True).eval()
-    assert hf.lm_head.weight.data_ptr() != hf.model.embed_tokens.weight.data_ptr()  # untied in HF too
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        logits = hf(ids).logits[0].clone()  # [T, V]
-        gen = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS,
-                          pad_token_id=hf.generation_config.pad_token_id)[0, ids.shape[1]:].tolist()
-    del hf
-    gc.collect()
-    return logits, gen
+    return hf_logits_and_greedy(folder, prompt_ids, NEW_TOKENS, check=untied)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from sparsespec.provision import ModelNotAvailableError, model_max_context, resolve_model
-from tests.helpers import chat_prompt
+from tests.helpers import chat_prompt, hf_logits_and_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -73,18 +73,7 @@ def prompt_ids(tokenizer) -> list[int]:
 def hf_reference(folder, prompt_ids):
     """transformers' (eager attention, fp32) logits at every prompt position and its greedy
     continuation; the model is freed before ours loads."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager",
-                                              local_files_only=True).eval()
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        logits = hf(ids).logits[0].clone()  # [T, V]
-        gen = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS,
-                          pad_token_id=hf.generation_config.pad_token_id)[0, ids.shape[1]:].tolist()
-    del hf
-    gc.collect()
-    return logits, gen
+    return hf_logits_and_greedy(folder, prompt_ids, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
