@@ -550,9 +550,10 @@ SS_INLINE void att_pv3x32(const attn_t *a, const float *P, int64_t ldp, int64_t 
     _mm256_storeu_ps(part, c20); _mm256_storeu_ps(part + 8, c21); _mm256_storeu_ps(part + 16, c22); _mm256_storeu_ps(part + 24, c23);
 }
 
-/* One item: scores, chunk softmax and P.V partial of keys [j0, j1) for every row of (b, kv). */
-static void att_chunk(const attn_t *a, int64_t b, int64_t kv, int64_t c) {
-    const int64_t R = a->G * a->T, D = a->D, T = a->T;
+/* One item: scores, chunk softmax and P.V partial of keys [j0, j1) for every row of (b, kv); D is
+ * a->D, passed so that att_chunk can inline it with a constant head size (the d-loops unrolled). */
+SS_INLINE void att_chunk_d(const attn_t *a, int64_t b, int64_t kv, int64_t c, const int64_t D) {
+    const int64_t R = a->G * a->T, T = a->T;
     const int64_t n = att_nkeys(a, b), j0 = c * SS_CHUNK, j1 = (j0 + SS_CHUNK < n) ? j0 + SS_CHUNK : n;
     const int64_t nv = a->sparse ? a->n_valid[b] : 0;
     const int32_t *idx = a->sparse ? a->index + b * a->i_sb + kv * a->i_sh : NULL;
@@ -666,6 +667,12 @@ static void att_chunk(const attn_t *a, int64_t b, int64_t kv, int64_t c) {
     if (wide3)
         for (int64_t d0 = 0; d0 < D; d0 += 32)
             att_pv3x32(a, S + R6 * ld + j0, ld, kn, vrows + d0, D, part + R6 * D + d0, D);
+}
+
+/* the same operations in the same order for every D; D = 64 (SmolLM2, Qwen2.5) as a constant */
+static void att_chunk(const attn_t *a, int64_t b, int64_t kv, int64_t c) {
+    if (a->D == 64) att_chunk_d(a, b, kv, c, 64);
+    else att_chunk_d(a, b, kv, c, a->D);
 }
 
 /* per pair: M and L of every row, then the output rows */
