@@ -150,6 +150,34 @@ def test_sparse_attention_matches_the_reference(Hkv, G, D):
     torch.testing.assert_close(out, ref.transpose(1, 2).reshape(B, 1, -1), rtol=1e-5, atol=1e-5)
 
 
+def test_the_avx512_tiles_give_the_avx2_tiles_results_bit_for_bit():
+    """Where the library has AVX-512 tiles (score row pairs, 16-lane exp and P.V), they run the same
+    operations as the AVX2 ones: dense (decode and verify widths, with rows) and sparse attention."""
+    if cpu.set_attention_avx512(True) != "avx512":
+        pytest.skip("this CPU's build has no AVX-512 tiles")
+    g = _gen(11)
+    B, Hkv, G, D = 3, 2, 7, 64
+    starts = [1000, 37, 600]
+    S_max = max(starts) + 9
+    kc, vc = torch.randn(B, Hkv, S_max, D, generator=g), torch.randn(B, Hkv, S_max, D, generator=g)
+    idx = torch.randint(0, S_max, (B, Hkv, 300), generator=g, dtype=torch.int32)
+    nv, kt, vt = torch.tensor([300, 17, 260]), torch.randn(B, Hkv, 3, D, generator=g), torch.randn(B, Hkv, 3, D, generator=g)
+    try:
+        for T in (1, 2, 5, 9):
+            q = torch.randn(B, Hkv * G, T, D, generator=g)
+            got = {}
+            for on in (True, False):
+                cpu.set_attention_avx512(on)
+                rows = torch.zeros(B, Hkv, T, S_max)
+                out = cpu.attention(q, kc, vc, torch.tensor(starts), max(starts), D ** -0.5, rows)
+                sp = cpu.sparse_attention(q, kc, vc, idx, nv, kt, vt, 0.3)
+                got[on] = (out, rows, sp)
+            for name, x, y in zip(("out", "rows", "sparse"), got[True], got[False]):
+                assert torch.equal(x, y), (T, name)
+    finally:
+        cpu.set_attention_avx512(True)
+
+
 # ------------------------------------------------------------------ the sparse index
 @pytest.mark.parametrize("S,budget,n_sink,n_recent", [(900, 90, 4, 16), (5000, 512, 4, 64), (300, 299, 0, 0),
                                                       (64, 20, 20, 0), (64, 20, 0, 20), (2049, 1, 0, 0)])
@@ -246,10 +274,41 @@ def test_tune_measures_caches_and_reads_back(tmp_path, monkeypatch):
             assert plan.linear_backend(rows) == (best if kept else "ss")
     files = list((tmp_path / "tuning").glob("plan-*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["cpu"] == cpu.cpu_model()
+    att = plan.timings["attention"]
+    if cpu.set_attention_avx512(True) == "avx512":  # both tiles timed; the faster kept (a tie: AVX-512)
+        ss, avx2 = (sum(att[s][be] for s in att) for be in ("ss", "ss-avx2"))
+        want = "avx2" if avx2 < ss else "avx512"
+        assert plan.attention_tiles == (want if plan.attention == "ss" else "")
+    else:
+        assert plan.attention_tiles == "" and all("ss-avx2" not in v for v in att.values())
     again = tune_plan(model)
     assert again.source == "cache" and again.linear == plan.linear and again.attention == plan.attention
+    assert again.attention_tiles == plan.attention_tiles
     files[0].write_text("{not json")  # a corrupt entry is measured again, not an error
     assert tune_plan(model, reps=1).source == "measured"
+
+
+def test_choose_switches_the_attention_tiles_and_the_environment_keeps_them_off(monkeypatch):
+    if cpu.set_attention_avx512(True) != "avx512":
+        pytest.skip("this CPU's build has no AVX-512 tiles")
+    model = random_transformer("tiny")
+    monkeypatch.setenv("SPARSESPEC_KERNELS", "ss")
+    try:
+        plan = choose(model)
+        assert plan.attention_tiles == "avx512" == cpu.attention_isa()
+        assert "(avx512)" in plan.summary() and plan.describe()["attention_tiles"] == "avx512"
+        cpu.set_attention_avx512(False)  # a plan that says avx512 switches them back on
+        assert cpu.attention_isa() == "avx2"
+        from sparsespec.kernels.plan import apply_attention_tiles
+        assert apply_attention_tiles(plan).attention_tiles == "avx512" == cpu.attention_isa()
+        monkeypatch.setenv("SPARSESPEC_ATTN_AVX512", "0")
+        plan = choose(model)
+        assert plan.attention_tiles == "avx2" == cpu.attention_isa()
+    finally:
+        monkeypatch.delenv("SPARSESPEC_ATTN_AVX512", raising=False)
+        cpu.set_attention_avx512(True)
+    with pytest.raises(ValueError, match="attention_tiles"):
+        KernelPlan(attention="ss", attention_tiles="sse")
 
 
 def test_a_library_keeps_a_range_only_where_whole_forwards_are_faster_at_every_width():

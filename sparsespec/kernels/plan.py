@@ -9,6 +9,9 @@ A ``KernelPlan`` names, for one model on one device:
 * ``attention``: ``"ss"`` (ours: decode/verify with the importance rows, and the sparse draft
   with the index gathered in the kernel), ``"torch"`` (``sparsespec.kernels.reference``) or
   ``"triton"`` (CUDA);
+* ``attention_tiles``: which tiles our attention runs where the kernels were built with AVX-512:
+  ``"avx512"`` (two query rows per 16-lane vector, 16-lane exp and P.V) or ``"avx2"``; the two
+  give bitwise the same results, so this is a speed choice only (``""``: not applicable);
 * ``fused``: RMSNorm, RoPE and SiLU-and-multiply through our kernels (one call each instead of
   four to eight PyTorch ops);
 * ``threads``: the torch threads it was measured with.
@@ -16,7 +19,8 @@ A ``KernelPlan`` names, for one model on one device:
 Where none of our kernels can run (a GPU, a dtype other than fp32, no compiler) the plan is the
 PyTorch one. On a CPU the default is decided by a short measured trial (``tune``): each linear
 backend over the model's own weights at two widths M per range of rows (``LINEAR_RANGES``), each
-attention backend at a decode and a verify shape, interleaved, the best of three; a range goes to
+attention backend (and, where built, our attention's AVX-512 and AVX2 tiles) at a decode and a
+verify shape, interleaved, the best of three; a range goes to
 the backend whose worst width is fastest (ours kept within ``TIE_MARGIN``). A kernel choice that wins on one CPU can lose 25-30 % on another, so nothing is
 assumed: the trial's winner is the default, cached
 per CPU (model and ISA flags), torch version, threads, kernel build and model shape in
@@ -24,7 +28,8 @@ per CPU (model and ISA flags), torch version, threads, kernel build and model sh
 
 User overrides: ``SPARSESPEC_KERNELS=auto`` (default: measured), ``torch`` (PyTorch's ops
 only: the eager reference), ``ss`` (ours wherever they run); ``SPARSESPEC_LINEAR=ss|onednn|mkl``
-forces one linear backend for every M; ``SPARSESPEC_PREPACK=0`` leaves oneDNN out of the trial.
+forces one linear backend for every M; ``SPARSESPEC_PREPACK=0`` leaves oneDNN out of the trial;
+``SPARSESPEC_ATTN_AVX512=0`` keeps the attention on its AVX2 tiles.
 The chosen plan goes into every run's provenance and every bench row (``KernelPlan.describe``).
 """
 from __future__ import annotations
@@ -61,7 +66,7 @@ RANGE_UPPER = tuple(u for u, _ in LINEAR_RANGES)
 #: per-layer overhead that our fused forward saves is a small share, and the linear trial decides)
 FORWARD_TRIAL_K, FORWARD_TRIAL_CONTEXT, FORWARD_TRIAL_UPTO = 8, 256, 128
 _KERNELS_ENV, _LINEAR_ENV = "SPARSESPEC_KERNELS", "SPARSESPEC_LINEAR"
-TUNE_VERSION = 7
+TUNE_VERSION = 8
 #: another linear backend replaces ours for a range of rows only when the trial measured it faster
 #: by more than this (best-of-3 timings on a shared machine move by about this much between runs);
 #: one kernel for every decode width keeps a row's logits independent of its batch and k
@@ -86,6 +91,8 @@ class KernelPlan:
     #: what the trial measured: ``{"linear": {M: {backend: s}}, "attention": {shape: {backend: s}}}``
     timings: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
     note: str = ""
+    #: "avx512" or "avx2" where our attention has both (see the module docstring), else ""
+    attention_tiles: str = ""
 
     def __post_init__(self) -> None:
         uppers = [u for u, _ in self.linear]
@@ -97,6 +104,8 @@ class KernelPlan:
                 raise ValueError(f"linear backend must be one of {LINEAR_BACKENDS}, got {be!r}")
         if self.attention not in ("ss", "torch", "triton"):
             raise ValueError(f"attention must be ss, torch or triton, got {self.attention!r}")
+        if self.attention_tiles not in ("", "avx512", "avx2"):
+            raise ValueError(f"attention_tiles must be avx512, avx2 or empty, got {self.attention_tiles!r}")
 
     # ------------------------------------------------------------------ queries
     def linear_backend(self, rows: int) -> str:
@@ -122,7 +131,8 @@ class KernelPlan:
     def describe(self) -> dict[str, Any]:
         """The plan as plain data (provenance, bench rows): backends, where it came from, the CPU."""
         return {"linear": {("inf" if u is None else str(u)): be for u, be in self.linear},
-                "attention": self.attention, "fused": self.fused, "threads": self.threads,
+                "attention": self.attention, "attention_tiles": self.attention_tiles or None,
+                "fused": self.fused, "threads": self.threads,
                 "source": self.source, "tune_s": round(self.tune_s, 3), "batch_invariant": self.batch_invariant,
                 "cpu": cpu.cpu_model(), "isa": cpu.isa_summary(),
                 "kernels_build_s": cpu.build_seconds() if (self.attention == "ss" or self.fused) else None,
@@ -131,7 +141,8 @@ class KernelPlan:
     def summary(self) -> str:
         """One line: e.g. ``linear ss<=8 mkl>8, attention ss, fused (measured, 4.2 s)``."""
         lin = " ".join(f"{be}{'' if u is None else '<=' + str(u)}" for u, be in self.linear)
-        return (f"linear {lin}, attention {self.attention}{', fused' if self.fused else ''}, "
+        tiles = f" ({self.attention_tiles})" if self.attention_tiles else ""
+        return (f"linear {lin}, attention {self.attention}{tiles}{', fused' if self.fused else ''}, "
                 f"{self.threads} threads ({self.source}{f', {self.tune_s:.1f} s' if self.tune_s else ''})")
 
     # ------------------------------------------------------------------ the linear op
@@ -211,7 +222,18 @@ def choose(model, tune: bool = True, *, progress: Callable[[str], None] | None =
         if forced == "ss" and why is not None:
             raise ValueError(f"{_LINEAR_ENV}={forced}: {why}")
         plan = dataclasses.replace(plan, linear=((None, forced),), source="env", note=f"{_LINEAR_ENV}={forced}")
+    if plan.attention == "ss":
+        plan = apply_attention_tiles(plan)
     return plan
+
+
+def apply_attention_tiles(plan: KernelPlan) -> KernelPlan:
+    """Switch our attention to the plan's tiles (process-wide: the tiles give bitwise the same
+    results, so models sharing the process are unaffected but for speed); a plan without a choice
+    gets the library's current one. ``SPARSESPEC_ATTN_AVX512=0`` wins over the plan."""
+    want = plan.attention_tiles or cpu.attention_isa() or ""
+    got = cpu.set_attention_avx512(want == "avx512") if want else None
+    return plan if (got or "") == plan.attention_tiles else dataclasses.replace(plan, attention_tiles=got or "")
 
 
 # --------------------------------------------------------------------------- the trial
@@ -294,6 +316,7 @@ def _attention_trial(model, reps: int, context: int = 2048, k: int = 8) -> dict[
     vc = torch.randn(L, 1, Hkv, context + k + 1, D, generator=g, dtype=model.dtype)
     starts = torch.tensor([context])
     res = {}
+    both_tiles = cpu.set_attention_avx512(True) == "avx512"
     with torch.inference_mode():
         for T in (1, k + 1):
             q = torch.randn(1, H, T, D, generator=g, dtype=model.dtype)
@@ -311,7 +334,16 @@ def _attention_trial(model, reps: int, context: int = 2048, k: int = 8) -> dict[
                                                model.scale, mask_from=context)
                     out.transpose(1, 2).reshape(1, T, -1)
 
-            res[f"T{T}"] = _best_of({"ss": ours, "torch": ref}, reps)
+            fns: dict[str, Callable[[], Any]] = {"ss": ours, "torch": ref}
+            if both_tiles:  # our AVX2 tiles against the AVX-512 ones (the same results)
+                def ours_avx2(ours=ours):
+                    cpu.set_attention_avx512(False)
+                    try:
+                        ours()
+                    finally:
+                        cpu.set_attention_avx512(True)
+                fns["ss-avx2"] = ours_avx2
+            res[f"T{T}"] = _best_of(fns, reps)
     return res
 
 
@@ -391,7 +423,8 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
         try:
             data = json.loads(path.read_text())
             return KernelPlan(tuple((u, be) for u, be in data["linear"]), data["attention"], data["fused"],
-                              threads, "cache", data.get("tune_s", 0.0), data.get("timings", {}), data.get("note", ""))
+                              threads, "cache", data.get("tune_s", 0.0), data.get("timings", {}), data.get("note", ""),
+                              data.get("attention_tiles", ""))
         except (OSError, ValueError, KeyError, TypeError):
             pass  # a corrupt cache entry: measure again
     if progress:
@@ -409,6 +442,11 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
         choice.append((upper, be))
     att_total = {be: sum(att[s][be] for s in att) for be in ("ss", "torch")}
     attention = min(att_total, key=att_total.get)
+    tiles = ""
+    if all("ss-avx2" in att[s] for s in att):  # the AVX-512 tiles unless the AVX2 ones measured faster
+        tiles = "avx2" if sum(att[s]["ss-avx2"] for s in att) < att_total["ss"] else "avx512"
+        att_total["ss"] = min(att_total["ss"], sum(att[s]["ss-avx2"] for s in att))
+        attention = min(att_total, key=att_total.get)
     fwd: dict[str, dict[str, float]] = {}
     if attention == "ss" and any(be != "ss" for _, be in choice):
         choice, fwd = _confirm_in_forward(model, choice, threads, reps)
@@ -421,11 +459,13 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
     timings = {"linear": {str(m): v for m, v in lin.items()}, "attention": att, "forward": fwd,
                "read_bytes_per_s": _read_bandwidth()}
     tune_s = time.perf_counter() - t0
-    plan = KernelPlan(tuple(ranges), attention, True, threads, "measured", tune_s, timings)
+    plan = KernelPlan(tuple(ranges), attention, True, threads, "measured", tune_s, timings,
+                      attention_tiles=tiles if attention == "ss" else "")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps({"linear": [list(r) for r in plan.linear], "attention": plan.attention,
+                                   "attention_tiles": plan.attention_tiles,
                                    "fused": plan.fused, "tune_s": tune_s, "timings": timings,
                                    "cpu": cpu.cpu_model(), "isa": cpu.isa_summary(), "threads": threads,
                                    "torch": torch.__version__}, indent=1))
