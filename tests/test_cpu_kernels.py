@@ -150,6 +150,27 @@ def test_sparse_attention_matches_the_reference(Hkv, G, D):
     torch.testing.assert_close(out, ref.transpose(1, 2).reshape(B, 1, -1), rtol=1e-5, atol=1e-5)
 
 
+def test_the_avx512_linear_tile_gives_the_avx2_tiles_results_bit_for_bit():
+    if cpu.set_linear_avx512(True) != "avx512":
+        pytest.skip("this CPU's build has no AVX-512 tiles")
+    g = _gen(12)
+    try:
+        for N, K, M in ((33, 70, 3), (576, 576, 36), (100, 24, 13), (48, 9, 25)):
+            w, b, x = torch.randn(N, K, generator=g), torch.randn(N, generator=g), torch.randn(M, K, generator=g)
+            wp = cpu.pack_weight(w)
+            got = []
+            for on in (True, False):
+                cpu.set_linear_avx512(on)
+                y = cpu.linear_packed(x, wp, N, b)
+                acc = torch.ones(M, N)
+                cpu.linear_packed(x, wp, N, out=acc, accumulate=True)
+                got.append((y, acc))
+            assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1]), (N, K, M)
+            torch.testing.assert_close(got[0][0], (x.double() @ w.double().T + b.double()).float(), rtol=1e-4, atol=1e-4)
+    finally:
+        cpu.set_linear_avx512(True)
+
+
 def test_the_avx512_tiles_give_the_avx2_tiles_results_bit_for_bit():
     """Where the library has AVX-512 tiles (score row pairs, 16-lane exp and P.V), they run the same
     operations as the AVX2 ones: dense (decode and verify widths, with rows) and sparse attention."""
@@ -258,6 +279,14 @@ def test_tune_measures_caches_and_reads_back(tmp_path, monkeypatch):
     lin = plan.timings["linear"]
     assert set(lin) == {"1", "4", "8", "12", "16", "24", "32", "36", "64", "96", "128", "256"}
     assert all("ss" in v and "mkl" in v for v in lin.values())
+    if cpu.set_linear_avx512(True) == "avx512":  # both tiles timed: the faster over all widths is "ss"
+        avx2 = sum(v["ss-avx2"] for v in lin.values()) < sum(v["ss"] for v in lin.values())
+        assert plan.linear_tiles in ("", "avx2" if avx2 else "avx512")
+        assert plan.linear_tiles or not plan.uses_panels
+        lin = {m: {**{be: t for be, t in v.items() if be != "ss-avx2"}, "ss": v["ss-avx2" if avx2 else "ss"]}
+               for m, v in lin.items()}
+    else:
+        assert plan.linear_tiles == "" and all("ss-avx2" not in v for v in lin.values())
     fwd = plan.timings["forward"]
     lows = (1, 2, 9, 17, 33, 65, 129)
     for (upper, widths), low in zip(LINEAR_RANGES, lows):  # each range: the backend whose worst width
@@ -283,7 +312,7 @@ def test_tune_measures_caches_and_reads_back(tmp_path, monkeypatch):
         assert plan.attention_tiles == "" and all("ss-avx2" not in v for v in att.values())
     again = tune_plan(model)
     assert again.source == "cache" and again.linear == plan.linear and again.attention == plan.attention
-    assert again.attention_tiles == plan.attention_tiles
+    assert again.attention_tiles == plan.attention_tiles and again.linear_tiles == plan.linear_tiles
     files[0].write_text("{not json")  # a corrupt entry is measured again, not an error
     assert tune_plan(model, reps=1).source == "measured"
 
@@ -295,20 +324,27 @@ def test_choose_switches_the_attention_tiles_and_the_environment_keeps_them_off(
     monkeypatch.setenv("SPARSESPEC_KERNELS", "ss")
     try:
         plan = choose(model)
-        assert plan.attention_tiles == "avx512" == cpu.attention_isa()
-        assert "(avx512)" in plan.summary() and plan.describe()["attention_tiles"] == "avx512"
+        assert plan.attention_tiles == "avx512" == cpu.attention_isa() == plan.linear_tiles == cpu.linear_isa()
+        assert plan.summary().count("(avx512)") == 2 and plan.describe()["attention_tiles"] == "avx512"
+        assert plan.describe()["linear_tiles"] == "avx512"
         cpu.set_attention_avx512(False)  # a plan that says avx512 switches them back on
-        assert cpu.attention_isa() == "avx2"
-        from sparsespec.kernels.plan import apply_attention_tiles
-        assert apply_attention_tiles(plan).attention_tiles == "avx512" == cpu.attention_isa()
-        monkeypatch.setenv("SPARSESPEC_ATTN_AVX512", "0")
+        cpu.set_linear_avx512(False)
+        assert cpu.attention_isa() == "avx2" == cpu.linear_isa()
+        from sparsespec.kernels.plan import apply_tiles
+        assert apply_tiles(plan) == plan and cpu.attention_isa() == "avx512" == cpu.linear_isa()
+        monkeypatch.setenv("SPARSESPEC_AVX512", "0")
         plan = choose(model)
-        assert plan.attention_tiles == "avx2" == cpu.attention_isa()
+        assert plan.attention_tiles == "avx2" == cpu.attention_isa() == plan.linear_tiles == cpu.linear_isa()
+        monkeypatch.setenv("SPARSESPEC_KERNELS", "torch")  # PyTorch's ops: no tiles to choose
+        plan = choose(model)
+        assert plan.attention_tiles == "" == plan.linear_tiles
     finally:
-        monkeypatch.delenv("SPARSESPEC_ATTN_AVX512", raising=False)
+        monkeypatch.delenv("SPARSESPEC_AVX512", raising=False)
         cpu.set_attention_avx512(True)
-    with pytest.raises(ValueError, match="attention_tiles"):
-        KernelPlan(attention="ss", attention_tiles="sse")
+        cpu.set_linear_avx512(True)
+    for name in ("attention_tiles", "linear_tiles"):
+        with pytest.raises(ValueError, match=name):
+            KernelPlan(attention="ss", **{name: "sse"})
 
 
 def test_a_library_keeps_a_range_only_where_whole_forwards_are_faster_at_every_width():

@@ -14,10 +14,11 @@ split the work over torch's own OpenMP threads, and fuse the small ops of a laye
   plus its own tail (the index is gathered inside the kernel: no compact copy);
 * ``rms_norm``, ``silu_mul``, ``rope_split`` (RoPE of q and k, q laid out per KV group).
 
-Built on a CPU with AVX-512, the attention also has 16-lane tiles (two query rows per vector in
-the scores, exp and P.V in 16 lanes) that run the same operations in the same order: they are on
-by default, ``set_attention_avx512`` / ``SPARSESPEC_ATTN_AVX512=0`` switch them off, and the kernel
-plan's trial times both (``KernelPlan.attention_tiles``).
+Built on a CPU with AVX-512, the attention and the packed linear also have 16-lane tiles (two
+query rows per vector in the scores, exp and P.V in 16 lanes; 12 rows x two weight panels) that run
+the same operations in the same order, so their results are bitwise the AVX2 tiles'. They are on
+by default; ``set_attention_avx512`` / ``set_linear_avx512`` / ``SPARSESPEC_AVX512=0`` switch them
+off, and the kernel plan's trial times both (``KernelPlan.attention_tiles``, ``linear_tiles``).
 
 Every output element is a fixed sequence of operations on its own inputs, so a row's result does
 not depend on its batch, on the number of queries of the step, or on the threads: a verify's
@@ -53,8 +54,9 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-err
 #: keys per attention chunk in the C kernels (SS_CHUNK)
 CHUNK = 256
 _ENV = "SPARSESPEC_CPU_KERNELS"
-#: ``0`` keeps the attention on its AVX2 path where the library was built with AVX-512
-ENV_AVX512 = "SPARSESPEC_ATTN_AVX512"
+#: ``0`` keeps the attention and the packed linear on their AVX2 tiles where the library was built
+#: with AVX-512
+ENV_AVX512 = "SPARSESPEC_AVX512"
 _state: dict[str, object] = {}
 _lock = threading.Lock()
 
@@ -163,6 +165,7 @@ _SIGNATURES = {
     "ss_forward_layers": ([_PTR], None),
     "ss_build_index": ([_I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, _INT], None),
     "ss_set_attention_avx512": ([_INT], _INT),
+    "ss_set_linear_avx512": ([_INT], _INT),
     "ss_sparse_attention": ([_I64] * 5 + [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR,
                                           _PTR, _I64, _I64, _I64, _F32, _PTR, _I64, _I64, _PTR, _I64, _INT], None),
 }
@@ -188,6 +191,7 @@ def library() -> ctypes.CDLL | None:
                 if lib.ss_abi_version() != ABI_VERSION:
                     raise RuntimeError(f"{path}: ABI {lib.ss_abi_version()} != {ABI_VERSION}")
                 _state["attention_isa"] = "avx512" if lib.ss_set_attention_avx512(int(_avx512_allowed())) else "avx2"
+                _state["linear_isa"] = "avx512" if lib.ss_set_linear_avx512(int(_avx512_allowed())) else "avx2"
                 _state["path"] = str(path)
             except (RuntimeError, OSError, AttributeError) as e:
                 lib, reason = None, str(e)
@@ -217,7 +221,7 @@ def _avx512_allowed() -> bool:
 
 def set_attention_avx512(on: bool) -> str | None:
     """Switch the attention's AVX-512 tiles on or off for this process (the results are bitwise
-    the same either way: a speed choice). ``SPARSESPEC_ATTN_AVX512=0`` keeps them off. Returns
+    the same either way: a speed choice). ``SPARSESPEC_AVX512=0`` keeps them off. Returns
     ``attention_isa()``."""
     lib = library()
     if lib is None:
@@ -227,9 +231,26 @@ def set_attention_avx512(on: bool) -> str | None:
     return _state["attention_isa"]  # type: ignore[return-value]
 
 
+def set_linear_avx512(on: bool) -> str | None:
+    """The same switch for ``linear_packed``'s AVX-512 tile (12 rows x two panels; bitwise the AVX2
+    tiles' results). Returns ``linear_isa()``."""
+    lib = library()
+    if lib is None:
+        return None
+    with _lock:
+        _state["linear_isa"] = "avx512" if lib.ss_set_linear_avx512(int(bool(on) and _avx512_allowed())) else "avx2"
+    return _state["linear_isa"]  # type: ignore[return-value]
+
+
+def linear_isa() -> str | None:
+    """Which tile ``linear_packed`` runs above two rows: ``"avx512"`` or ``"avx2"`` (None: no kernels)."""
+    library()
+    return _state.get("linear_isa")  # type: ignore[return-value]
+
+
 def attention_isa() -> str | None:
     """Which attention path the loaded kernels run: ``"avx512"`` (query rows in 16 lanes, where the
-    build has AVX-512 and ``SPARSESPEC_ATTN_AVX512`` is not ``0``) or ``"avx2"``; None when the
+    build has AVX-512 and ``SPARSESPEC_AVX512`` is not ``0``) or ``"avx2"``; None when the
     kernels are unavailable."""
     library()
     return _state.get("attention_isa")  # type: ignore[return-value]

@@ -9,9 +9,9 @@ A ``KernelPlan`` names, for one model on one device:
 * ``attention``: ``"ss"`` (ours: decode/verify with the importance rows, and the sparse draft
   with the index gathered in the kernel), ``"torch"`` (``sparsespec.kernels.reference``) or
   ``"triton"`` (CUDA);
-* ``attention_tiles``: which tiles our attention runs where the kernels were built with AVX-512:
-  ``"avx512"`` (two query rows per 16-lane vector, 16-lane exp and P.V) or ``"avx2"``; the two
-  give bitwise the same results, so this is a speed choice only (``""``: not applicable);
+* ``attention_tiles`` / ``linear_tiles``: which tiles our attention and our packed linear run where
+  the kernels were built with AVX-512: ``"avx512"`` (16 lanes) or ``"avx2"``; the two give bitwise
+  the same results, so this is a speed choice only (``""``: not applicable);
 * ``fused``: RMSNorm, RoPE and SiLU-and-multiply through our kernels (one call each instead of
   four to eight PyTorch ops);
 * ``threads``: the torch threads it was measured with.
@@ -19,8 +19,8 @@ A ``KernelPlan`` names, for one model on one device:
 Where none of our kernels can run (a GPU, a dtype other than fp32, no compiler) the plan is the
 PyTorch one. On a CPU the default is decided by a short measured trial (``tune``): each linear
 backend over the model's own weights at two widths M per range of rows (``LINEAR_RANGES``), each
-attention backend (and, where built, our attention's AVX-512 and AVX2 tiles) at a decode and a
-verify shape, interleaved, the best of three; a range goes to
+attention backend at a decode and a verify shape, interleaved, the best of three (where built, our
+kernels' AVX-512 and AVX2 tiles are timed as two backends, and the faster over all widths is kept); a range goes to
 the backend whose worst width is fastest (ours kept within ``TIE_MARGIN``). A kernel choice that wins on one CPU can lose 25-30 % on another, so nothing is
 assumed: the trial's winner is the default, cached
 per CPU (model and ISA flags), torch version, threads, kernel build and model shape in
@@ -29,7 +29,7 @@ per CPU (model and ISA flags), torch version, threads, kernel build and model sh
 User overrides: ``SPARSESPEC_KERNELS=auto`` (default: measured), ``torch`` (PyTorch's ops
 only: the eager reference), ``ss`` (ours wherever they run); ``SPARSESPEC_LINEAR=ss|onednn|mkl``
 forces one linear backend for every M; ``SPARSESPEC_PREPACK=0`` leaves oneDNN out of the trial;
-``SPARSESPEC_ATTN_AVX512=0`` keeps the attention on its AVX2 tiles.
+``SPARSESPEC_AVX512=0`` keeps our kernels on their AVX2 tiles.
 The chosen plan goes into every run's provenance and every bench row (``KernelPlan.describe``).
 """
 from __future__ import annotations
@@ -91,8 +91,9 @@ class KernelPlan:
     #: what the trial measured: ``{"linear": {M: {backend: s}}, "attention": {shape: {backend: s}}}``
     timings: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
     note: str = ""
-    #: "avx512" or "avx2" where our attention has both (see the module docstring), else ""
+    #: "avx512" or "avx2" where our attention / packed linear have both (see the module docstring)
     attention_tiles: str = ""
+    linear_tiles: str = ""
 
     def __post_init__(self) -> None:
         uppers = [u for u, _ in self.linear]
@@ -104,8 +105,9 @@ class KernelPlan:
                 raise ValueError(f"linear backend must be one of {LINEAR_BACKENDS}, got {be!r}")
         if self.attention not in ("ss", "torch", "triton"):
             raise ValueError(f"attention must be ss, torch or triton, got {self.attention!r}")
-        if self.attention_tiles not in ("", "avx512", "avx2"):
-            raise ValueError(f"attention_tiles must be avx512, avx2 or empty, got {self.attention_tiles!r}")
+        for name in ("attention_tiles", "linear_tiles"):
+            if getattr(self, name) not in ("", "avx512", "avx2"):
+                raise ValueError(f"{name} must be avx512, avx2 or empty, got {getattr(self, name)!r}")
 
     # ------------------------------------------------------------------ queries
     def linear_backend(self, rows: int) -> str:
@@ -132,6 +134,7 @@ class KernelPlan:
         """The plan as plain data (provenance, bench rows): backends, where it came from, the CPU."""
         return {"linear": {("inf" if u is None else str(u)): be for u, be in self.linear},
                 "attention": self.attention, "attention_tiles": self.attention_tiles or None,
+                "linear_tiles": self.linear_tiles or None,
                 "fused": self.fused, "threads": self.threads,
                 "source": self.source, "tune_s": round(self.tune_s, 3), "batch_invariant": self.batch_invariant,
                 "cpu": cpu.cpu_model(), "isa": cpu.isa_summary(),
@@ -141,6 +144,7 @@ class KernelPlan:
     def summary(self) -> str:
         """One line: e.g. ``linear ss<=8 mkl>8, attention ss, fused (measured, 4.2 s)``."""
         lin = " ".join(f"{be}{'' if u is None else '<=' + str(u)}" for u, be in self.linear)
+        lin += f" ({self.linear_tiles})" if self.linear_tiles and self.uses_panels else ""
         tiles = f" ({self.attention_tiles})" if self.attention_tiles else ""
         return (f"linear {lin}, attention {self.attention}{tiles}{', fused' if self.fused else ''}, "
                 f"{self.threads} threads ({self.source}{f', {self.tune_s:.1f} s' if self.tune_s else ''})")
@@ -222,18 +226,24 @@ def choose(model, tune: bool = True, *, progress: Callable[[str], None] | None =
         if forced == "ss" and why is not None:
             raise ValueError(f"{_LINEAR_ENV}={forced}: {why}")
         plan = dataclasses.replace(plan, linear=((None, forced),), source="env", note=f"{_LINEAR_ENV}={forced}")
-    if plan.attention == "ss":
-        plan = apply_attention_tiles(plan)
-    return plan
+    return apply_tiles(plan)
 
 
-def apply_attention_tiles(plan: KernelPlan) -> KernelPlan:
-    """Switch our attention to the plan's tiles (process-wide: the tiles give bitwise the same
+def apply_tiles(plan: KernelPlan) -> KernelPlan:
+    """Switch our kernels to the plan's tiles (process-wide: the tiles give bitwise the same
     results, so models sharing the process are unaffected but for speed); a plan without a choice
-    gets the library's current one. ``SPARSESPEC_ATTN_AVX512=0`` wins over the plan."""
-    want = plan.attention_tiles or cpu.attention_isa() or ""
-    got = cpu.set_attention_avx512(want == "avx512") if want else None
-    return plan if (got or "") == plan.attention_tiles else dataclasses.replace(plan, attention_tiles=got or "")
+    gets the library's current one; a plan that does not run our attention / packed linear gets
+    "". ``SPARSESPEC_AVX512=0`` wins over the plan."""
+    att = lin = ""
+    if plan.attention == "ss":
+        want = plan.attention_tiles or cpu.attention_isa() or ""
+        att = (cpu.set_attention_avx512(want == "avx512") or "") if want else ""
+    if plan.uses_panels:
+        want = plan.linear_tiles or cpu.linear_isa() or ""
+        lin = (cpu.set_linear_avx512(want == "avx512") or "") if want else ""
+    if (att, lin) == (plan.attention_tiles, plan.linear_tiles):
+        return plan
+    return dataclasses.replace(plan, attention_tiles=att, linear_tiles=lin)
 
 
 # --------------------------------------------------------------------------- the trial
@@ -292,15 +302,22 @@ def _linear_trial(model, backends: list[str], reps: int) -> dict[int, dict[str, 
         def run(be: str, sel=sel, xs=xs):
             for w, b in sel:
                 x = xs[w.shape[1]]
-                if be == "ss":
+                if be in ("ss", "ss-avx2"):
                     cpu.linear_packed(x, panels[id(w)], w.shape[0], b)
                 elif be == "onednn":
                     torch.ops.mkldnn._linear_pointwise(x, packed[id(w)], b, "none", [], "")
                 else:
                     F.linear(x, w, b)
 
+        def run_avx2(run=run):  # our AVX2 tile (the same results as the AVX-512 one)
+            cpu.set_linear_avx512(False)
+            try:
+                run("ss")
+            finally:
+                cpu.set_linear_avx512(True)
+
         with torch.inference_mode():
-            res[m] = _best_of({be: (lambda be=be: run(be)) for be in backends}, reps)
+            res[m] = _best_of({be: (run_avx2 if be == "ss-avx2" else (lambda be=be: run(be))) for be in backends}, reps)
     return res
 
 
@@ -424,14 +441,24 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
             data = json.loads(path.read_text())
             return KernelPlan(tuple((u, be) for u, be in data["linear"]), data["attention"], data["fused"],
                               threads, "cache", data.get("tune_s", 0.0), data.get("timings", {}), data.get("note", ""),
-                              data.get("attention_tiles", ""))
+                              data.get("attention_tiles", ""), data.get("linear_tiles", ""))
         except (OSError, ValueError, KeyError, TypeError):
             pass  # a corrupt cache entry: measure again
     if progress:
         progress(f"measuring kernel choices for this CPU ({cpu.cpu_model()}, {threads} threads)")
     t0 = time.perf_counter()
     backends = ["ss"] + (["onednn"] if prepack_available() else []) + ["mkl"]
+    if cpu.set_linear_avx512(True) == "avx512":
+        backends.append("ss-avx2")
     lin = _linear_trial(model, backends, reps)
+    linear_tiles = ""
+    if "ss-avx2" in backends:  # the AVX-512 tile unless the AVX2 ones measured faster over all widths
+        linear_tiles = "avx2" if sum(v["ss-avx2"] for v in lin.values()) < sum(v["ss"] for v in lin.values()) \
+            else "avx512"
+        cpu.set_linear_avx512(linear_tiles == "avx512")
+        lin_all, lin = lin, {m: {be: t for be, t in v.items() if be != "ss-avx2"} for m, v in lin.items()}
+        if linear_tiles == "avx2":
+            lin = {m: {**v, "ss": lin_all[m]["ss-avx2"]} for m, v in lin.items()}
     att = _attention_trial(model, reps)
     choice = []
     for upper, widths in LINEAR_RANGES:
@@ -447,6 +474,7 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
         tiles = "avx2" if sum(att[s]["ss-avx2"] for s in att) < att_total["ss"] else "avx512"
         att_total["ss"] = min(att_total["ss"], sum(att[s]["ss-avx2"] for s in att))
         attention = min(att_total, key=att_total.get)
+        cpu.set_attention_avx512(tiles == "avx512")  # before the whole forwards below
     fwd: dict[str, dict[str, float]] = {}
     if attention == "ss" and any(be != "ss" for _, be in choice):
         choice, fwd = _confirm_in_forward(model, choice, threads, reps)
@@ -456,16 +484,19 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
             ranges[-1] = (upper, be)
         else:
             ranges.append((upper, be))
+    if linear_tiles:
+        lin = lin_all
     timings = {"linear": {str(m): v for m, v in lin.items()}, "attention": att, "forward": fwd,
                "read_bytes_per_s": _read_bandwidth()}
     tune_s = time.perf_counter() - t0
     plan = KernelPlan(tuple(ranges), attention, True, threads, "measured", tune_s, timings,
-                      attention_tiles=tiles if attention == "ss" else "")
+                      attention_tiles=tiles if attention == "ss" else "",
+                      linear_tiles=linear_tiles if any(be == "ss" for _, be in ranges) else "")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps({"linear": [list(r) for r in plan.linear], "attention": plan.attention,
-                                   "attention_tiles": plan.attention_tiles,
+                                   "attention_tiles": plan.attention_tiles, "linear_tiles": plan.linear_tiles,
                                    "fused": plan.fused, "tune_s": tune_s, "timings": timings,
                                    "cpu": cpu.cpu_model(), "isa": cpu.isa_summary(), "threads": threads,
                                    "torch": torch.__version__}, indent=1))

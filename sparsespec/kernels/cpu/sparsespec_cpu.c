@@ -305,6 +305,115 @@ static void pk_rows(int64_t M, int64_t K, const float *x, int64_t ldx, const flo
     }
 }
 
+/* ------------------------------------------------------------------ packed linear (AVX-512)
+ * Where built with AVX-512 (and not switched off by ss_set_linear_avx512): MR (1..12) rows x two
+ * panels, one 16-lane vector per (row, panel); each y[m, n] is still one FMA chain over k in order,
+ * from zero, then the same store (bias, accumulate) as pk_store_row: bitwise the AVX2 tile's. */
+#ifndef SS_P5_MR
+#define SS_P5_MR 12
+#endif
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+SS_INLINE void pk512_store(__m512 c, float *yr, const float *bias, int acc, int ncols) {
+    if (ncols == SS_NB && !bias) {
+        if (acc) c = _mm512_add_ps(_mm512_loadu_ps(yr), c);
+        _mm512_storeu_ps(yr, c);
+        return;
+    }
+    float v[16];
+    _mm512_storeu_ps(v, c);
+    for (int u = 0; u < ncols; ++u) {
+        float s = v[u];
+        if (bias) s += bias[u];
+        if (acc) yr[u] += s; else yr[u] = s;
+    }
+}
+
+#define P5_ACC(i) __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = c##i##0;
+#define P5_ROW(i)                                                       \
+    if (MR > i) {                                                       \
+        const __m512 xb = _mm512_set1_ps(x[i * ldx + k]);               \
+        c##i##0 = _mm512_fmadd_ps(xb, w0, c##i##0);                     \
+        if (NP > 1) c##i##1 = _mm512_fmadd_ps(xb, w1, c##i##1);         \
+    }
+#define P5_OUT(i)                                                                          \
+    if (MR > i) {                                                                          \
+        pk512_store(c##i##0, y + i * ldy, bias, acc, nc0);                                 \
+        if (NP > 1) pk512_store(c##i##1, y + i * ldy + SS_NB, bias ? bias + SS_NB : NULL, acc, nc1); \
+    }
+/* y[MR, 16 NP] (=|+=) x[MR, K] . panels wp (and wp + panel); pfw: a stream prefetched line by line
+ * (16 floats per k) and pfw2 a second one (NULL: none) */
+SS_INLINE void pk512_tile(const int MR, const int NP, int64_t K, const float *x, int64_t ldx, const float *wp,
+                          int64_t panel, float *y, int64_t ldy, const float *bias, int acc, int nc0, int nc1,
+                          const float *pfw, const float *pfw2) {
+    P5_ACC(0) P5_ACC(1) P5_ACC(2) P5_ACC(3) P5_ACC(4) P5_ACC(5) P5_ACC(6) P5_ACC(7) P5_ACC(8) P5_ACC(9)
+    P5_ACC(10) P5_ACC(11)
+    const float *wq = wp + panel;
+    for (int64_t k = 0; k < K; ++k) {
+        _mm_prefetch((const char *)(pfw + k * SS_NB), _MM_HINT_T0);
+        if (pfw2) _mm_prefetch((const char *)(pfw2 + k * SS_NB), _MM_HINT_T0);
+        const __m512 w0 = _mm512_loadu_ps(wp + k * SS_NB);
+        const __m512 w1 = NP > 1 ? _mm512_loadu_ps(wq + k * SS_NB) : w0;
+        P5_ROW(0) P5_ROW(1) P5_ROW(2) P5_ROW(3) P5_ROW(4) P5_ROW(5) P5_ROW(6) P5_ROW(7) P5_ROW(8) P5_ROW(9)
+        P5_ROW(10) P5_ROW(11)
+    }
+    P5_OUT(0) P5_OUT(1) P5_OUT(2) P5_OUT(3) P5_OUT(4) P5_OUT(5) P5_OUT(6) P5_OUT(7) P5_OUT(8) P5_OUT(9)
+    P5_OUT(10) P5_OUT(11)
+}
+
+/* one function per tile shape (inlined into one switch, GCC spills the accumulators) */
+#define P5_FN(MR_, NP_)                                                                                    \
+    static __attribute__((noinline)) void pk512_##MR_##_##NP_(int64_t K, const float *x, int64_t ldx,       \
+            const float *wp, int64_t panel, float *y, int64_t ldy, const float *bias, int acc, int nc0,    \
+            int nc1, const float *pfw, const float *pfw2) {                                                \
+        pk512_tile(MR_, NP_, K, x, ldx, wp, panel, y, ldy, bias, acc, nc0, nc1, pfw, pfw2);                \
+    }
+#define P5_FNS(MR_) P5_FN(MR_, 1) P5_FN(MR_, 2)
+P5_FNS(1) P5_FNS(2) P5_FNS(3) P5_FNS(4) P5_FNS(5) P5_FNS(6) P5_FNS(7) P5_FNS(8) P5_FNS(9) P5_FNS(10) P5_FNS(11)
+P5_FNS(12)
+#define P5_CASE(MR_)                                                                                       \
+    case MR_:                                                                                              \
+        if (np == 2) pk512_##MR_##_2(K, x, ldx, wp, panel, y, ldy, bias, acc, nc0, nc1, pfw, pfw2);         \
+        else pk512_##MR_##_1(K, x, ldx, wp, panel, y, ldy, bias, acc, nc0, nc1, pfw, pfw2);                 \
+        break;
+SS_INLINE void pk512_tile_n(int mr, int np, int64_t K, const float *x, int64_t ldx, const float *wp, int64_t panel,
+                            float *y, int64_t ldy, const float *bias, int acc, int nc0, int nc1, const float *pfw,
+                            const float *pfw2) {
+    switch (mr) {
+        P5_CASE(12) P5_CASE(11) P5_CASE(10) P5_CASE(9) P5_CASE(8) P5_CASE(7) P5_CASE(6) P5_CASE(5) P5_CASE(4)
+        P5_CASE(3) P5_CASE(2) default: P5_CASE(1)
+    }
+}
+
+/* rows 0 .. M-1 against np (1, 2) panels in balanced tiles of at most 12 rows: the first tile
+ * streams the panels (prefetching SS_PF_DIST rows ahead), later ones reuse them from cache and
+ * prefetch the next panels (nxt, NULL at the end) */
+static void pk512_rows(int64_t M, int64_t K, const float *x, int64_t ldx, const float *wp, int64_t panel, int np,
+                       float *y, int64_t ldy, const float *bias, int acc, int nc0, int nc1, const float *nxt) {
+    const int64_t tiles = (M + SS_P5_MR - 1) / SS_P5_MR;
+    int64_t m = 0;
+    for (int64_t t = 0; t < tiles; ++t) {
+        const int mr = (int)((M - m) / (tiles - t) + ((M - m) % (tiles - t) ? 1 : 0));
+        const float *pfw = t == 0 ? wp + SS_PF_DIST * SS_NB : (nxt ? nxt : wp);
+        const float *pfw2 = np > 1 ? (t == 0 ? wp + panel + SS_PF_DIST * SS_NB : (nxt ? nxt + panel : NULL)) : NULL;
+        pk512_tile_n(mr, np, K, x + m * ldx, ldx, wp, panel, y + m * ldy, ldy, bias, acc, nc0, nc1, pfw, pfw2);
+        m += mr;
+    }
+}
+#define SS_LIN512 1
+#else
+#define SS_LIN512 0
+#endif
+
+/* 1 where this build has the AVX-512 linear tile and it is on (the default where built) */
+static int ss_lin512 = SS_LIN512;
+
+/* Switch the AVX-512 linear tile on (1) or off (0: the AVX2 tiles, the same results); returns what
+ * is now in use. Call between kernels only. */
+SS_API int ss_set_linear_avx512(int on) {
+    ss_lin512 = on && SS_LIN512;
+    return ss_lin512;
+}
+
 /* y[M, N] (=|+=) x[M, K] @ W^T (+ bias), W as packed panels (ss_pack_weight's layout). Threads take
  * contiguous ranges of panels; a panel is read from memory once and reused from cache for every
  * block of rows. */
@@ -329,6 +438,22 @@ static void lin_packed_body(int64_t M, int64_t N, int64_t K, const float *x, int
         }
         return;
     }
+#if SS_LIN512
+    if (ss_lin512) {  /* pairs of panels */
+        const int64_t npairs = (npanels + 1) / 2;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < npairs; ++t) {
+            const int64_t p = 2 * t, n0 = p * SS_NB;
+            const int np = p + 1 < npanels ? 2 : 1;
+            const int nc0 = (int)(N - n0 < SS_NB ? N - n0 : SS_NB);
+            const int nc1 = np > 1 ? (int)(N - n0 - SS_NB < SS_NB ? N - n0 - SS_NB : SS_NB) : 0;
+            const float *nxt = p + 2 < npanels ? wp + (p + 2) * panel : NULL;
+            pk512_rows(M, K, x, ldx, wp + p * panel, panel, np, y + n0, ldy, bias ? bias + n0 : NULL, acc, nc0, nc1,
+                       nxt);
+        }
+        return;
+    }
+#endif
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < npanels; ++p) {
         int64_t n0 = p * SS_NB;
