@@ -277,7 +277,7 @@ def test_tune_measures_caches_and_reads_back(tmp_path, monkeypatch):
     plan = tune_plan(model, reps=1)
     assert plan.source == "measured" and plan.tune_s > 0
     lin = plan.timings["linear"]
-    assert set(lin) == {"1", "4", "8", "12", "16", "24", "32", "36", "64", "96", "128", "256"}
+    assert set(lin) == {"1", "4", "8", "12", "16", "24", "32", "36", "64", "96", "128", "256", "512"}
     assert all("ss" in v and "mkl" in v for v in lin.values())
     if cpu.set_linear_avx512(True) == "avx512":  # both tiles timed: the faster over all widths is "ss"
         avx2 = sum(v["ss-avx2"] for v in lin.values()) < sum(v["ss"] for v in lin.values())
@@ -293,7 +293,7 @@ def test_tune_measures_caches_and_reads_back(tmp_path, monkeypatch):
         worst = {be: max(lin[str(m)][be] / min(lin[str(m)].values()) for m in widths)  # is fastest,
                  for be in lin[str(widths[0])]}                                      # ours within the margin
         best = min(worst, key=worst.get)
-        if worst["ss"] <= worst[best] * (1 + TIE_MARGIN):
+        if upper is not None and worst["ss"] <= worst[best] * (1 + TIE_MARGIN):  # decode widths only
             best = "ss"
         # then a library keeps its range only if whole forwards at every width agree
         # (not run when the attention trial chose PyTorch's: no forward of ours to compare)

@@ -21,7 +21,7 @@ PyTorch one. On a CPU the default is decided by a short measured trial (``tune``
 backend over the model's own weights at two widths M per range of rows (``LINEAR_RANGES``), each
 attention backend at a decode and a verify shape, interleaved, the best of three (where built, our
 kernels' AVX-512 and AVX2 tiles are timed as two backends, and the faster over all widths is kept); a range goes to
-the backend whose worst width is fastest (ours kept within ``TIE_MARGIN``). A kernel choice that wins on one CPU can lose 25-30 % on another, so nothing is
+the backend whose worst width is fastest (ours kept within ``TIE_MARGIN`` for decode widths). A kernel choice that wins on one CPU can lose 25-30 % on another, so nothing is
 assumed: the trial's winner is the default, cached
 per CPU (model and ISA flags), torch version, threads, kernel build and model shape in
 ``$SPARSESPEC_CACHE/tuning/``, so a later load on the same machine reads it (``source="cache"``).
@@ -56,9 +56,11 @@ LINEAR_BACKENDS = ("ss", "onednn", "mkl")
 #: the linear plan's row ranges (upper bound) and the widths the trial times in each. A decode step
 #: has B rows, a verify B * (k + 1), a prefill chunk hundreds. Two widths per range: MKL's and
 #: oneDNN's speed jumps between neighbouring widths (SmolLM2 on a 2-core Xeon, MKL over every
-#: weight: 64 ms at M = 32, 84 ms at M = 36), so a range goes to the backend whose worst width is best
+#: weight: 64 ms at M = 32, 84 ms at M = 36), so a range goes to the backend whose worst width is best.
+#: The open range is prefill: 512 is the engine's prefill chunk (at 256 rows our AVX-512 tile ties
+#: MKL on the Xeon, at 512 MKL is 7 % faster, and whole prefills 6 % faster)
 LINEAR_RANGES: tuple[tuple[int | None, tuple[int, ...]], ...] = (
-    (1, (1,)), (8, (4, 8)), (16, (12, 16)), (32, (24, 32)), (64, (36, 64)), (128, (96, 128)), (None, (256,)))
+    (1, (1,)), (8, (4, 8)), (16, (12, 16)), (32, (24, 32)), (64, (36, 64)), (128, (96, 128)), (None, (256, 512)))
 TRIAL_ROWS = tuple(m for _, ms in LINEAR_RANGES for m in ms)
 RANGE_UPPER = tuple(u for u, _ in LINEAR_RANGES)
 #: the forwards of ``_confirm_in_forward``: verifies of k + 1 tokens per row over this many keys, for
@@ -66,7 +68,7 @@ RANGE_UPPER = tuple(u for u, _ in LINEAR_RANGES)
 #: per-layer overhead that our fused forward saves is a small share, and the linear trial decides)
 FORWARD_TRIAL_K, FORWARD_TRIAL_CONTEXT, FORWARD_TRIAL_UPTO = 8, 256, 128
 _KERNELS_ENV, _LINEAR_ENV = "SPARSESPEC_KERNELS", "SPARSESPEC_LINEAR"
-TUNE_VERSION = 8
+TUNE_VERSION = 9
 #: another linear backend replaces ours for a range of rows only when the trial measured it faster
 #: by more than this (best-of-3 timings on a shared machine move by about this much between runs);
 #: one kernel for every decode width keeps a row's logits independent of its batch and k
@@ -464,8 +466,9 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
     for upper, widths in LINEAR_RANGES:
         worst = range_worst(lin, widths)
         be = min(worst, key=worst.get)
-        if be != "ss" and "ss" in worst and worst["ss"] <= worst[be] * (1.0 + TIE_MARGIN):
-            be = "ss"  # within the trial's noise: keep ours (one kernel for every width: batch-invariant)
+        if upper is not None and be != "ss" and "ss" in worst and worst["ss"] <= worst[be] * (1.0 + TIE_MARGIN):
+            be = "ss"  # a decode range within the trial's noise: keep ours (one kernel for every width:
+            # batch-invariant); prefill (the open range) goes to the fastest
         choice.append((upper, be))
     att_total = {be: sum(att[s][be] for s in att) for be in ("ss", "torch")}
     attention = min(att_total, key=att_total.get)
