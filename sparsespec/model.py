@@ -43,7 +43,7 @@ from safetensors import safe_open
 from sparsespec import kernels
 from sparsespec.config import ModelConfig
 from sparsespec.kernels import cpu
-from sparsespec.kernels.plan import KernelPlan, choose, ours_plan, pack_weights, torch_plan
+from sparsespec.kernels.plan import KernelPlan, apply_tiles, choose, ours_plan, pack_weights, torch_plan
 from sparsespec.kv.cache import KVCache
 from sparsespec.kv.index import RowsTarget
 from sparsespec.quant import DRAFT_WEIGHTS, DraftWeights, linear_weights, prepack_, quantize_int8, quantize_target_
@@ -375,6 +375,7 @@ class Transformer(torch.nn.Module):
             self.kernel_plan = ours_plan("user", "requested")
         else:
             raise ValueError(f"kernels must be 'auto', 'ss', 'torch' or a KernelPlan, got {plan!r}")
+        self.kernel_plan = apply_tiles(self.kernel_plan)  # our kernels' AVX-512 or AVX2 tiles
         return self.prepack_()
 
     def attention_backend(self) -> str:
