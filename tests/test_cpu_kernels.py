@@ -178,13 +178,13 @@ def test_the_avx512_tiles_give_the_avx2_tiles_results_bit_for_bit():
         pytest.skip("this CPU's build has no AVX-512 tiles")
     g = _gen(11)
     B, Hkv, G, D = 3, 2, 7, 64
-    starts = [1000, 37, 600]
-    S_max = max(starts) + 9
+    starts = [1000, 37, 255]  # 255 + 17: query 0 sees none of the second chunk's 16 keys (m_c = -inf)
+    S_max = max(starts) + 17
     kc, vc = torch.randn(B, Hkv, S_max, D, generator=g), torch.randn(B, Hkv, S_max, D, generator=g)
     idx = torch.randint(0, S_max, (B, Hkv, 300), generator=g, dtype=torch.int32)
     nv, kt, vt = torch.tensor([300, 17, 260]), torch.randn(B, Hkv, 3, D, generator=g), torch.randn(B, Hkv, 3, D, generator=g)
     try:
-        for T in (1, 2, 5, 9):
+        for T in (1, 2, 5, 9, 17):
             q = torch.randn(B, Hkv * G, T, D, generator=g)
             got = {}
             for on in (True, False):

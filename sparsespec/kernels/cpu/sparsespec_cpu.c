@@ -858,6 +858,72 @@ SS_API int ss_set_attention_avx512(int on) {
     return ss_att512;
 }
 
+/* The chunk softmax numerators of rows 0 .. NR-1 (NR 1..4, rows ld apart) over keys [j0, j1): m_c
+ * (mx), p = exp(s - m_c) in place, l_c (sums). p = 0 where masked; a row that sees none of the chunk
+ * gets m_c = -inf, p = l_c = 0. Each row's l_c is 8 lanes summed over j = u mod 8 in key order, then
+ * hsum8; the rows are interleaved so that their add chains overlap (the same operations per row). */
+SS_INLINE void att_softmax_rows(const int NR, float *S, int64_t ld, int64_t j0, int64_t j1, float *mx, float *sums) {
+    __m256 acc[4], mv[4];
+    float m[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; ++i) {
+        const float *row = S + i * ld;
+        __m256 ma = _mm256_set1_ps(-INFINITY), mb = ma;  /* max is exact: any grouping */
+        int64_t j = j0;
+        for (; j + 16 <= j1; j += 16) {
+            ma = _mm256_max_ps(ma, _mm256_loadu_ps(row + j));
+            mb = _mm256_max_ps(mb, _mm256_loadu_ps(row + j + 8));
+        }
+        for (; j + 8 <= j1; j += 8) ma = _mm256_max_ps(ma, _mm256_loadu_ps(row + j));
+        ma = _mm256_max_ps(ma, mb);
+        float m8v[8], mm = -INFINITY;
+        _mm256_storeu_ps(m8v, ma);
+        for (int u = 0; u < 8; ++u) mm = m8v[u] > mm ? m8v[u] : mm;
+        for (; j < j1; ++j) mm = row[j] > mm ? row[j] : mm;
+        m[i] = mm;
+        mx[i] = mm;
+        mv[i] = _mm256_set1_ps(mm == -INFINITY ? 0.0f : mm);
+        acc[i] = _mm256_setzero_ps();
+    }
+    int64_t j = j0;
+#if SS_HAVE512
+    if (ss_att512) {  /* 16 at a time; the sums still 8 lanes, in the same order */
+        for (; j + 16 <= j1; j += 16) {
+#pragma GCC unroll 4
+            for (int i = 0; i < NR; ++i) {
+                float *row = S + i * ld;
+                __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j), _mm512_set1_ps(m[i] == -INFINITY ? 0.0f : m[i])));
+                _mm512_storeu_ps(row + j, p);
+                acc[i] = _mm256_add_ps(acc[i], _mm512_castps512_ps256(p));
+                acc[i] = _mm256_add_ps(acc[i], _mm512_extractf32x8_ps(p, 1));
+            }
+        }
+    }
+#endif
+    for (; j + 8 <= j1; j += 8) {
+#pragma GCC unroll 4
+        for (int i = 0; i < NR; ++i) {
+            float *row = S + i * ld;
+            __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), mv[i]));
+            _mm256_storeu_ps(row + j, p);
+            acc[i] = _mm256_add_ps(acc[i], p);
+        }
+    }
+    if (j < j1) {  /* partial vector: pad with -inf (probability 0) */
+#pragma GCC unroll 4
+        for (int i = 0; i < NR; ++i) {
+            float *row = S + i * ld, buf[8];
+            for (int u = 0; u < 8; ++u) buf[u] = (j + u < j1) ? row[j + u] : -INFINITY;
+            __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(buf), mv[i]));
+            _mm256_storeu_ps(buf, p);
+            for (int u = 0; j + u < j1; ++u) row[j + u] = buf[u];
+            acc[i] = _mm256_add_ps(acc[i], p);
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; ++i) sums[i] = hsum8(acc[i]);
+}
+
 /* One item: scores, chunk softmax and P.V partial of keys [j0, j1) for every row of (b, kv); D is
  * a->D, passed so that att_chunk can inline it with a constant head size (the d-loops unrolled). */
 SS_INLINE void att_chunk_d(const attn_t *a, int64_t b, int64_t kv, int64_t c, const int64_t D) {
@@ -948,45 +1014,13 @@ SS_INLINE void att_chunk_d(const attn_t *a, int64_t b, int64_t kv, int64_t c, co
     }
     /* 2. the chunk's softmax numerators: m_c, p = exp(s - m_c) in place, l_c (p = 0 where masked; a
      *    row that sees none of the chunk gets m_c = -inf, p = l_c = 0) */
-    for (int64_t r = 0; r < R; ++r) {
-        float *row = S + r * ld;
-        __m256 m8 = _mm256_set1_ps(-INFINITY);
-        int64_t j = j0;
-        for (; j + 8 <= j1; j += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(row + j));
-        float m8v[8], m = -INFINITY;
-        _mm256_storeu_ps(m8v, m8);
-        for (int u = 0; u < 8; ++u) m = m8v[u] > m ? m8v[u] : m;
-        for (; j < j1; ++j) m = row[j] > m ? row[j] : m;
-        mx[r] = m;
-        const __m256 mv = _mm256_set1_ps(m == -INFINITY ? 0.0f : m);
-        __m256 acc = _mm256_setzero_ps();
-        j = j0;
-#if SS_HAVE512
-        if (ss_att512) {  /* 16 at a time; the sums still 8 lanes, in the same order */
-            const __m512 mv16 = _mm512_set1_ps(m == -INFINITY ? 0.0f : m);
-            for (; j + 16 <= j1; j += 16) {
-                __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j), mv16));
-                _mm512_storeu_ps(row + j, p);
-                acc = _mm256_add_ps(acc, _mm512_castps512_ps256(p));
-                acc = _mm256_add_ps(acc, _mm512_extractf32x8_ps(p, 1));
-            }
+    for (int64_t r = 0; r < R; r += 4)
+        switch (R - r < 4 ? R - r : 4) {
+            case 4: att_softmax_rows(4, S + r * ld, ld, j0, j1, mx + r, sums + r); break;
+            case 3: att_softmax_rows(3, S + r * ld, ld, j0, j1, mx + r, sums + r); break;
+            case 2: att_softmax_rows(2, S + r * ld, ld, j0, j1, mx + r, sums + r); break;
+            default: att_softmax_rows(1, S + r * ld, ld, j0, j1, mx + r, sums + r); break;
         }
-#endif
-        for (; j + 8 <= j1; j += 8) {
-            __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), mv));
-            _mm256_storeu_ps(row + j, p);
-            acc = _mm256_add_ps(acc, p);
-        }
-        if (j < j1) {  /* partial vector: pad with -inf (probability 0) */
-            float buf[8];
-            for (int u = 0; u < 8; ++u) buf[u] = (j + u < j1) ? row[j + u] : -INFINITY;
-            __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(buf), mv));
-            _mm256_storeu_ps(buf, p);
-            for (int u = 0; j + u < j1; ++u) row[j + u] = buf[u];
-            acc = _mm256_add_ps(acc, p);
-        }
-        sums[r] = hsum8(acc);
-    }
     /* 3. o_c = P.V: for every (row, column) one FMA chain over the chunk's keys in order, whatever
      *    the block computing it: 6 rows x 16 columns (the GEMM tile), or 3 rows x 32 columns for a
      *    remainder of 3 rows (a decode step's G = 3 rows: half the broadcasts) */
