@@ -309,9 +309,10 @@ class EngineCore:
                 f"the window of {self.max_model_len} tokens (max_model_len); shorten it"
             )
         k = 0 if self.spec is None else self.spec.k
-        if max_k is not None and self.spec is not None:
-            k = max_k if k == "auto" else min(int(k), max_k)
-        stats = RunStats(method=self.method, k=k, num_prompt_tokens=len(ids))
+        if max_k is not None and self.spec is not None and k != "auto":
+            k = min(int(k), max_k)  # a fixed k capped is that fixed k; "auto" capped stays "auto" (+ max_k)
+        stats = RunStats(method=self.method, k=k, num_prompt_tokens=len(ids),
+                         max_k=max_k if self.spec is not None and k == "auto" else None)
         policy = self.controller.policy() if self.controller is not None else policy_for(self.spec, self.costs)
         req = _Request(request_id, ids, params, self.clock(), stats, policy, make_generator(params.seed, self.model.device),
                        max_k=max_k)

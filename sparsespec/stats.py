@@ -93,6 +93,8 @@ class RunStats:
     method: str
     k: int | str
     num_prompt_tokens: int
+    #: a ``k="auto"`` request's own cap on draft tokens per round (``EngineCore.add_request``), else None
+    max_k: int | None = None
     num_steps: int = 0
     num_drafting_steps: int = 0
     num_emitted: int = 0
@@ -132,6 +134,7 @@ class RunStats:
         return {
             "method": self.method,
             "k": self.k,
+            **({"max_k": self.max_k} if self.max_k is not None else {}),
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_output_tokens": num_output_tokens,
             "num_steps": self.num_steps,

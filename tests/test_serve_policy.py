@@ -156,5 +156,18 @@ def test_a_capped_row_never_drafts_in_a_batch_whose_other_row_does(tiny):
     assert done["off"].stats["num_drafted"] == 0 and done["off"].stats["k"] == 0
     st = done["two"].stats
     assert st["k"] == 2 and st["num_drafted"] > 0 and st["num_drafted"] <= 2 * st["num_drafting_steps"]
+    assert "max_k" not in st  # a fixed k capped is that fixed k
     with pytest.raises(ValueError, match="max_k must be an integer >= 0"):
         core.add_request("bad", prompts[0], params, max_k=-1)
+    auto = eng.core("sparsespec-l", {"k": "auto", "max_k": 8}, max_num_seqs=2)  # "auto" capped stays "auto"
+    auto.add_request("two", prompts[1], params, max_k=2)
+    auto.add_request("free", prompts[0], params)
+    done = {}
+    while auto.has_unfinished_requests():
+        for out in auto.step():
+            if out.finished:
+                done[out.request_id] = out.output
+    st, free = done["two"].stats, done["free"].stats
+    assert done["two"].token_ids == ref[1].token_ids and done["free"].token_ids == ref[0].token_ids
+    assert st["k"] == "auto" == free["k"] and st["max_k"] == 2 and "max_k" not in free
+    assert st["num_drafted"] <= 2 * st["num_drafting_steps"]
