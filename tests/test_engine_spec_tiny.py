@@ -98,7 +98,10 @@ def test_greedy_is_token_identical_to_ar(engine, long_prompts, ar_rows, method, 
             hist = {tuple(map(int, key.split(":"))): n for key, n in s["accept_hist"].items()}
             assert max(kk for kk, _ in hist) <= k
         assert s["num_prompt_tokens"] == len(prompt)
-    if method != "ngram":  # (an n-gram lookup on random tokens may guess nothing right in 24 tokens)
+    # (an n-gram lookup on random tokens may guess nothing right in 24 tokens; k="auto" drafts as the
+    # costs measured during the run say, so on this random model it may draft a few tokens that all
+    # fail: the fixed-k cases of the same method cover the acceptance path)
+    if method != "ngram" and k != "auto":
         assert sum(o.stats["num_accepted"] for o in outs) > 0, "accepted nothing: only the rejection path ran"
 
 
