@@ -864,7 +864,6 @@ SS_API int ss_set_attention_avx512(int on) {
  * hsum8; the rows are interleaved so that their add chains overlap (the same operations per row). */
 SS_INLINE void att_softmax_rows(const int NR, float *S, int64_t ld, int64_t j0, int64_t j1, float *mx, float *sums) {
     __m256 acc[4], mv[4];
-    float m[4];
 #pragma GCC unroll 4
     for (int i = 0; i < NR; ++i) {
         const float *row = S + i * ld;
@@ -880,7 +879,6 @@ SS_INLINE void att_softmax_rows(const int NR, float *S, int64_t ld, int64_t j0, 
         _mm256_storeu_ps(m8v, ma);
         for (int u = 0; u < 8; ++u) mm = m8v[u] > mm ? m8v[u] : mm;
         for (; j < j1; ++j) mm = row[j] > mm ? row[j] : mm;
-        m[i] = mm;
         mx[i] = mm;
         mv[i] = _mm256_set1_ps(mm == -INFINITY ? 0.0f : mm);
         acc[i] = _mm256_setzero_ps();
@@ -892,7 +890,7 @@ SS_INLINE void att_softmax_rows(const int NR, float *S, int64_t ld, int64_t j0, 
 #pragma GCC unroll 4
             for (int i = 0; i < NR; ++i) {
                 float *row = S + i * ld;
-                __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j), _mm512_set1_ps(m[i] == -INFINITY ? 0.0f : m[i])));
+                __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j), _mm512_broadcast_f32x8(mv[i])));
                 _mm512_storeu_ps(row + j, p);
                 acc[i] = _mm256_add_ps(acc[i], _mm512_castps512_ps256(p));
                 acc[i] = _mm256_add_ps(acc[i], _mm512_extractf32x8_ps(p, 1));
