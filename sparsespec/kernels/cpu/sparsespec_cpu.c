@@ -30,6 +30,10 @@
 #define SS_API __attribute__((visibility("default")))
 #define SS_INLINE static inline __attribute__((always_inline))
 #define SS_CHUNK 256
+/* Prefetch tunables of the attention's score loop, the values measured best on the Xeon of
+ * benchmarks/RESULTS.md (override with -D for an experiment): value rows into L2 every SS_VPF_STEP
+ * bytes; the keys SS_KPF_DIST positions ahead (0: none) into L1 every SS_KPF_STEP bytes. Every 64
+ * bytes beat every 128 (10-30 % at T = 1-9), 8 keys ahead beat 16, 32 and 64. */
 #ifndef SS_VPF_STEP
 #define SS_VPF_STEP 64
 #endif
@@ -697,6 +701,7 @@ SS_INLINE void att_pv3x32(const attn_t *a, const float *P, int64_t ldp, int64_t 
  *     row r + 1's in its high half (the scaled queries rearranged once per item, q2), against a
  *     key's 8 values broadcast into both halves (a plain load); 4 keys x up to 4 row pairs per tile,
  *     reduced with hsum8's tree by shuffles (hadd512 = hadd);
+ *   - the chunk's exp in 16 lanes (exp16 = exp8 per lane), its sums still 8 lanes in key order;
  *   - o_c = P.V: 6 rows x 64 columns per tile, one FMA chain per element over the keys in order. */
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 #define SS_HAVE512 1
@@ -956,7 +961,7 @@ SS_INLINE void att_chunk_d(const attn_t *a, int64_t b, int64_t kv, int64_t c, co
             const char *vp = (const char *)att_val(a, b, kv, j + u, nv, idx);
             for (int64_t o = 0; o < D * 4; o += SS_VPF_STEP) _mm_prefetch(vp + o, _MM_HINT_T1);
         }
-        for (int u = 0; u < 4 * (SS_KPF_DIST > 0); ++u)  /* the keys 8 ahead, into L1 (measured: 5-10 % at T = 1-9) */
+        for (int u = 0; u < 4 * (SS_KPF_DIST > 0); ++u)  /* keys ahead into L1 (measured: 5-10 % at T = 1-9) */
             if (j + SS_KPF_DIST + u < n) {
                 const char *kq = (const char *)att_key(a, b, kv, j + SS_KPF_DIST + u, nv, idx);
                 for (int64_t o = 0; o < D * 4; o += SS_KPF_STEP) _mm_prefetch(kq + o, _MM_HINT_T0);
