@@ -363,7 +363,7 @@ class Transformer(torch.nn.Module):
         if isinstance(plan, KernelPlan):
             self.kernel_plan = plan
         elif plan == "auto":
-            self.kernel_plan = choose(self, tune=True)
+            self.kernel_plan = choose(self, tune=True)  # (choose applies the plan's tiles itself)
         elif plan == "torch":
             self.kernel_plan = torch_plan("requested", "user", self.device)
         elif plan == "ss":
@@ -375,7 +375,8 @@ class Transformer(torch.nn.Module):
             self.kernel_plan = ours_plan("user", "requested")
         else:
             raise ValueError(f"kernels must be 'auto', 'ss', 'torch' or a KernelPlan, got {plan!r}")
-        self.kernel_plan = apply_tiles(self.kernel_plan)  # our kernels' AVX-512 or AVX2 tiles
+        if plan != "auto":
+            self.kernel_plan = apply_tiles(self.kernel_plan)  # our kernels' AVX-512 or AVX2 tiles
         return self.prepack_()
 
     def attention_backend(self) -> str:

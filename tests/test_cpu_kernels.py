@@ -7,6 +7,7 @@ step's and greedy speculation reproduces AR exactly.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -356,6 +357,15 @@ def test_choose_switches_the_attention_tiles_and_the_environment_keeps_them_off(
         assert plan.attention_tiles == "" == plan.linear_tiles
     finally:
         monkeypatch.delenv("SPARSESPEC_AVX512", raising=False)
+        cpu.set_attention_avx512(True)
+        cpu.set_linear_avx512(True)
+    try:  # use_kernels with a named or given plan applies its tiles too (not only choose)
+        cpu.set_attention_avx512(False)
+        cpu.set_linear_avx512(False)
+        assert model.use_kernels("ss").kernel_plan.attention_tiles == "avx2" == cpu.attention_isa()  # kept
+        given = dataclasses.replace(model.kernel_plan, attention_tiles="avx512", linear_tiles="avx512")
+        assert model.use_kernels(given).kernel_plan == given and cpu.attention_isa() == "avx512" == cpu.linear_isa()
+    finally:
         cpu.set_attention_avx512(True)
         cpu.set_linear_avx512(True)
     for name in ("attention_tiles", "linear_tiles"):

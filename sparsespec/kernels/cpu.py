@@ -190,8 +190,8 @@ def library() -> ctypes.CDLL | None:
                     fn.argtypes, fn.restype = args, res
                 if lib.ss_abi_version() != ABI_VERSION:
                     raise RuntimeError(f"{path}: ABI {lib.ss_abi_version()} != {ABI_VERSION}")
-                _state["attention_isa"] = "avx512" if lib.ss_set_attention_avx512(int(_avx512_allowed())) else "avx2"
-                _state["linear_isa"] = "avx512" if lib.ss_set_linear_avx512(int(_avx512_allowed())) else "avx2"
+                for key in _TILE_SWITCHES:
+                    _switch_tiles(lib, key, True)
                 _state["path"] = str(path)
             except (RuntimeError, OSError, AttributeError) as e:
                 lib, reason = None, str(e)
@@ -219,27 +219,35 @@ def _avx512_allowed() -> bool:
     return os.environ.get(ENV_AVX512, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
-def set_attention_avx512(on: bool) -> str | None:
-    """Switch the attention's AVX-512 tiles on or off for this process (the results are bitwise
-    the same either way: a speed choice). ``SPARSESPEC_AVX512=0`` keeps them off. Returns
-    ``attention_isa()``."""
+#: the process-wide tile switches of the library: state key -> its C setter
+_TILE_SWITCHES = {"attention_isa": "ss_set_attention_avx512", "linear_isa": "ss_set_linear_avx512"}
+
+
+def _switch_tiles(lib: ctypes.CDLL, key: str, on: bool) -> str:
+    """Call ``key``'s setter (AVX-512 tiles on unless ``SPARSESPEC_AVX512=0``) and record what runs."""
+    _state[key] = "avx512" if getattr(lib, _TILE_SWITCHES[key])(int(bool(on) and _avx512_allowed())) else "avx2"
+    return _state[key]  # type: ignore[return-value]
+
+
+def _set_tiles(key: str, on: bool) -> str | None:
     lib = library()
     if lib is None:
         return None
     with _lock:
-        _state["attention_isa"] = "avx512" if lib.ss_set_attention_avx512(int(bool(on) and _avx512_allowed())) else "avx2"
-    return _state["attention_isa"]  # type: ignore[return-value]
+        return _switch_tiles(lib, key, on)
+
+
+def set_attention_avx512(on: bool) -> str | None:
+    """Switch the attention's AVX-512 tiles on or off for this process (the results are bitwise
+    the same either way: a speed choice). ``SPARSESPEC_AVX512=0`` keeps them off. Returns
+    ``attention_isa()``."""
+    return _set_tiles("attention_isa", on)
 
 
 def set_linear_avx512(on: bool) -> str | None:
     """The same switch for ``linear_packed``'s AVX-512 tile (12 rows x two panels; bitwise the AVX2
     tiles' results). Returns ``linear_isa()``."""
-    lib = library()
-    if lib is None:
-        return None
-    with _lock:
-        _state["linear_isa"] = "avx512" if lib.ss_set_linear_avx512(int(bool(on) and _avx512_allowed())) else "avx2"
-    return _state["linear_isa"]  # type: ignore[return-value]
+    return _set_tiles("linear_isa", on)
 
 
 def linear_isa() -> str | None:
