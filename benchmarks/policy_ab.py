@@ -70,14 +70,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads per arm replica")
     p.add_argument("--db", required=True)
     p.add_argument("--request-timeout-s", type=float, default=1800.0)
+    p.add_argument("--analyze-only", action="store_true",
+                   help="print the decisions from the rows already in --db (a previous run's) and start nothing")
     a = p.parse_args(argv)
+    if a.analyze_only:
+        return analyze(a.db, _ints(a.lengths), _ints(a.concurrencies))
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
     from ray import serve
     from transformers import AutoTokenizer
 
-    from cluster.results import aggregate as queries
     from cluster.results.store import open_store
     from cluster.serve import loadtest
     from cluster.serve.endpoint import build_app
@@ -115,27 +118,58 @@ def main(argv: list[str] | None = None) -> int:
                 if rc:
                     print(f"loadtest exited {rc}", file=sys.stderr)
             time.sleep(2.0)  # the request log flushes every 0.5 s
-            rows = open_store(a.db).serve_requests(exp)
-            print(f"\n=== decisions, concurrency {c} (stored rows of {exp})")
-            for r in queries.ab_arms(rows):
-                print(f"  {r['arm']:>13}: {r['requests']} requests, {r['errors']} errors, median TPOT "
-                      f"{1000 * (r['tpot_p50_s'] or float('nan')):.1f} ms, methods {r['method']}")
-            for base_arm in ("ar", "sparsespec-l"):
-                for d in queries.ab_decisions(rows, base_arm):
-                    print("  " + d["conclusion"])
-                    summary.append({"concurrency": c, **{k: d[k] for k in ("baseline", "treatment", "tpot_ratio",
-                                                                          "tpot_ratio_ci", "speedup",
-                                                                          "significant", "n_baseline",
-                                                                          "n_treatment")}})
-            chosen = Counter((r["stats"]["policy"]["bucket"]["context_length"],
-                              r["stats"]["policy"]["bucket"]["batch_size"], r["method"], r["stats"]["policy"]["k"])
-                             for r in rows if r.get("arm") == "policy" and (r.get("stats") or {}).get("policy"))
-            for (ctx, b, m, k), n in sorted(chosen.items()):
-                print(f"  policy chose {m} k={k} for bucket ctx={ctx} batch={b}: {n} request(s)")
+            summary += decisions(open_store(a.db).serve_requests(exp), c, lengths)
             serve.delete("policy-ab")
     finally:
         serve.shutdown()
         ray.shutdown()
+    print("\n" + json.dumps(summary, indent=1))
+    return 0
+
+
+def decisions(rows: list[dict], concurrency: int, lengths: list[int]) -> list[dict]:
+    """Print and return the decisions of one concurrency level's stored rows: over all requests,
+    then per prompt length (each request in the stratum of its nearest ``lengths`` value). A
+    median TPOT over a mix of short and long requests is the median of a two-humped
+    distribution (it jumps between the humps), so the per-length decisions carry the claim."""
+    from cluster.results import aggregate as queries
+
+    keys = ("baseline", "treatment", "tpot_ratio", "tpot_ratio_ci", "speedup", "significant", "n_baseline",
+            "n_treatment")
+    out = []
+    print(f"\n=== decisions, concurrency {concurrency} ({len(rows)} stored rows)")
+    for r in queries.ab_arms(rows):
+        print(f"  {r['arm']:>13}: {r['requests']} requests, {r['errors']} errors, median TPOT "
+              f"{1000 * (r['tpot_p50_s'] or float('nan')):.1f} ms, methods {r['method']}")
+    strata = [("all", rows)] + [
+        (L, [r for r in rows if r.get("prompt_tokens") is not None
+             and min(lengths, key=lambda x: abs(x - r["prompt_tokens"])) == L]) for L in lengths]
+    for label, rs in strata:
+        print(f"  -- prompts: {label}" + ("" if label == "all" else " tokens"))
+        if label != "all":
+            for r in queries.ab_arms(rs):
+                print(f"  {r['arm']:>13}: {r['requests']} requests, median TPOT "
+                      f"{1000 * (r['tpot_p50_s'] or float('nan')):.1f} ms")
+        for base_arm in ("ar", "sparsespec-l"):
+            for d in queries.ab_decisions(rs, base_arm):
+                print("    " + d["conclusion"])
+                out.append({"concurrency": concurrency, "prompts": label, **{k: d[k] for k in keys}})
+    chosen = Counter((r["stats"]["policy"]["bucket"]["context_length"],
+                      r["stats"]["policy"]["bucket"]["batch_size"], r["method"], r["stats"]["policy"]["k"])
+                     for r in rows if r.get("arm") == "policy" and (r.get("stats") or {}).get("policy"))
+    for (ctx, b, m, k), n in sorted(chosen.items()):
+        print(f"  policy chose {m} k={k} for bucket ctx={ctx} batch={b}: {n} request(s)")
+    return out
+
+
+def analyze(db: str, lengths: list[int], levels: list[int]) -> int:
+    """``decisions`` again from the rows a previous run stored (no server)."""
+    from cluster.results.store import open_store
+
+    summary = []
+    with open_store(db, create=False) as store:
+        for c in levels:
+            summary += decisions(store.serve_requests(f"policy-ab-c{c}"), c, lengths)
     print("\n" + json.dumps(summary, indent=1))
     return 0
 

@@ -13,6 +13,7 @@ from sparsespec.config import SamplingParams
 from sparsespec.engine import (Engine, EngineCore, GenerationOutput, RequestOutput, StreamEvent, methods,
                                options_class, parse_method_options, resolve_method_options)
 from sparsespec.provision import PRESETS, ModelNotAvailableError, load_tokenizer, model_max_context, resolve_model
+from sparsespec.registry import MethodUnavailable
 
 METHODS = tuple(methods())
 
@@ -24,6 +25,7 @@ __all__ = [
     "GenerationOutput",
     "METHODS",
     "PRESETS",
+    "MethodUnavailable",
     "ModelNotAvailableError",
     "load_tokenizer",
     "model_max_context",

@@ -10,6 +10,16 @@ T = TypeVar("T")
 AR = "ar"
 
 
+class MethodUnavailable(ValueError):
+    """A method cannot run on this target as provisioned here: the weights or the pair it needs
+    are missing (no EAGLE-3 head for the target, a draft model that is not provisioned or does
+    not share the target's tokenizer). The message says what is missing and how to get it.
+
+    A sweep records such a method as unavailable for the run (a row that says why) and runs the
+    others; any other error fails the shard.
+    """
+
+
 class Registry(Generic[T]):
     """A small name -> object registry; unknown names raise ``ValueError`` with a suggestion."""
 

@@ -22,8 +22,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["kv_bytes", "machine_desc", "max_speedup", "measure_machine", "roofline", "roofline_speedup",
-           "step_flops", "time_call", "weight_bytes", "x_roofline"]
+__all__ = ["geometry", "geometry_roofline", "kv_bytes", "machine_desc", "max_speedup", "measure_machine", "roofline",
+           "roofline_speedup", "step_flops", "time_call", "weight_bytes", "x_roofline"]
 
 
 # --------------------------------------------------------------------------- probes
@@ -114,17 +114,37 @@ def weight_bytes(model: Any) -> int:
 
 def kv_bytes(cfg: Any, element_size: int, batch: int, positions: float) -> float:
     """Bytes of K and V for ``positions`` cached tokens per row, every layer and KV head."""
-    return batch * cfg.num_layers * 2 * cfg.num_kv_heads * positions * cfg.head_dim * element_size
+    return _kv(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, element_size, batch, positions)
+
+
+def _kv(layers: int, kv_heads: int, head_dim: int, element_size: int, batch: float, positions: float) -> float:
+    return batch * layers * 2 * kv_heads * positions * head_dim * element_size
 
 
 def step_flops(model: Any, batch: int, tokens: int, keys: float) -> float:
     """Matmul FLOPs of one forward: ``tokens`` new tokens per row attending to ``keys`` keys."""
+    return _flops(geometry(model), batch, tokens, keys)
+
+
+def _flops(geom: Mapping[str, Any], batch: float, tokens: float, keys: float) -> float:
+    attn = 4 * geom["num_layers"] * geom["num_heads"] * geom["head_dim"] * keys
+    return 2.0 * batch * tokens * geom["linear_params"] + batch * tokens * attn
+
+
+def geometry(model: Any) -> dict[str, Any]:
+    """What a roofline needs of ``model``, as plain numbers (JSON; a store keeps it with a run so
+    a report derives floors without loading the weights): ``weight_bytes`` (``weight_bytes``),
+    ``linear_params`` (multiply-accumulates per token of the projections and the LM head),
+    ``num_layers``, ``num_heads``, ``num_kv_heads``, ``head_dim`` and ``element_size`` (bytes
+    of one K/V element)."""
     from sparsespec.quant import linear_weights, numel
 
     cfg = model.cfg
-    linear = sum(numel(w) for w in linear_weights(model))  # the projections and the LM head
-    attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * keys
-    return 2.0 * batch * tokens * linear + batch * tokens * attn
+    return {"weight_bytes": int(weight_bytes(model)),
+            "linear_params": int(sum(numel(w) for w in linear_weights(model))),
+            "num_layers": int(cfg.num_layers), "num_heads": int(cfg.num_heads),
+            "num_kv_heads": int(cfg.num_kv_heads), "head_dim": int(cfg.head_dim),
+            "element_size": int(model.embed.element_size())}
 
 
 def draft_weight_bytes(model: Any, weights: Any) -> int:
@@ -146,29 +166,41 @@ def roofline(model: Any, machine: Mapping[str, float], batch: int, tokens: int, 
     ``weight_nbytes`` the weight bytes the step reads (default ``weight_bytes(model)``; a
     quantised draft: ``draft_weight_bytes``).
     """
-    elt = model.embed.element_size()
-    wb = weight_bytes(model) if weight_nbytes is None else weight_nbytes
-    nbytes = wb + kv_bytes(model.cfg, elt, batch, kv_positions)
+    return geometry_roofline(geometry(model), machine, batch, tokens, kv_positions, attn_keys, weight_nbytes)
+
+
+def geometry_roofline(geom: Mapping[str, Any], machine: Mapping[str, float], batch: float, tokens: float,
+                      kv_positions: float, attn_keys: float | None = None,
+                      weight_nbytes: float | None = None) -> dict[str, float]:
+    """``roofline`` from a model's ``geometry`` (no weights needed); ``batch`` and ``tokens``
+    may be means (floats)."""
+    wb = geom["weight_bytes"] if weight_nbytes is None else weight_nbytes
+    nbytes = wb + _kv(geom["num_layers"], geom["num_kv_heads"], geom["head_dim"], geom["element_size"], batch,
+                      kv_positions)
     mem_s = nbytes / machine["read_bytes_per_s"]
     keys = kv_positions if attn_keys is None else attn_keys
-    comp_s = step_flops(model, batch, tokens, keys) / machine["gemm_flops_per_s"]
+    comp_s = _flops(geom, batch, tokens, keys) / machine["gemm_flops_per_s"]
     return {"bytes": nbytes, "mem_s": mem_s, "compute_s": comp_s, "roofline_s": max(mem_s, comp_s)}
 
 
 # --------------------------------------------------------------------------- speedups
 def roofline_speedup(tau: float | None, mean_k: float | None, ar_step_s: float | None,
-                     draft_step_s: float | None, verify_s: float | None) -> float | None:
+                     draft_step_s: float | None, verify_s: float | None, drafting_frac: float = 1.0) -> float | None:
     """Speedup of a draft/verify cycle over AR: ``tau * ar_step_s / (mean_k * draft_step_s + verify_s)``.
 
     ``tau``: tokens emitted per cycle (verify step); ``mean_k``: drafted tokens per cycle (draft
     forwards); ``ar_step_s``, ``draft_step_s`` (one draft forward), ``verify_s`` (one verify of
-    ``k + 1`` tokens): seconds. With the three steps at their roofline floors this is what the
-    roofline allows at the measured acceptance; with measured step times, what those times
-    predict. None when a term is unknown or the cycle costs nothing.
+    ``k + 1`` tokens): seconds. ``drafting_frac``: the fraction of steps that drafted (an
+    adaptive k may choose k = 0: such a step costs one AR step), so the mean step costs
+    ``f * (mean_k * draft_step_s + verify_s) + (1 - f) * ar_step_s``. With the steps at their
+    roofline floors this is what the roofline allows at the measured acceptance; with measured
+    step times, what those times predict. None when a term is unknown or the cycle costs nothing.
     """
     if tau is None or mean_k is None or ar_step_s is None or draft_step_s is None or verify_s is None:
         return None
-    cycle = mean_k * draft_step_s + verify_s
+    if not 0.0 <= drafting_frac <= 1.0:
+        raise ValueError(f"drafting_frac must be in [0, 1], got {drafting_frac}")
+    cycle = drafting_frac * (mean_k * draft_step_s + verify_s) + (1.0 - drafting_frac) * ar_step_s
     return tau * ar_step_s / cycle if cycle > 0 else None
 
 

@@ -98,7 +98,8 @@ def _args(argv):
     return p.parse_args(argv)
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "cpu_two_models.yaml", "paper_llama8b.yaml", "quant_four_way.yaml"])
+@pytest.mark.parametrize("name", ["demo.yaml", "cpu_two_models.yaml", "paper_llama8b.yaml", "quant_four_way.yaml",
+                                  "seed_table_cpu.yaml", "policy_crossover.yaml"])
 def test_shipped_configs_validate(name):
     spec = load_spec(ROOT / "configs" / name)
     assert spec.methods and list(spec.methods)[0] == "ar"

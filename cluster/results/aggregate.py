@@ -46,7 +46,24 @@ CELL_KEYS = ("benchmark", "task", "model", "quantize", "context_length", "batch_
              "draft_weights")
 
 
+#: The message prefix of the run event a sweep records once per (run, method) that could not run
+#: on the run's target here (``sparsespec.MethodUnavailable``); the event also carries ``method``
+#: and ``unavailable`` (why). ``unavailable_methods`` reads them back.
+UNAVAILABLE_EVENT = "method unavailable"
+
+
 # --------------------------------------------------------------------------- keys
+def unavailable_methods(runs: Iterable[Mapping[str, Any]]) -> dict[tuple[str, str], str]:
+    """``{(model, method): why}`` from the runs' ``UNAVAILABLE_EVENT`` events (the latest run's
+    reason when several runs of a model recorded one)."""
+    out: dict[tuple[str, str], str] = {}
+    for run in sorted(runs, key=lambda r: str(r.get("created_at") or "")):
+        for ev in run.get("events") or []:
+            if str(ev.get("message", "")).startswith(UNAVAILABLE_EVENT) and ev.get("method"):
+                out[(str(run.get("model")), str(ev["method"]))] = str(ev.get("unavailable") or ev["message"])
+    return out
+
+
 def twin_key(config: Mapping[str, Any] | None) -> str | None:
     """The identity a run shares with its twin on the other target: a digest of its config
     without ``quantize`` (two runs of one sweep that differ only in the target's weights)."""
@@ -93,6 +110,12 @@ def variant(method: str, k: int | str | None, draft_weights: str | None = None, 
     if draft_weights not in (None, "target") and method != AR:
         label = f"{label} {draft_weights}-draft"
     return label if quantize in (None, "none") else f"{label} [{quantize} target]"
+
+
+def cell_key(r: Mapping[str, Any], by: Sequence[str]) -> tuple:
+    """A result row's values of the keys ``by`` as ``cell_table`` groups them (``k`` from its
+    stats, ``draft_weights``, ``batch_size`` and ``quantize`` with their defaults)."""
+    return _cell_key(r, by)
 
 
 def _cell_key(r: Mapping[str, Any], by: Sequence[str]) -> tuple:

@@ -37,6 +37,10 @@ interval, a file the Serve ``policy`` arm reads (``--policy-out``) and vLLM's eq
 ``--speculative-config`` (``--vllm-out``):
 
     python -m cluster.results.report --policy --db URL --policy-out policy.json --vllm-out vllm_spec.json
+
+``--seed-table`` prints the seed's five-row table in kind (``cluster.results.seed_table``): ar, a
+draft model, MagicDec-SnapKV, EAGLE-3 and SparseSpec-L per target, context and batch, with the
+ledger and roofline S and the seed's figures beside them.
 """
 from __future__ import annotations
 
@@ -234,6 +238,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--four-way", action="store_true",
                    help="the quantisation x speculation table: full-precision ar (baseline), ar on the int8 target, "
                         "each method on each target (needs runs with quantize: [none, int8])")
+    p.add_argument("--seed-table", action="store_true",
+                   help="the seed's five-row table in kind (cluster.results.seed_table): per target, context and "
+                        "batch: ar, draft-model, magicdec-snapkv, eagle3, sparsespec-l (k auto and each fixed k) "
+                        "with alpha, mean k, gamma, speedup, the ledger and roofline S and the seed's figures; a "
+                        "method that could not run is a row saying why")
     p.add_argument("--policy", action="store_true",
                    help="the crossover map as a speculation policy: per model and (context, batch) bucket the "
                         "fastest lossless method and k (k=0: off) with its speedup and interval, and vLLM's "
@@ -254,6 +263,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--policy-out, --vllm-out and --min-pairs need --policy")
     if args.policy and (args.leaderboard or args.four_way):
         p.error("--policy is its own output: leave out --leaderboard / --four-way")
+    if args.seed_table and (args.policy or args.leaderboard or args.four_way):
+        p.error("--seed-table is its own output: leave out --policy / --leaderboard / --four-way")
+    if args.seed_table:
+        return _seed_table_main(args)
     if args.policy:
         return _policy_main(args, p)
     if args.leaderboard and args.four_way:
@@ -311,6 +324,32 @@ def _policy_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             Path(path).write_text(text)
             print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def seed_table_rows(db_url: str, run_ids: str | Iterable[str] | None = None) -> list[dict[str, Any]]:
+    """``cluster.results.seed_table.seed_table`` over the store (the given runs, default all)."""
+    from cluster.results import aggregate as queries
+    from cluster.results.seed_table import seed_table
+
+    with open_store(db_url, create=False) as store:
+        wanted = None if run_ids is None else set([run_ids] if isinstance(run_ids, str) else run_ids)
+        runs = [r for r in store.runs() if wanted is None or r["run_id"] in wanted]
+        return seed_table(queries.with_run_fields(store.results(run_ids=run_ids), runs), runs)
+
+
+def _seed_table_main(args: argparse.Namespace) -> int:
+    from cluster.results.seed_table import format_seed_table
+
+    try:
+        rows = seed_table_rows(args.db, args.runs)
+    except StoreError as e:
+        return cli_error(e)
+    if not rows:
+        print(f"error: no results in {safe_url(args.db)}; run a sweep first (e.g. python -m cluster.sweep "
+              f"configs/seed_table_cpu.yaml)", file=sys.stderr)
+        return 1
+    print(json.dumps(rows, indent=2, default=str) if args.json else format_seed_table(rows), end="" if not args.json else "\n")
     return 0
 
 

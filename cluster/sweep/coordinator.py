@@ -26,7 +26,7 @@ import logging
 import os
 import sys
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -225,11 +225,17 @@ def lossless_check(ar_tokens: Sequence[int] | None, tokens: Sequence[int], stats
     return False, div
 
 
-def result_rows(shard: Shard, outs: Sequence[Mapping[str, Any]], scorer: Scorer) -> list[dict[str, Any]]:
+def result_rows(shard: Shard, outs: Sequence[Mapping[str, Any]], scorer: Scorer,
+                unavailable: Iterable[str] = ()) -> list[dict[str, Any]]:
     """The store's result rows for a finished shard: scored, AR-checked (losslessness vs the AR
-    row of the same sample in the same batch). Raises ValueError if rows are missing or the
-    scorer fails."""
-    expected = {(s.sample_id, m) for s in shard.samples for m in shard.methods}
+    row of the same sample in the same batch). ``unavailable``: methods of the shard the worker
+    could not run (no rows expected; never ``ar``). Raises ValueError if rows are missing, a
+    method is unknown to the shard or the scorer fails."""
+    skipped = set(unavailable)
+    if AR in skipped or not skipped <= set(shard.methods):
+        raise ValueError(f"{shard.describe()}: the worker reported methods {sorted(skipped)} as unavailable "
+                         f"(the shard runs {list(shard.methods)}; ar must run)")
+    expected = {(s.sample_id, m) for s in shard.samples for m in shard.methods if m not in skipped}
     got = {(o["sample_id"], o["method"]) for o in outs}
     if got != expected or len(outs) != len(expected):
         raise ValueError(f"{shard.describe()}: the worker returned {len(outs)} rows, expected {len(expected)} "
@@ -259,8 +265,9 @@ def result_rows(shard: Shard, outs: Sequence[Mapping[str, Any]], scorer: Scorer)
     return rows
 
 
-def shard_summary(shard: Shard, rows: Sequence[Mapping[str, Any]]) -> str:
-    """One line per completed shard: batch speedup, acceptance and losslessness per method."""
+def shard_summary(shard: Shard, rows: Sequence[Mapping[str, Any]], unavailable: Iterable[str] = ()) -> str:
+    """One line per completed shard: batch speedup, acceptance and losslessness per method (and
+    the methods that could not run)."""
     from sparsespec.stats import batch_tpot, derive, pool
 
     by_m: dict[str, list[Mapping[str, Any]]] = {}
@@ -282,7 +289,7 @@ def shard_summary(shard: Shard, rows: Sequence[Mapping[str, Any]]) -> str:
         sp = f"{t_ar / t:.2f}x" if (t and t_ar) else "-"
         alpha = f"{d['alpha']:.2f}" if d["alpha"] is not None else "-"
         parts.append(f"{m} {sp} alpha {alpha} lossless {sum(ok)}/{len(ok)}")
-    return f"{shard.key} B={len(shard.samples)}: " + ", ".join(parts)
+    return f"{shard.key} B={len(shard.samples)}: " + ", ".join(parts + [f"{m} unavailable" for m in unavailable])
 
 
 # --------------------------------------------------------------------------- events
@@ -305,12 +312,15 @@ class ShardStarted:
 
 @dataclass(frozen=True)
 class ShardDone:
-    """A shard's scored, AR-checked result rows (``result_rows``), its wall time and worker."""
+    """A shard's scored, AR-checked result rows (``result_rows``), its wall time and worker;
+    ``unavailable``: the shard's methods that cannot run on this target here, and why
+    (``sparsespec.MethodUnavailable``: no rows for them)."""
 
     shard: Shard
     rows: list[dict[str, Any]]
     wall_s: float | None
     worker: Any
+    unavailable: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -399,7 +409,8 @@ def _run_shards(shards: Sequence[Shard], *, plan: WorkerPlan, dtype: str, scorer
                 slot, shard, failures = in_flight.pop(ready[0])
                 try:
                     res = ray.get(ready[0])
-                    rows = result_rows(shard, res["rows"], scorers[shard.benchmark])
+                    unavailable = dict(res.get("unavailable") or {})
+                    rows = result_rows(shard, res["rows"], scorers[shard.benchmark], unavailable)
                 except death as e:
                     outcome.worker_deaths += 1
                     err = f"worker died (attempt {failures + 1}): {_short_error(e)}"
@@ -433,10 +444,10 @@ def _run_shards(shards: Sequence[Shard], *, plan: WorkerPlan, dtype: str, scorer
                         queue.append((shard, failures + 1))
                     submit(slot)
                     continue
-                emit(ShardDone(shard, rows, res.get("wall_s"), res.get("worker")))
+                emit(ShardDone(shard, rows, res.get("wall_s"), res.get("worker"), unavailable))
                 outcome.done.append(shard.key)
                 samples_done += len(shard.samples)
-                _log(bar, shard_summary(shard, rows))
+                _log(bar, shard_summary(shard, rows, unavailable))
                 _advance(bar, samples_done)
                 submit(slot)
         except BaseException:

@@ -110,15 +110,17 @@ def _check_batch(samples: Sequence[Sample], where: str) -> None:
         raise ValueError(f"{where}: duplicate (task, sample_id) {dup}")
 
 
-def plan_cells(spec: SweepSpec, method_options: Mapping[str, Mapping[str, Any]],
+def plan_cells(spec: SweepSpec,
+               method_options: Mapping[str, Mapping[str, Any]] | Sequence[Mapping[str, Mapping[str, Any]]],
                tokenizer_info: TokenizerInfo = default_tokenizer_info) -> list[Cell]:
     """Every cell of the sweep, samples built (once per model, benchmark and context length).
 
-    ``method_options``: the resolved options (``cluster.sweep.schema.check_methods``). Raises ValueError
-    (bad task, context length over a model's window, ...) naming the benchmark and model.
+    ``method_options``: the resolved options (``cluster.sweep.schema.check_methods``), or a list
+    of such method sets (``check_method_sets``: a cell per set). Raises ValueError (bad task,
+    context length over a model's window, ...) naming the benchmark and model.
     """
     cells: list[Cell] = []
-    methods = list(spec.methods)
+    method_sets = [method_options] if isinstance(method_options, Mapping) else list(method_options)
     sampling = spec.sampling.model_dump(mode="json")
     for model in spec.models:
         tokenizer, window = tokenizer_info(model)
@@ -144,10 +146,11 @@ def plan_cells(spec: SweepSpec, method_options: Mapping[str, Mapping[str, Any]],
                 digest = samples_digest(samples)
                 for q in spec.quantize:
                     for B in (b.batch_sizes if b.batch_sizes is not None else spec.batch_sizes):
-                        for rep in range(spec.repetitions):
+                        for rep, opts in ((r, o) for r in range(spec.repetitions) for o in method_sets):
+                            methods = list(opts) if len(method_sets) > 1 else list(spec.methods)
                             config = {
                                 "benchmark": b.name, "model": model, "dtype": spec.dtype, "methods": methods,
-                                "method_options": {m: dict(method_options.get(m, {})) for m in methods},
+                                "method_options": {m: dict(opts.get(m, {})) for m in methods},
                                 "sampling": sampling, "context_length": L, "batch_size": B, "repetition": rep,
                                 "tasks": list(b.tasks) if b.tasks else None, "num_samples": b.num_samples,
                                 "options": dict(b.options), "num_built": len(samples), "samples_sha256": digest,

@@ -27,11 +27,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.results.aggregate import UNAVAILABLE_EVENT
 from cluster.results.store import Store, StoreError, open_store, safe_url
 from cluster.sweep.coordinator import (ShardDone, ShardEvent, ShardFailed, ShardStarted, WorkersReady, WorkerStartError,
                                        plan_workers, ray_session, run_shards)
 from cluster.sweep.plan import Cell, Shard, TokenizerInfo, default_tokenizer_info, plan_cells, plan_shards
-from cluster.sweep.schema import SpecError, SweepSpec, check_benchmarks, check_methods, load_spec
+from cluster.sweep.schema import SpecError, SweepSpec, check_benchmarks, check_method_sets, load_spec
 from cluster.sweep.worker import EngineFactory
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class SweepResult:
 
 def plan(spec: SweepSpec, tokenizer_info: TokenizerInfo = default_tokenizer_info) -> tuple[list[Cell], list[Shard]]:
     """Cells and shards of ``spec`` (deterministic). Raises SpecError."""
-    options = check_methods(spec)
+    options = check_method_sets(spec)
     check_benchmarks(spec)
     try:
         cells = plan_cells(spec, options, tokenizer_info)
@@ -76,6 +77,7 @@ class SweepRecorder:
     store: Store
     cells: Sequence[Cell]
     prov: dict[str, Any] = field(default_factory=dict)
+    _unavailable_logged: set[tuple[str, str]] = field(default_factory=set, repr=False)
 
     def start_runs(self) -> set[str]:
         """Start or resume every cell's run (shards a dead driver left ``running`` go back to
@@ -101,6 +103,11 @@ class SweepRecorder:
         elif isinstance(event, ShardDone):
             st.complete_shard(event.shard.run_id, event.shard.key, event.rows, wall_s=event.wall_s,
                               worker=event.worker)
+            for method, why in sorted(event.unavailable.items()):
+                if (event.shard.run_id, method) not in self._unavailable_logged:
+                    self._unavailable_logged.add((event.shard.run_id, method))
+                    st.record_event(event.shard.run_id, f"{UNAVAILABLE_EVENT}: {method}: {why}",
+                                    method=method, unavailable=why, shard=event.shard.key)
         elif isinstance(event, ShardFailed):
             st.fail_shard(event.shard.run_id, event.shard.key, event.error, final=event.final)
             if event.note is not None:

@@ -11,6 +11,8 @@ Schema (every key except ``name``, ``models`` and ``benchmarks`` is optional; se
     device: auto                      # auto (GPU workers when the cluster has GPUs) | cpu | cuda
     methods:                          # method -> options; "ar" is always run (the reference)
       sparsespec-l: {k: auto}
+      magicdec-snapkv: [{k: 2}, {k: 4}]   # a list: variants; the first runs with the other methods,
+                                          # each further one in a run of its own beside ar
     batch_sizes: [1, 4]               # samples decoded together in one engine batch
     context_lengths: [4096]           # tokens (prompt + generation budget); null = the benchmark's default
     benchmarks:
@@ -140,6 +142,9 @@ class SweepSpec(_Frozen):
     quantize: tuple[Literal["none", "int8"], ...] = ("none",)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     methods: dict[str, dict[str, Any]] = Field(default_factory=lambda: {"sparsespec-l": {}})
+    #: a method's further option sets (from a list under ``methods``: its first set stays in
+    #: ``methods``); each runs as its own run with ``ar`` (``method_sets``)
+    method_variants: dict[str, tuple[dict[str, Any], ...]] = Field(default_factory=dict)
     batch_sizes: tuple[int, ...] = (1,)
     context_lengths: tuple[int | None, ...] = (None,)
     benchmarks: tuple[BenchmarkSpec, ...] = Field(min_length=1)
@@ -180,6 +185,37 @@ class SweepSpec(_Frozen):
             if len(set(v)) != len(v):
                 raise ValueError(f"duplicate quantize values in {list(v)}")
         return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _split_variants(cls, data: Any) -> Any:
+        """``methods: {m: [opts1, opts2, ...]}``: ``opts1`` stays in ``methods``, the rest go to
+        ``method_variants``."""
+        if not isinstance(data, Mapping) or not isinstance(data.get("methods"), Mapping):
+            return data
+        listed = any(isinstance(o, (list, tuple)) for o in data["methods"].values())
+        if "method_variants" in data:  # a resolved spec (``resolved()``) reads back as it is
+            if listed:
+                raise ValueError("method_variants is filled from list-valued methods: give the option sets "
+                                 "as `methods: {method: [{...}, {...}]}` only")
+            return data
+        methods, variants = {}, {}
+        for m, opts in data["methods"].items():
+            if isinstance(opts, (list, tuple)):
+                if not opts:
+                    raise ValueError(f"method {m!r}: an empty list of option sets")
+                sets = [{} if o is None else o for o in opts]
+                bad = [o for o in sets if not isinstance(o, Mapping)]
+                if bad:
+                    raise ValueError(f"options of method {m!r} must be mappings, got {bad[0]!r}")
+                if m == AR and (len(sets) > 1 or sets[0]):
+                    raise ValueError("method 'ar' takes no options")
+                methods[m] = dict(sets[0])
+                if len(sets) > 1:
+                    variants[m] = [dict(o) for o in sets[1:]]
+            else:
+                methods[m] = opts
+        return {**data, "methods": methods, "method_variants": variants}
 
     @field_validator("methods", mode="before")
     @classmethod
@@ -238,6 +274,29 @@ class SweepSpec(_Frozen):
     def resolved(self) -> dict[str, Any]:
         """The spec as plain JSON (every default filled in): what is stored with each run."""
         return self.model_dump(mode="json")
+
+
+def check_method_sets(spec: SweepSpec) -> list[dict[str, dict[str, Any]]]:
+    """The sets of methods the sweep runs, each a run per cell, options resolved
+    (``check_methods``): every method with its first options, then ``{ar, method: variant}``
+    for each further variant (``method_variants``). Raises SpecError (an unknown method, bad
+    options, a variant that resolves to options already listed)."""
+    import sparsespec
+
+    base = check_methods(spec)
+    sets = [base]
+    for m, variants in spec.method_variants.items():
+        seen = [base[m]]
+        for v in variants:
+            try:
+                opts = sparsespec.resolve_method_options(m, dict(v))
+            except ValueError as e:
+                raise SpecError(str(e)) from None
+            if opts in seen:
+                raise SpecError(f"method {m!r} lists the options {dict(v)} twice (resolved: {opts})")
+            seen.append(opts)
+            sets.append({AR: {}, m: opts})
+    return sets
 
 
 def check_methods(spec: SweepSpec) -> dict[str, dict[str, Any]]:
@@ -333,4 +392,4 @@ def apply_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> di
 
 
 __all__ = ["AR", "BenchmarkSpec", "SamplingSpec", "SpecError", "SweepSpec", "WorkersSpec", "apply_overrides",
-           "check_benchmarks", "check_methods", "load_spec", "parse_spec"]
+           "check_benchmarks", "check_method_sets", "check_methods", "load_spec", "parse_spec"]

@@ -38,6 +38,7 @@ from typing import Any
 import ray
 
 from cluster.sweep.plan import Shard, method_order
+from sparsespec.registry import AR, MethodUnavailable
 
 EngineFactory = Callable[[str, str, str], Any]  # (model, dtype, device) -> engine
 
@@ -122,7 +123,20 @@ class EngineWorker:
         if quantize != "none":  # a quantised target: every method of this worker runs on it
             self.engine.quantize(quantize)
         self.load_s = time.perf_counter() - t0
+        self.machine = self._measure_machine()
         self._warmed: set[tuple[str, int]] = set()
+        self._unavailable: dict[str, str] = {}  # method -> why it cannot run on this target here
+
+    def _measure_machine(self) -> dict[str, float] | None:
+        """Read bandwidth and GEMM rate measured once, after the load (``sparsespec.roofline``):
+        with the model's geometry (``ping``), what a report derives each step's floor from.
+        None for an engine without a model (test doubles)."""
+        model = getattr(self.engine, "model", None)
+        if model is None or not hasattr(model, "cfg"):
+            return None
+        from sparsespec.roofline import measure_machine
+
+        return measure_machine(str(model.device), model.dtype)
 
     def ping(self) -> dict[str, Any]:
         """Host, device and thread information for the run's provenance (proves the load)."""
@@ -137,7 +151,13 @@ class EngineWorker:
             "torch_interop_threads": torch.get_num_interop_threads(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         }
-        plan = getattr(getattr(self.engine, "model", None), "kernel_plan", None)
+        model = getattr(self.engine, "model", None)
+        if self.machine is not None:  # the roofline's inputs: this machine, now, and the target's geometry
+            from sparsespec.roofline import geometry
+
+            info["machine"] = dict(self.machine)
+            info["geometry"] = geometry(model)
+        plan = getattr(model, "kernel_plan", None)
         if plan is not None:  # which kernel runs each op, chosen on this machine (sparsespec.kernels.plan)
             info["kernels"] = plan.describe()
             info["kernels_summary"] = plan.summary()
@@ -158,7 +178,7 @@ class EngineWorker:
         opts = dict(shard.method_options.get(method, {}) or {})
         window = max(len(p) for p in prompts) + max(
             int(max_new_tokens or s.max_new_tokens) for s in shard.samples)
-        core = self.engine.core(method, None if method == "ar" else opts, max_num_seqs=len(prompts),
+        core = self.engine.core(method, None if method == AR else opts, max_num_seqs=len(prompts),
                                 max_model_len=min(window, self.engine.max_context), own_clock=own_clock)
         seed = shard.sampling.get("seed")
         for i, (sample, prompt) in enumerate(zip(shard.samples, prompts)):
@@ -210,16 +230,32 @@ class EngineWorker:
         self._run_batch(shard, method, prompts, min(WARMUP_TOKENS, min(s.max_new_tokens for s in shard.samples)))
         self._warmed.add(key)
 
+    def available(self, shard: Shard) -> tuple[list[str], dict[str, str]]:
+        """The shard's methods that run here (each warmed up) and, for the others, why not: a
+        method whose weights or pair are missing on this target (``sparsespec.MethodUnavailable``,
+        remembered for the actor's life) is left out; any other error propagates."""
+        for method in shard.methods:
+            if method in self._unavailable:
+                continue
+            try:
+                self.warm_up(shard, method)
+            except MethodUnavailable as e:
+                if method == AR:  # the reference must run
+                    raise
+                self._unavailable[method] = str(e)
+        unavailable = {m: self._unavailable[m] for m in shard.methods if m in self._unavailable}
+        return [m for m in shard.methods if m not in unavailable], unavailable
+
     def run_shard(self, shard: Shard) -> dict[str, Any]:
-        """Run the shard's batch with every method; ``{"rows": [...], "worker": {...}, "wall_s"}``
-        with one plain dict per (sample, method)."""
+        """Run the shard's batch with every method that can run on this target;
+        ``{"rows": [...], "unavailable": {method: why}, "worker": {...}, "wall_s"}`` with one
+        plain dict per (sample, method that ran)."""
         t_shard = time.perf_counter()
         for s in shard.samples:
             if s.task != shard.task:
                 raise ValueError(f"{shard.describe()}: sample {s.sample_id} has task {s.task!r}")
-        for method in shard.methods:
-            self.warm_up(shard, method)
-        order = method_order(shard.methods, shard.batch_index)
+        methods, unavailable = self.available(shard)
+        order = method_order(methods, shard.batch_index)
         prompts = [s.prompt_ids for s in shard.samples]
         if self.schedule == "step":
             results = self._run_stepwise(shard, order, prompts)
@@ -238,7 +274,7 @@ class EngineWorker:
                 rows.append({"task": sample.task, "sample_id": sample.sample_id, "method": method,
                              "token_ids": [int(t) for t in res.token_ids], "text": str(res.text),
                              "finish_reason": res.finish_reason, "stats": stats})
-        return {"rows": rows, "wall_s": time.perf_counter() - t_shard,
+        return {"rows": rows, "unavailable": unavailable, "wall_s": time.perf_counter() - t_shard,
                 "worker": {"pid": pid, "hostname": socket.gethostname()}}
 
     def pid(self) -> int:

@@ -43,8 +43,8 @@ from sparsespec.config import SpecOptions
 from sparsespec.drafters.base import Draft, draft_loop, empty_draft
 from sparsespec.kv.cache import KVCache
 from sparsespec.model import Transformer
-from sparsespec.provision import resolve_model
-from sparsespec.registry import DRAFTERS
+from sparsespec.provision import ModelNotAvailableError, resolve_model
+from sparsespec.registry import DRAFTERS, MethodUnavailable
 from sparsespec.sampling import BatchSampling
 
 # (folder, dtype, device) -> loaded draft model; repeated generate calls reuse it
@@ -117,19 +117,22 @@ class DraftModelDrafter:
     draft_cost_prior = 0.3  # the cost controller's prior for C_d / C_v(B, 1, N): a smaller model's forward
 
     def __init__(self, model: Transformer, spec: DraftModelOptions, capacity: int, batch_size: int, max_k: int):
-        folder = resolve_model(spec.draft_model)
+        try:
+            folder = resolve_model(spec.draft_model)
+        except ModelNotAvailableError as e:
+            raise MethodUnavailable(f"draft model {spec.draft_model!r} is not available here: {e}") from None
         same = model.source_folder is not None and Path(folder).resolve() == Path(model.source_folder).resolve()
         self.draft = model if same else load_draft_model(folder, model.dtype, model.device)
         dcfg = self.draft.cfg
         if dcfg.vocab_size != model.cfg.vocab_size:
-            raise ValueError(
+            raise MethodUnavailable(
                 f"tokenizer mismatch between the target {model.source_folder} and the draft model "
                 f"{spec.draft_model!r} ({folder}): vocab_size {model.cfg.vocab_size} vs {dcfg.vocab_size}"
             )
         if model.source_folder is not None:  # a model built in memory has no tokenizer to compare
             why = _tokenizer_mismatch(model.source_folder, folder)
             if why is not None:
-                raise ValueError(
+                raise MethodUnavailable(
                     f"tokenizer mismatch between the target {model.source_folder} and the draft model "
                     f"{spec.draft_model!r} ({folder}): {why}"
                 )

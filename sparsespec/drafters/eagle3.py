@@ -37,7 +37,7 @@ from sparsespec.drafters.base import Draft, draft_loop, empty_draft
 from sparsespec.eagle3_head import Eagle3Head
 from sparsespec.kv.cache import KVCache
 from sparsespec.model import Transformer
-from sparsespec.registry import DRAFTERS
+from sparsespec.registry import DRAFTERS, MethodUnavailable
 from sparsespec.sampling import BatchSampling
 
 # (head folder, target folder or id, dtype, device) -> loaded head
@@ -65,7 +65,7 @@ def resolve_head(model: Transformer, draft_model: str | None) -> Path:
                              "built in memory")
         folder = trained_head_dir(Path(model.source_folder).name)
         if not (folder / "config.json").is_file():
-            raise ValueError(f"no EAGLE-3 head for {Path(model.source_folder).name} at {folder}; train one with "
+            raise MethodUnavailable(f"no EAGLE-3 head for {Path(model.source_folder).name} at {folder}; train one with "
                              f"`python -m sparsespec.train_eagle3 --model {Path(model.source_folder).name}` or pass "
                              f"method_options={{'draft_model': <head folder or hub id>}}")
         return folder
@@ -79,7 +79,7 @@ def resolve_head(model: Transformer, draft_model: str | None) -> Path:
 
         return Path(snapshot_download(draft_model, allow_patterns=["*.json", "*.safetensors", "*.bin"]))
     except Exception as e:  # noqa: BLE001 - offline, unknown repo, auth: all mean "not available"
-        raise ValueError(f"EAGLE-3 head {draft_model!r} is not a local folder and could not be fetched from the "
+        raise MethodUnavailable(f"EAGLE-3 head {draft_model!r} is not a local folder and could not be fetched from the "
                          f"hub ({type(e).__name__}: {e})") from None
 
 
