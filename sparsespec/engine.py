@@ -28,7 +28,7 @@ from sparsespec.config import MethodOptions, SamplingParams, SpecOptions
 from sparsespec.drafters.base import Draft, empty_draft
 from sparsespec.kv.cache import KVCache
 from sparsespec.kv.index import RowsTarget
-from sparsespec.model import Transformer
+from sparsespec.model import Transformer, prefill_chunks
 from sparsespec.provision import resolve_model
 from sparsespec.registry import AR, DRAFTERS
 from sparsespec.rejection import greedy_verify_batch, rejection_sample
@@ -137,6 +137,23 @@ class _Request:
 
 
 @dataclass
+class _Prefill:
+    """A request being prefilled, chunk by chunk, in the slot past the running rows (it joins
+    them when its last chunk is done). ``bounds``: its chunks (``sparsespec.model.prefill_chunks``);
+    ``seconds``: its own prefill time so far (its chunks, not the steps between them)."""
+
+    req: _Request
+    prompt: torch.Tensor  # [1, P]
+    bounds: list[tuple[int, int]]
+    want_rows: int
+    done: int = 0
+    seconds: float = 0.0
+    logits: torch.Tensor | None = None  # [1, 1, V] of the last chunk
+    rows: torch.Tensor | None = None  # [L, 1, H_kv, W, P]
+    feats: list[torch.Tensor] = field(default_factory=list)  # [1, chunk, n E] each (eagle3)
+
+
+@dataclass
 class _Step:
     """What the phases of one decode step hand each other (B running rows)."""
 
@@ -169,6 +186,13 @@ class EngineCore:
         max_model_len: positions per slot (prompt + generated tokens must fit); default the
             model's window.
         prefill_chunk: prefill chunk size in tokens (attention memory O(chunk x prompt)).
+        enable_chunked_prefill: while rows are decoding, a step prefills at most one chunk of
+            a waiting request before its decode round (vLLM's chunked prefill), so a long prompt
+            that arrives delays the running rows by a chunk per step instead of by its whole
+            prefill; when nothing is decoding, prompts are prefilled whole. Off: every step
+            first prefills the waiting requests that fit, whole (a batch's rows then start
+            decoding together, as the sweeps' paired batches want). Either way each prompt
+            goes through the same chunks, so its KV and first token are the same.
         own_clock: time requests on the core's own clock (``sparsespec.stats.StepClock``: the
             time between this core's steps is left out), for a caller that steps several cores
             in turn on one device; ``step_clock.busy_s`` is then the core's own wall time.
@@ -180,7 +204,7 @@ class EngineCore:
 
     def __init__(self, engine: Engine, method: str = "sparsespec-l", method_options: dict[str, Any] | None = None,
                  max_num_seqs: int = 8, max_model_len: int | None = None, prefill_chunk: int = 512,
-                 own_clock: bool = False):
+                 own_clock: bool = False, enable_chunked_prefill: bool = False):
         drafter_cls = DRAFTERS.get(method)
         if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
@@ -192,7 +216,10 @@ class EngineCore:
         spec = drafter_cls.options.from_options(method, method_options)
         self.spec: SpecOptions | None = spec if isinstance(spec, SpecOptions) else None  # None: ar
         self.k_max = 0 if self.spec is None else self.spec.k_limit
+        if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
         self.max_num_seqs, self.max_model_len, self.prefill_chunk = max_num_seqs, window, prefill_chunk
+        self.enable_chunked_prefill = bool(enable_chunked_prefill)
         m = self.model
         # a row shorter than the batch's draft is padded to it in the verify forward: room for K+1 more
         capacity = window + self.k_max + 1
@@ -217,6 +244,7 @@ class EngineCore:
             self.clock = self.step_clock
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []  # running[slot]
+        self.prefilling: _Prefill | None = None  # in slot >= len(running) until its last chunk
         self._ids: set[str] = set()
         self.num_steps = 0
 
@@ -327,6 +355,11 @@ class EngineCore:
                 self.waiting.remove(req)
                 self._ids.discard(request_id)
                 return
+        if self.prefilling is not None and self.prefilling.req.request_id == request_id:
+            self.cache.lengths[self.prefilling.req.slot] = 0
+            self.prefilling = None
+            self._ids.discard(request_id)
+            return
         for req in self.running:
             if req.request_id == request_id:
                 req.finish_reason = "abort"
@@ -334,10 +367,10 @@ class EngineCore:
                 return
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilling)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + (self.prefilling is not None)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
@@ -357,33 +390,72 @@ class EngineCore:
 
     # phase: admit + prefill ----------------------------------------------------
     def _prefill_new(self) -> list[RequestOutput]:
-        outputs = []
-        m, dev = self.model, self.model.device
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            req = self.waiting.popleft()
-            req.slot = len(self.running)
-            self.running.append(req)
-            t0 = self.clock()
-            self.cache.lengths[req.slot] = 0
-            view = self.cache.row(req.slot)
-            prompt = torch.tensor([req.prompt], dtype=torch.long, device=dev)  # [1, P]
-            logits, imp, feats = m.prefill_features(prompt, view, chunk_size=self.prefill_chunk,
-                                                    want_rows=self.drafter.want_rows_prefill,
-                                                    hidden_layers=self.want_hidden)  # [1, V], [L, 1, H_kv, W, P]
-            self.cache.lengths[req.slot] = view.lengths[0]
-            logits = _min_tokens_mask(logits[:, None], [req], [0])[:, 0]
-            first = int(BatchSampling([req.params], [req.generator]).sample(logits)[0])  # SYNC: first token
-            extra = {"hidden": feats} if self.want_hidden else {}  # [1, P, n E] features (eagle3)
-            self.drafter.prefill_row(req.slot, self.cache, imp, req.prompt, **extra)  # a draft model's prefill: TTFT
-            now = self.clock()
-            req.stats.prefill_s = now - t0
-            req.stats.ttft_s = now - req.arrival_s
-            req.stats.emit_times.append(req.stats.ttft_s)
-            kept, _ = self._append(req, [first])
-            outputs.append(self._output(req, kept))
+        """Prefill waiting requests into free slots, chunk by chunk; with chunked prefill and
+        rows decoding, at most one chunk this step."""
+        outputs: list[RequestOutput] = []
+        chunks = 0
+        while not (self.enable_chunked_prefill and self.running and chunks >= 1):
+            if self.prefilling is None:
+                if not self.waiting or len(self.running) >= self.max_num_seqs:
+                    break
+                self.prefilling = self._start_prefill(self.waiting.popleft())
+            pf = self.prefilling
+            self._prefill_chunk(pf)
+            chunks += 1
+            if pf.done == len(pf.bounds):
+                self.prefilling = None
+                self._finish_prefill(pf, outputs)
         for req in [r for r in self.running if r.finish_reason is not None]:
             self._finalize(req, outputs)
         return outputs
+
+    def _start_prefill(self, req: _Request) -> _Prefill:
+        """Stage ``req`` in the first slot past the running rows."""
+        req.slot = len(self.running)
+        self.cache.lengths[req.slot] = 0
+        P = len(req.prompt)
+        want = min(self.drafter.want_rows_prefill, P)
+        prompt = torch.tensor([req.prompt], dtype=torch.long, device=self.model.device)  # [1, P]
+        return _Prefill(req, prompt, prefill_chunks(P, self.prefill_chunk, want), want)
+
+    def _prefill_chunk(self, pf: _Prefill) -> None:
+        """The next chunk of ``pf`` into its slot (``Transformer.prefill_features``, one chunk)."""
+        t0 = self.clock()
+        s, e = pf.bounds[pf.done]
+        last = pf.done == len(pf.bounds) - 1
+        view = self.cache.row(pf.req.slot)
+        logits, rows, feats = self.model.forward_dense_features(
+            pf.prompt[:, s:e], view, self.want_hidden, want_rows=pf.want_rows if last else 0,
+            logits_for="last")  # [1, 1, V], [L, 1, H_kv, W, P] on the last chunk
+        self.cache.lengths[pf.req.slot] = view.lengths[0]
+        if self.want_hidden:
+            pf.feats.append(feats)  # [1, e - s, n E]
+        if last:
+            pf.logits, pf.rows = logits, rows
+        pf.done += 1
+        pf.seconds += self.clock() - t0
+
+    def _finish_prefill(self, pf: _Prefill, outputs: list[RequestOutput]) -> None:
+        """The prompt is in: the request joins the running rows (its KV moved down if rows left
+        while it was staged), gets its first token, and the drafter prefills its state."""
+        t0 = self.clock()
+        req = pf.req
+        slot = len(self.running)
+        if req.slot != slot:
+            self.cache.move(req.slot, slot)
+            self.cache.lengths[req.slot] = 0
+            req.slot = slot
+        self.running.append(req)
+        logits = _min_tokens_mask(pf.logits[:, -1][:, None], [req], [0])[:, 0]
+        first = int(BatchSampling([req.params], [req.generator]).sample(logits)[0])  # SYNC: first token
+        extra = {"hidden": torch.cat(pf.feats, dim=1)} if self.want_hidden else {}  # [1, P, n E] (eagle3)
+        self.drafter.prefill_row(req.slot, self.cache, pf.rows, req.prompt, **extra)  # a draft model's prefill: TTFT
+        now = self.clock()
+        req.stats.prefill_s = pf.seconds + (now - t0)
+        req.stats.ttft_s = now - req.arrival_s
+        req.stats.emit_times.append(req.stats.ttft_s)
+        kept, _ = self._append(req, [first])
+        outputs.append(self._output(req, kept))
 
     # phase: plan -----------------------------------------------------------------
     def _plan(self) -> _Step:
@@ -684,10 +756,11 @@ class Engine:
         return self.model.cfg.max_position_embeddings
 
     def core(self, method: str = "sparsespec-l", method_options: dict[str, Any] | None = None,
-             max_num_seqs: int = 8, max_model_len: int | None = None, own_clock: bool = False) -> EngineCore:
+             max_num_seqs: int = 8, max_model_len: int | None = None, own_clock: bool = False,
+             enable_chunked_prefill: bool = False) -> EngineCore:
         """A continuous-batching core for ``method`` (see ``EngineCore``)."""
         return EngineCore(self, method, method_options, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                          own_clock=own_clock)
+                          own_clock=own_clock, enable_chunked_prefill=enable_chunked_prefill)
 
     # ------------------------------------------------------------------ batch API
     def generate(self, prompts, method: str = "sparsespec-l", method_options: dict[str, Any] | None = None,

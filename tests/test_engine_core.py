@@ -580,3 +580,87 @@ def test_step_in_turn_rotates_and_steps_only_cores_with_work():
     assert [i for i, _, _ in got] == [0, 1, 2, 2, 0, 0]  # rounds: a b c | (b done) c a | a
     assert all(outs == [cores[i].name] for i, outs, _ in got)
     assert [s for _, _, s in got] == [1.0, 2.0, 2.0, 2.0, 1.0, 1.0]
+
+
+# ------------------------------------------------------------------ chunked prefill
+def _chunked_core(engine, method, chunked, **kw):
+    from sparsespec.engine import EngineCore
+
+    opts = None if method == "ar" else SPARSE
+    return EngineCore(engine, method, opts, max_num_seqs=2, max_model_len=600, prefill_chunk=64,
+                      enable_chunked_prefill=chunked, **kw)
+
+
+def _schedule(core, prompts, n_new, on_step=None):
+    """r0 alone, then r1 (long) and r2 arrive at step 2; r2 waits for a slot. Per step: the
+    outputs and which request was being prefilled after it."""
+    outs, trace = {}, []
+    core.add_request("r0", prompts["r0"], SamplingParams(max_new_tokens=n_new["r0"], ignore_eos=True))
+    for step in range(400):
+        if step == 2:
+            for r in ("r1", "r2"):
+                core.add_request(r, prompts[r], SamplingParams(max_new_tokens=n_new[r], ignore_eos=True))
+        got = core.step()
+        for out in got:
+            outs.setdefault(out.request_id, []).append(out)
+        trace.append(({o.request_id for o in got}, core.prefilling.req.request_id if core.prefilling else None))
+        if on_step is not None:
+            on_step(core)
+        if not core.has_unfinished_requests():
+            break
+    return outs, trace
+
+
+@pytest.mark.parametrize("method", ["ar", "sparsespec-l"])
+def test_chunked_prefill_interleaves_decode_and_gives_the_same_tokens(engine, method):
+    prompts = {"r0": _prompt(100, 10), "r1": _prompt(330, 11), "r2": _prompt(140, 12)}
+    # ar: r0 leaves while r1 is staged (r1's KV then moves down a slot); sparsespec-l: r0 outlives it
+    n_new = {"r0": 5 if method == "ar" else 14, "r1": 12, "r2": 10}
+    ref, ref_trace = _schedule(_chunked_core(engine, method, False), prompts, n_new)
+    assert all(p is None for _, p in ref_trace), "without chunked prefill a prompt is prefilled whole in its step"
+
+    def kv_is_the_committed_sequence(core):  # every slot holds exactly its row's committed KV
+        for req in core.running:
+            committed = req.prompt + req.out[:-1]
+            S = len(committed)
+            assert core.cache.lengths[req.slot] == S
+            fresh = KVCache(engine.model.cfg, 1, S, engine.model.dtype, engine.model.device)
+            engine.model.prefill(torch.tensor([committed]), fresh, chunk_size=64)
+            torch.testing.assert_close(core.cache.k[:, req.slot, :, :S], fresh.k[:, 0], rtol=1e-4, atol=1e-5)
+
+    core = _chunked_core(engine, method, True)
+    outs, trace = _schedule(core, prompts, n_new, on_step=kv_is_the_committed_sequence)
+    for r in prompts:
+        assert outs[r][-1].finished
+        assert outs[r][-1].output.token_ids == ref[r][-1].output.token_ids, r
+    staged = [i for i, (_, p) in enumerate(trace) if p == "r1"]
+    n_chunks = len(prefill_chunks(330, 64, min(core.drafter.want_rows_prefill, 330)))
+    # one chunk per step while r0 decodes (r0 gets tokens in each of those steps); once nothing
+    # decodes, the remaining chunks run back to back
+    assert staged[0] == 2 and staged == list(range(2, 2 + len(staged))) and 2 <= len(staged) <= n_chunks - 1
+    assert all("r0" in trace[i][0] for i in staged), "r0 decoded while r1 prefilled"
+    if method == "ar":  # r0 leaves at step 3 (2 tokens in step 0, then 1 a step), r1 is in at step 4
+        assert staged == [2, 3] and outs["r0"][-1].finished and "r1" in trace[4][0]
+        assert "r1" not in set().union(*(t for t, _ in trace[:4]))
+    st = outs["r1"][-1].output.stats
+    assert 0 < st["prefill_s"] < st["ttft_s"]  # its own chunks, not the decode steps between them
+
+
+def test_a_staged_request_can_be_aborted_and_its_slot_reused(engine):
+    core = _chunked_core(engine, "ar", True)
+    core.add_request("a", _prompt(80, 1), SamplingParams(max_new_tokens=30, ignore_eos=True))
+    core.step()
+    core.add_request("b", _prompt(400, 2), SamplingParams(max_new_tokens=5, ignore_eos=True))
+    core.step()
+    assert core.prefilling is not None and core.prefilling.req.request_id == "b"
+    assert core.get_num_unfinished_requests() == 2
+    core.abort_request("b")
+    assert core.prefilling is None and core.get_num_unfinished_requests() == 1
+    core.add_request("b", _prompt(120, 3), SamplingParams(max_new_tokens=5, ignore_eos=True))  # the id is free again
+    got = _drain(core)
+    assert got["b"][-1].output.token_ids == _ar(engine, _prompt(120, 3), 5, ignore_eos=True).token_ids
+    assert got["a"][-1].output.token_ids == _ar(engine, _prompt(80, 1), 30, ignore_eos=True).token_ids
+    from sparsespec.engine import EngineCore
+
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        EngineCore(engine, "ar", None, prefill_chunk=0)

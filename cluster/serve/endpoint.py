@@ -164,6 +164,10 @@ class ServeArgs(BaseModel):
         arm_num_cpus: Ray CPUs each arm replica reserves (default ``threads``).
         arms: the experiment's arms (names unique, total weight > 0).
         max_num_seqs: engine slots per arm replica (rows decoded together).
+        enable_chunked_prefill: vLLM's chunked prefill (its default): while rows decode, a
+            step prefills at most one 512-token chunk of a new prompt, so a long prompt that
+            arrives stalls the running requests by a chunk per step, not by its whole prefill
+            (``sparsespec.EngineCore``); false: new prompts are prefilled whole first.
         max_model_len: the window per request, prompt + max_tokens (default the model's).
         max_ongoing_requests, max_queued_requests: each arm replica's Serve bounds (default
             ``2 * max_num_seqs`` in flight, 32 queued; past them the arm answers 503). A
@@ -189,6 +193,7 @@ class ServeArgs(BaseModel):
     arms: tuple[ArmConfig, ...] = (ArmConfig(method="ar", weight=0.5),
                                    ArmConfig(method="sparsespec-l", options={"k": "auto"}, weight=0.5))
     max_num_seqs: int = Field(4, ge=1)
+    enable_chunked_prefill: bool = True
     max_model_len: int | None = Field(None, ge=2)
     max_ongoing_requests: int | None = Field(None, ge=1)
     max_queued_requests: int = Field(32, ge=-1)
@@ -244,7 +249,7 @@ def parse_args(args: Mapping[str, Any] | None) -> ServeArgs:
     raw = dict(args or {})
     for k, v in list(raw.items()):
         if isinstance(v, str) and k in ("arms", "threads", "arm_num_cpus", "max_num_seqs", "max_model_len",
-                                        "default_max_tokens", "factory_kwargs", "max_ongoing_requests",
+                                        "default_max_tokens", "factory_kwargs", "max_ongoing_requests", "enable_chunked_prefill",
                                         "max_queued_requests"):
             try:
                 raw[k] = json.loads(v)
@@ -388,11 +393,13 @@ class ArmServer:
             self.policy, model = load_policy_options(self.arm.options)
             self.policy_model = model or cfg.model
             self.cores = {name: engine.core(method, options or None, max_num_seqs=cfg.max_num_seqs,
-                                            max_model_len=cfg.max_model_len)
+                                            max_model_len=cfg.max_model_len,
+                                            enable_chunked_prefill=cfg.enable_chunked_prefill)
                           for name, (method, options) in self.policy.cores(self.policy_model).items()}
         else:
             self.cores = {self.arm.method: engine.core(self.arm.method, self.arm.options or None,
-                                                       max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len)}
+                                                       max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
+                                                       enable_chunked_prefill=cfg.enable_chunked_prefill)}
         self.core = next(iter(self.cores.values()))
         self._core_of: dict[str, Any] = {}  # request id -> the core holding it
         self.log = RequestLog(cfg.db)
