@@ -17,7 +17,8 @@ so repeated KV heads are never materialised.
 
 Attention backends (``sparsespec.kernels``): on CUDA with triton importable, decode/verify
 attention (T <= 32 new tokens, with the importance rows) and draft attention run Triton kernels;
-elsewhere (CPU) the PyTorch code below, unchanged. Prefill chunks (T > 32) use SDPA on both (on the
+elsewhere (CPU) the PyTorch code below, unchanged. Prefill chunks (T > 32) use SDPA on both (on CPU
+with equal starts, as two unmasked flash calls merged by log-sum-exp: ``chunk_attention_cpu``; on the
 Triton path their importance rows come from the verify kernel run on the last W queries).
 ``SPARSESPEC_ATTENTION=torch|triton`` overrides the choice.
 
@@ -64,6 +65,40 @@ def prefill_chunks(length: int, chunk_size: int, min_last: int = 0) -> list[tupl
             raise ValueError(f"min_last={min_last} exceeds chunk_size={chunk_size}")
         bounds = [(a, min(b, cut)) for a, b in bounds[:-1] if a < cut] + [(cut, length)]
     return bounds
+
+
+# PyTorch's fused CPU flash attention with its log-sum-exp (what SDPA runs on CPU, minus the mask)
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def chunk_attention_cpu(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, start: int,
+                        scale: float) -> torch.Tensor:
+    """A prefill chunk's causal attention on CPU: ``q`` ``[B, H, T, D]`` at positions
+    ``start .. start + T - 1`` of every row, ``keys``/``vals`` ``[B, H_kv, start + T, D]`` (any
+    strides). Returns ``[B, H, T, D]``, equal to causal SDPA over the keys up to rounding.
+
+    Two fused flash-attention calls instead of one masked one: the prefix ``[0, start)``, seen
+    whole by every query, with each KV group's query heads as extra query rows (``[B, H_kv, G*T,
+    D]``: no repeated KV, no mask, 4x longer flash tiles), and the chunk's own ``T`` keys with
+    ``is_causal`` (top-left aligned, which is exact there); the two are merged by their
+    log-sum-exps. On the 2-core Xeon this ran 1.3-1.4x the masked SDPA at 512-token chunks of an
+    8K prompt (benchmarks/RESULTS.md, tenth session). Needs ``_FLASH_CPU``.
+    """
+    B, H, T, D = q.shape
+    H_kv = keys.shape[1]
+    G = H // H_kv
+    k_own = keys[:, :, start : start + T].repeat_interleave(G, dim=1)  # [B, H, T, D]
+    v_own = vals[:, :, start : start + T].repeat_interleave(G, dim=1)
+    out_own, lse_own = _FLASH_CPU(q, k_own, v_own, is_causal=True, scale=scale)[:2]  # [B, H, T, D], [B, H, T]
+    if start == 0:
+        return out_own
+    q_grouped = q.reshape(B, H_kv, G * T, D)  # query head h = kv head h // G, as GQA groups them
+    out_pre, lse_pre = _FLASH_CPU(q_grouped, keys[:, :, :start], vals[:, :, :start], scale=scale)[:2]
+    out_pre = out_pre.reshape(B, H, T, D)
+    lse_pre = lse_pre.reshape(B, H, T)
+    lse = torch.logaddexp(lse_pre, lse_own)  # [B, H, T]
+    out = (out_pre * (lse_pre - lse).exp()[..., None]).add_(out_own * (lse_own - lse).exp()[..., None])
+    return out.to(q.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -495,9 +530,13 @@ class Transformer(torch.nn.Module):
                 cache.v[i][batch_idx, :, positions] = v.transpose(1, 2)
             keys, vals = cache.k[i, :, :, :S], cache.v[i, :, :, :S]  # [B, H_kv, S, D]
             if T > 32:  # prefill chunk: fused SDPA, then (cheap) rows for the last queries only
-                dense = torch.ones(B, T, S, dtype=torch.bool, device=dev)
-                dense[:, :, m0:] = mask
-                out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=dense[:, None], enable_gqa=True)
+                if uniform and _FLASH_CPU is not None and q.device.type == "cpu":
+                    out = chunk_attention_cpu(q, keys, vals, m0, self.scale)
+                else:
+                    dense = torch.ones(B, T, S, dtype=torch.bool, device=dev)
+                    dense[:, :, m0:] = mask
+                    out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=dense[:, None], enable_gqa=True,
+                                                         scale=self.scale)
                 if want_rows and fused:  # the last W queries as a W-token "verify" over the same keys
                     kernels.verify_attention(q[:, :, T - want_rows :], cache.k[i], cache.v[i],
                                              starts_i32 + (T - want_rows), want_rows, self.scale,

@@ -17,6 +17,66 @@ from sparsespec.quant import PACKED_ATTR, PANELS_ATTR, linear, prepack_, prepack
 
 
 # ------------------------------------------------------------------ attention
+@pytest.mark.skipif(not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"),
+                    reason="this torch has no fused CPU flash attention op")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("B,H,Hkv,T,start", [(2, 9, 3, 33, 0), (2, 9, 3, 70, 131), (1, 14, 2, 40, 1),
+                                             (3, 4, 4, 36, 64)])
+def test_prefill_chunk_attention_equals_a_float64_causal_softmax(B, H, Hkv, T, start, dtype, tol):
+    """The prefill chunk's split attention (prefix with grouped query rows + causal own block,
+    merged by log-sum-exp) against a plain float64 softmax over the causal mask, reading keys from
+    a strided cache slice as the model does."""
+    from sparsespec.model import chunk_attention_cpu
+
+    g = torch.Generator().manual_seed(B * 1000 + T + start)
+    D, S = 16, start + T
+    q = torch.randn(B, T, H, D, generator=g).to(dtype).transpose(1, 2)  # [B, H, T, D], strided
+    kc = torch.randn(B, Hkv, S + 20, D, generator=g).to(dtype)  # the cache past S holds junk
+    vc = torch.randn(B, Hkv, S + 20, D, generator=g).to(dtype)
+    out = chunk_attention_cpu(q, kc[:, :, :S], vc[:, :, :S], start, 0.3)
+    assert out.shape == (B, H, T, D) and out.dtype == dtype
+    k64 = kc[:, :, :S].double().repeat_interleave(H // Hkv, dim=1)
+    v64 = vc[:, :, :S].double().repeat_interleave(H // Hkv, dim=1)
+    scores = 0.3 * q.double() @ k64.transpose(-1, -2)  # [B, H, T, S]
+    visible = torch.arange(S)[None, :] <= torch.arange(start, S)[:, None]  # [T, S]
+    ref = scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v64
+    assert (out.double() - ref).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("starts", [[40, 40], [0, 0], [40, 7]])
+def test_a_prefill_chunk_over_rows_equals_each_row_alone(tmp_path, starts):
+    """A T > 32 forward (the prefill chunk path) over a batch, uniform or ragged, gives each row
+    what that row gets alone (and a T = 1 decode after it agrees too): the split chunk attention
+    must only run where every row starts at the same position."""
+    from sparsespec.kv.cache import KVCache
+    from sparsespec.model import Transformer
+    from tests.helpers import write_tiny_llama
+
+    model = Transformer.from_folder(write_tiny_llama(tmp_path / "m", vocab_size=300, heads=6, kv_heads=2))
+    g = torch.Generator().manual_seed(sum(starts) + 1)
+    T, B = 48, len(starts)
+    prefix = [torch.randint(3, 300, (1, s), generator=g) for s in starts]
+    new = torch.randint(3, 300, (B, T), generator=g)
+
+    def fill(cache, ids):
+        if ids.shape[1]:
+            model.forward_dense(ids, cache)
+
+    batch = KVCache(model.cfg, B, max(starts) + T + 1, torch.float32, "cpu")
+    for b in range(B):  # each row's prefix, then the batch's chunk at its own offset
+        one = KVCache(model.cfg, 1, max(starts) + T + 1, torch.float32, "cpu")
+        fill(one, prefix[b])
+        batch.k[:, b : b + 1, :, : starts[b]] = one.k[:, :, :, : starts[b]]
+        batch.v[:, b : b + 1, :, : starts[b]] = one.v[:, :, :, : starts[b]]
+    batch.lengths = list(starts)
+    got, _ = model.forward_dense(new, batch)  # [B, T, V]
+    for b in range(B):
+        one = KVCache(model.cfg, 1, max(starts) + T + 1, torch.float32, "cpu")
+        fill(one, prefix[b])
+        want, _ = model.forward_dense(new[b : b + 1], one)
+        assert (got[b] - want[0]).abs().max().item() < 1e-4
+
+
 @pytest.mark.parametrize("starts", [[37, 37, 37], [37, 20, 45], [0, 5, 3]])
 @pytest.mark.parametrize("T", [1, 5])
 def test_tail_mask_attention_equals_the_dense_mask_and_a_plain_softmax(starts, T):
