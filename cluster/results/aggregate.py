@@ -97,8 +97,8 @@ def run_k(row: Mapping[str, Any]) -> int | str | None:
 
 def run_draft_weights(row: Mapping[str, Any]) -> str | None:
     """What a row's draft forward read: ``"int8"`` (its stats count a draft weight copy),
-    ``"target"``, or None for ``ar``."""
-    if row["method"] == AR:
+    ``"target"``, or None for an engine's plain decoding (``ar``, ``vllm:ar``)."""
+    if row["method"] == engine_ar(row["method"]):
         return None
     return "int8" if _num(row.get("stats") or {}, "draft_weight_bytes") > 0 else "target"
 
@@ -823,3 +823,76 @@ def environment(runs: Sequence[Mapping[str, Any]]) -> Environment:
             packages.setdefault(name, set()).add(str(v))
     return Environment(devices=sorted(devices), commits=sorted(commits), runs=len(runs),
                        packages={k: ", ".join(sorted(v)) for k, v in sorted(packages.items())})
+
+
+# --------------------------------------------------------------------------- engines
+#: the keys of an engines-table cell (tasks pooled, like the leaderboard's settings)
+ENGINE_CELL_KEYS = ("benchmark", "model", "quantize", "context_length", "batch_size")
+
+
+def engine_of(method: str) -> str:
+    """The engine a method ran on: ``"vllm"`` for ``vllm:ngram`` (any ``<engine>:<name>``),
+    ``"sparsespec"`` for ours."""
+    return method.split(":", 1)[0] if ":" in method else "sparsespec"
+
+
+def engine_ar(method: str) -> str:
+    """The plain decoding of ``method``'s own engine: ``vllm:ar`` for ``vllm:ngram``, ``ar`` for ours."""
+    engine = engine_of(method)
+    return AR if engine == "sparsespec" else f"{engine}:{AR}"
+
+
+def _median_batch_tpot(rows: Iterable[Mapping[str, Any]]) -> float | None:
+    """The median over batches of ``batch_tpot`` (what every paired speedup divides)."""
+    by: dict[tuple, list[Mapping[str, Any]]] = defaultdict(list)
+    for r in rows:
+        by[_batch_key(r)].append(r.get("stats") or {})
+    tpots = [t for t in (batch_tpot(st) for st in by.values()) if t is not None]
+    return float(statistics.median(tpots)) if tpots else None
+
+
+def engines_table(rows: Iterable[Mapping[str, Any]], *, n_boot: int = N_BOOT, seed: int = 0) -> list[dict[str, Any]]:
+    """Methods of several engines on the same batches (issue 29's table): per cell
+    (``ENGINE_CELL_KEYS``) and method variant, ``speedup`` against our ``ar`` (as everywhere),
+    ``speedup_own_ar`` against its own engine's plain decoding (``engine_ar``; None without its
+    rows) and ``speedup_fastest_ar`` against the faster plain decoding of the cell
+    (``fastest_ar``: the engine AR with the least decode time over the batches both decoded), each
+    a median of paired batches (``paired_speedup``); ``alpha``, ``tau`` (accepted length + 1 per
+    step), ``tpot_s`` (the median batch TPOT, ``sparsespec.stats.batch_tpot``), and ``lossless_rate`` (for ``vllm:ar``: the share of samples whose greedy
+    tokens equal our ``ar``'s)."""
+    rows = list(rows)
+    by = (*ENGINE_CELL_KEYS, "method", "k", "draft_weights")
+    cells = cell_table(rows, by=by, n_boot=n_boot, seed=seed)
+    groups: dict[tuple, list[Mapping[str, Any]]] = defaultdict(list)
+    for r in rows:
+        groups[_cell_key(r, by)].append(r)
+    nk = len(ENGINE_CELL_KEYS)
+
+    def ar_rows(setting: tuple, method: str) -> list[Mapping[str, Any]]:
+        return groups.get((*setting, method, None, None), [])
+
+    out = []
+    for c in cells:
+        setting = tuple(c[k] for k in ENGINE_CELL_KEYS)
+        mine, ours = groups[tuple(c[k] for k in by)], ar_rows(setting, AR)
+        own = ar_rows(setting, engine_ar(c["method"]))
+        fastest = AR
+        other = [m for m in {engine_ar(k[nk]) for k in groups if k[:nk] == setting} if m != AR]
+        for m in sorted(other):  # an engine's ar that decoded the cell's batches in less time than ours
+            s = paired_speedup(ar_rows(setting, m), ours, n_boot=0)["speedup_total"]
+            best = paired_speedup(ar_rows(setting, m), ar_rows(setting, fastest), n_boot=0)["speedup_total"]
+            if s is not None and best is not None and best > 1.0:
+                fastest = m
+        def vs(ref: list[Mapping[str, Any]], method_is_ref: bool) -> float | None:
+            if method_is_ref:
+                return 1.0
+            return paired_speedup(mine, ref, n_boot=0)["speedup"] if ref else None
+        out.append({**{k: c[k] for k in ENGINE_CELL_KEYS}, "engine": engine_of(c["method"]),
+                    "method": c["method"], "k": c["k"], "variant": c["variant"], "n": c["n"],
+                    "n_pairs": c["n_pairs"], "speedup": c["speedup"], "ci_low": c["ci_low"], "ci_high": c["ci_high"],
+                    "speedup_own_ar": vs(own, c["method"] == engine_ar(c["method"])),
+                    "fastest_ar": fastest, "speedup_fastest_ar": vs(ar_rows(setting, fastest), c["method"] == fastest),
+                    "alpha": c["alpha"], "tau": c["tau"], "tpot_s": _median_batch_tpot(mine),
+                    "lossless_rate": c["lossless_rate"],
+                    "n_conclusive": c["n_conclusive"]})
+    return out

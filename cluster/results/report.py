@@ -38,6 +38,11 @@ interval, a file the Serve ``policy`` arm reads (``--policy-out``) and vLLM's eq
 
     python -m cluster.results.report --policy --db URL --policy-out policy.json --vllm-out vllm_spec.json
 
+``--engines`` puts methods of several engines side by side (``cluster.results.aggregate.engines_table``:
+a sweep with ``vllm:ar``, ``vllm:ngram``, ... beside ours): per cell each method's speedup against our
+``ar``, against its own engine's plain decoding and against the faster of the two, with alpha, the
+accepted length and, for ``vllm:ar``, the share of samples whose greedy tokens equal ours.
+
 ``--seed-table`` prints the seed's five-row table in kind (``cluster.results.seed_table``): ar, a
 draft model, MagicDec-SnapKV, EAGLE-3 and SparseSpec-L per target, context and batch, with the
 ledger and roofline S and the seed's figures beside them.
@@ -243,6 +248,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "batch: ar, draft-model, magicdec-snapkv, eagle3, sparsespec-l (k auto and each fixed k) "
                         "with alpha, mean k, gamma, speedup, the ledger and roofline S and the seed's figures; a "
                         "method that could not run is a row saying why")
+    p.add_argument("--engines", action="store_true",
+                   help="methods of several engines side by side (a sweep with vllm:ar, vllm:ngram, ...): per cell "
+                        "each method's speedup against our ar, its own engine's ar and the faster ar, with alpha, "
+                        "accepted length and vllm:ar's token agreement with our ar")
     p.add_argument("--policy", action="store_true",
                    help="the crossover map as a speculation policy: per model and (context, batch) bucket the "
                         "fastest lossless method and k (k=0: off) with its speedup and interval, and vLLM's "
@@ -267,6 +276,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--seed-table is its own output: leave out --policy / --leaderboard / --four-way")
     if args.seed_table:
         return _seed_table_main(args)
+    if args.engines and (args.policy or args.leaderboard or args.four_way):
+        p.error("--engines is its own output: leave out --policy / --leaderboard / --four-way")
+    if args.engines:
+        return _engines_main(args)
     if args.policy:
         return _policy_main(args, p)
     if args.leaderboard and args.four_way:
@@ -350,6 +363,55 @@ def _seed_table_main(args: argparse.Namespace) -> int:
               f"configs/seed_table_cpu.yaml)", file=sys.stderr)
         return 1
     print(json.dumps(rows, indent=2, default=str) if args.json else format_seed_table(rows), end="" if not args.json else "\n")
+    return 0
+
+
+ENGINES_HEADERS = {"model": "model", "quantize": "target", "context_length": "ctx", "batch_size": "batch",
+                   "engine": "engine", "variant": "method", "n_pairs": "pairs", "tpot_s": "TPOT ms",
+                   "speedup": "vs our ar", "speedup_own_ar": "vs own ar", "speedup_fastest_ar": "vs fastest ar",
+                   "fastest_ar": "fastest ar", "alpha": "alpha", "tau": "tau", "lossless_rate": "same tokens as ar"}
+
+
+def format_engines(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Markdown table of ``engines_table`` rows (TPOT in ms, ratios to 3 decimals)."""
+    from tabulate import tabulate
+
+    def cell(k: str, v: Any) -> Any:
+        if v is None:
+            return "-"
+        if k == "tpot_s":
+            return f"{1000.0 * v:.2f}"
+        return f"{v:.3f}" if isinstance(v, float) else v
+
+    body = [[cell(k, r.get(k)) for k in ENGINES_HEADERS] for r in rows]
+    note = ("speedups: median over paired batches of TPOT_reference / TPOT_method (the same samples in the same "
+            "batch); own ar: the method's engine's plain decoding; fastest ar: the engine ar with the least decode "
+            "time in the cell; tau: tokens per decode step; same tokens as ar: share of samples whose greedy tokens "
+            "equal our ar's (for speculative methods: among samples that drafted)")
+    return tabulate(body, headers=list(ENGINES_HEADERS.values()), tablefmt="github", disable_numparse=True) + \
+        "\n\n" + note + "\n"
+
+
+def engines_rows(db_url: str, run_ids: str | Iterable[str] | None = None) -> list[dict[str, Any]]:
+    """``cluster.results.aggregate.engines_table`` over the store (the given runs, default all)."""
+    from cluster.results import aggregate as queries
+
+    with open_store(db_url, create=False) as store:
+        wanted = None if run_ids is None else set([run_ids] if isinstance(run_ids, str) else run_ids)
+        runs = [r for r in store.runs() if wanted is None or r["run_id"] in wanted]
+        return queries.engines_table(queries.with_run_fields(store.results(run_ids=run_ids), runs))
+
+
+def _engines_main(args: argparse.Namespace) -> int:
+    try:
+        rows = engines_rows(args.db, args.runs)
+    except StoreError as e:
+        return cli_error(e)
+    if not rows:
+        print(f"error: no results in {safe_url(args.db)}; run a sweep first (e.g. python -m cluster.sweep "
+              f"configs/engines_cpu.yaml)", file=sys.stderr)
+        return 1
+    print(json.dumps(rows, indent=2, default=str) if args.json else format_engines(rows), end="" if not args.json else "\n")
     return 0
 
 

@@ -27,7 +27,7 @@ hold ``L - --gen-tokens`` tokens), it measures, after warm-up:
   and ``sparsespec.roofline.roofline_speedup`` at the measured acceptance, from the step floors
   (roofline S) and from the measured step times (step-predicted S). Rerunning the same command
   resumes the sweep (finished shards are skipped, no result is written twice);
-* peers (``cluster.speed.peers.compare``): our ``ar`` and ``ngram`` beside transformers' ``generate`` and
+* peers (``cluster.peers.compare``): our ``ar`` and ``ngram`` beside transformers' ``generate`` and
   prompt lookup and vLLM's CPU build (``make peers``) ``ar`` and ``ngram``, on the same prompts,
   model, dtype and threads, every cell's decode milliseconds per step measured the same way for
   every engine, and whether each one's greedy tokens equal our ``ar``'s.
@@ -150,7 +150,7 @@ class BenchConfig:
     e2e_samples: int | None = None
     warmup: int = 2
     steps_only: bool = False
-    #: external engines timed beside ours on the same prompts (``cluster.speed.peers.compare``): our ``ar``
+    #: external engines timed beside ours on the same prompts (``cluster.peers.compare``): our ``ar``
     #: and ``ngram`` always, then ``transformers`` (generate, prompt lookup) and ``vllm`` (its CPU
     #: build from ``make peers``: ar and its ngram); () = no peer table
     peers: tuple[str, ...] = ("transformers", "vllm")
@@ -197,7 +197,7 @@ class BenchConfig:
             raise ValueError(f"peer_tokens must be >= 2, got {self.peer_tokens}")
         if self.peer_ngram_k < 1 or self.peer_reps < 1:
             raise ValueError(f"peer_ngram_k and peer_reps must be >= 1, got {self.peer_ngram_k}, {self.peer_reps}")
-        from cluster.speed.peers.compare import PEERS
+        from cluster.peers.compare import PEERS
 
         unknown = [p for p in self.peers if p not in PEERS]
         if unknown:
@@ -523,11 +523,11 @@ def profile_step(model, prompts: list[list[int]], cfg: BenchConfig, step: str, r
 
 def peer_rows(model, tokenizer, cells: Mapping[tuple[int, int], list[list[int]]], cfg: BenchConfig,
               progress: Callable[[str], None]) -> list[dict[str, Any]]:
-    """The peer table (``cluster.speed.peers.compare``): our ``ar`` and ``ngram``, then each of
+    """The peer table (``cluster.peers.compare``): our ``ar`` and ``ngram``, then each of
     ``cfg.peers``, one engine after the other (never two at once), on the same cells."""
     import torch
 
-    from cluster.speed.peers import compare
+    from cluster.peers import compare
     from sparsespec.engine import Engine
 
     n, reps, k = cfg.peer_tokens, cfg.peer_reps, cfg.peer_ngram_k

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.peers.engine import VLLM_PREFIX
 from cluster.sweep.plan import AR, Shard
 from cluster.sweep.worker import EngineFactory
 
@@ -202,6 +203,10 @@ def _short_error(e: BaseException, limit: int = 600) -> str:
 Scorer = Callable[[Any, str], float]
 
 
+#: vLLM's plain decoding: its greedy tokens against ours are an oracle of our model code
+ENGINE_AR = VLLM_PREFIX + AR
+
+
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
     """Index of the first differing token (or the shorter length); None if identical."""
     for i, (x, y) in enumerate(zip(a, b)):
@@ -211,17 +216,19 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
 
 
 def lossless_check(ar_tokens: Sequence[int] | None, tokens: Sequence[int], stats: Mapping[str, Any],
-                   temperature: float) -> tuple[bool | None, int | None]:
+                   temperature: float, *, oracle: bool = False) -> tuple[bool | None, int | None]:
     """(lossless, first_divergence) of a method's output against AR on the same sample.
 
     None when not applicable: sampling runs (equality is distributional, not per token) or no AR
-    output. Identical output with zero drafted tokens is inconclusive (None), not a pass.
+    output. Identical output with zero drafted tokens is inconclusive (None), not a pass, except
+    for ``oracle``: another engine's plain decoding (``vllm:ar``), where equal greedy tokens are
+    the check itself (an independent implementation of the same model agrees with ours).
     """
     if ar_tokens is None or temperature > 0:
         return None, None
     div = first_divergence(ar_tokens, tokens)
     if div is None:
-        return (True if int(stats.get("num_drafted", 0) or 0) > 0 else None), None
+        return (True if oracle or int(stats.get("num_drafted", 0) or 0) > 0 else None), None
     return False, div
 
 
@@ -252,7 +259,7 @@ def result_rows(shard: Shard, outs: Sequence[Mapping[str, Any]], scorer: Scorer,
             raise ValueError(f"scorer failed on {sample.benchmark}/{sample.task}/{sample.sample_id} "
                              f"({o['method']}): {type(e).__name__}: {e}") from e
         lossless, div = (None, None) if o["method"] == AR else lossless_check(
-            ar.get(o["sample_id"]), o["token_ids"], o["stats"], temperature)
+            ar.get(o["sample_id"]), o["token_ids"], o["stats"], temperature, oracle=o["method"] == ENGINE_AR)
         rows.append({
             "run_id": shard.run_id, "benchmark": sample.benchmark, "task": sample.task, "model": shard.model,
             "method": o["method"], "sample_id": sample.sample_id, "prediction": o["text"],

@@ -85,15 +85,6 @@ def compute_run_id(benchmark: str, config: Mapping[str, Any]) -> str:
     return f"{benchmark}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
 
 
-def method_order(methods: Sequence[str], batch_index: int) -> list[str]:
-    """Rotation of ``methods`` used for the batch with this index (drift favours no method)."""
-    methods = list(methods)
-    if not methods:
-        return methods
-    r = batch_index % len(methods)
-    return methods[r:] + methods[:r]
-
-
 TokenizerInfo = Callable[[str], tuple[Any, int]]  # model -> (tokenizer, window in tokens)
 
 
@@ -190,5 +181,5 @@ def plan_shards(cell: Cell) -> list[Shard]:
     return shards
 
 
-__all__ = ["AR", "Cell", "Shard", "compute_run_id", "default_tokenizer_info", "method_order", "plan_cells",
+__all__ = ["AR", "Cell", "Shard", "compute_run_id", "default_tokenizer_info", "plan_cells",
            "plan_shards", "samples_digest"]

@@ -11,13 +11,18 @@ Measurement discipline:
   the tails of the shard's prompts (compilation, allocator and first-call paths are not timed);
 - all methods of a batch run on the same samples in the same actor. ``schedule="step"`` (the
   default): one ``EngineCore`` per method holds the batch, and the cores take their steps in
-  turn, the order rotating every round (starting from ``cluster.sweep.plan.method_order``); each core
+  turn, the order rotating every round (starting from ``method_order``); each core
   times its requests on its own clock (``sparsespec.stats.StepClock``), so a slow minute of a
   shared machine lands on every method alike. Sequential whole batches, each method's a minute
   or two after the other's, moved the paired speedup of one cell from 0.71 to 1.11 across demo
   runs on the 2-core CPU machines. ``schedule="run"``: each method's whole batch back to back
   (order rotating with the batch index), one method's KV pool in memory at a time (large
   batches x long contexts on a GPU);
+- a method of vLLM (``vllm:ar``, ``vllm:ngram``, ... ``cluster.peers.engine``) decodes the
+  same batch on one persistent vLLM engine per (worker, method, options)
+  (``cluster.peers.engine.VllmMethods``), started (never timed) and warmed up on its first batch; it cannot step in turn with our cores, so its whole batch runs
+  right after ours (before ours on odd batch indices, so drift favours neither engine), timed on
+  vLLM's own engine-core clock;
 - a batch's B samples are added to one ``EngineCore`` with ``max_num_seqs=B`` and stepped to
   completion; each row keeps its own stats, and every row also records the batch's wall time
   (``batch_wall_s``: the core's own steps), its prefill part (``batch_prefill_s``, the sum of
@@ -37,7 +42,8 @@ from typing import Any
 
 import ray
 
-from cluster.sweep.plan import Shard, method_order
+from cluster.peers.engine import PeerError, VllmMethods, is_vllm_method
+from cluster.sweep.plan import Shard
 from sparsespec.registry import AR, MethodUnavailable
 
 EngineFactory = Callable[[str, str, str], Any]  # (model, dtype, device) -> engine
@@ -48,6 +54,15 @@ WARMUP_TOKENS = 8
 WARMUP_PROMPT_TOKENS = 256
 #: How a shard's methods share the device (see the module docstring).
 SCHEDULES = ("step", "run")
+
+
+def method_order(methods: Sequence[str], batch_index: int) -> list[str]:
+    """Rotation of ``methods`` used for the batch with this index (drift favours no method)."""
+    methods = list(methods)
+    if not methods:
+        return methods
+    r = batch_index % len(methods)
+    return methods[r:] + methods[:r]
 
 
 def default_engine_factory(model: str, dtype: str, device: str = "cpu") -> Any:
@@ -126,6 +141,7 @@ class EngineWorker:
         self.machine = self._measure_machine()
         self._warmed: set[tuple[str, int]] = set()
         self._unavailable: dict[str, str] = {}  # method -> why it cannot run on this target here
+        self._vllm: VllmMethods | None = None  # the vllm: methods' engines (started on first use)
 
     def _measure_machine(self) -> dict[str, float] | None:
         """Read bandwidth and GEMM rate measured once, after the load (``sparsespec.roofline``):
@@ -171,6 +187,9 @@ class EngineWorker:
         except Exception:  # noqa: BLE001 - not inside Ray (unit tests)
             pass
         return info
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def _core(self, shard: Shard, method: str, prompts: Sequence[Sequence[int]], max_new_tokens: int | None,
               own_clock: bool = False) -> Any:
@@ -230,12 +249,17 @@ class EngineWorker:
         self._run_batch(shard, method, prompts, min(WARMUP_TOKENS, min(s.max_new_tokens for s in shard.samples)))
         self._warmed.add(key)
 
+    def close(self) -> None:
+        """End every vLLM engine this worker started."""
+        if self._vllm is not None:
+            self._vllm.close()
+
     def available(self, shard: Shard) -> tuple[list[str], dict[str, str]]:
         """The shard's methods that run here (each warmed up) and, for the others, why not: a
         method whose weights or pair are missing on this target (``sparsespec.MethodUnavailable``,
         remembered for the actor's life) is left out; any other error propagates."""
         for method in shard.methods:
-            if method in self._unavailable:
+            if method in self._unavailable or is_vllm_method(method):  # vLLM's warm up in their engines
                 continue
             try:
                 self.warm_up(shard, method)
@@ -255,30 +279,83 @@ class EngineWorker:
             if s.task != shard.task:
                 raise ValueError(f"{shard.describe()}: sample {s.sample_id} has task {s.task!r}")
         methods, unavailable = self.available(shard)
-        order = method_order(methods, shard.batch_index)
+        order = method_order([m for m in methods if not is_vllm_method(m)], shard.batch_index)
+        vllm_order = method_order([m for m in methods if is_vllm_method(m)], shard.batch_index)
         prompts = [s.prompt_ids for s in shard.samples]
-        if self.schedule == "step":
-            results = self._run_stepwise(shard, order, prompts)
-        else:
-            results = {m: self._run_batch(shard, m, prompts, None) for m in order}
+        # vLLM's batches after ours on even batch indices, before them on odd ones
+        phases = ("vllm", "ours") if shard.batch_index % 2 else ("ours", "vllm")
+        timeline = (vllm_order + order) if phases[0] == "vllm" else (order + vllm_order)
         rows: list[dict[str, Any]] = []
-        pid = os.getpid()
-        for pos, method in enumerate(order):
-            outs, wall = results[method]
-            prefill = sum(float((o.stats or {}).get("prefill_s", 0.0) or 0.0) for o in outs)
-            for i, (sample, res) in enumerate(zip(shard.samples, outs)):
-                stats = _jsonable(dict(res.stats or {}))
-                # the batch this row was decoded in (pairing per batch) and provenance
-                stats.update(batch_size=len(shard.samples), batch_row=i, batch_wall_s=wall,
-                             batch_prefill_s=prefill, worker_pid=pid, order_in_batch=pos, schedule=self.schedule)
-                rows.append({"task": sample.task, "sample_id": sample.sample_id, "method": method,
-                             "token_ids": [int(t) for t in res.token_ids], "text": str(res.text),
-                             "finish_reason": res.finish_reason, "stats": stats})
+        for phase in phases:
+            if phase == "ours":
+                if self.schedule == "step":
+                    results = self._run_stepwise(shard, order, prompts)
+                else:
+                    results = {m: self._run_batch(shard, m, prompts, None) for m in order}
+                for m in order:
+                    outs, wall = results[m]
+                    prefill = sum(float((o.stats or {}).get("prefill_s", 0.0) or 0.0) for o in outs)
+                    rows += self._rows(shard, m, [(o.token_ids, o.text, o.finish_reason, o.stats) for o in outs],
+                                       wall, prefill, timeline.index(m), self.schedule)
+                continue
+            for m in vllm_order:
+                try:
+                    vouts, wall, prefill = self._run_vllm(shard, m, prompts)
+                except MethodUnavailable as e:  # not here (remembered), or its engine died: no rows
+                    self._unavailable[m] = unavailable[m] = str(e)
+                    continue
+                rows += self._rows(shard, m, [(o["token_ids"], o["text"], o["finish_reason"], o["stats"])
+                                              for o in vouts], wall, prefill, timeline.index(m), "run")
         return {"rows": rows, "unavailable": unavailable, "wall_s": time.perf_counter() - t_shard,
-                "worker": {"pid": pid, "hostname": socket.gethostname()}}
+                "worker": {"pid": os.getpid(), "hostname": socket.gethostname()}}
 
-    def pid(self) -> int:
-        return os.getpid()
+    @staticmethod
+    def _rows(shard: Shard, method: str, outs: Sequence[tuple[Sequence[int], str, str | None, Mapping[str, Any]]],
+              wall: float, prefill: float, pos: int, schedule: str) -> list[dict[str, Any]]:
+        """The shard's rows of one method: per sample ``(token_ids, text, finish_reason, stats)``,
+        with the batch's wall and prefill seconds, its place in the batch's order and schedule."""
+        rows = []
+        for i, (sample, (token_ids, text, finish_reason, st)) in enumerate(zip(shard.samples, outs)):
+            stats = _jsonable(dict(st or {}))
+            # the batch this row was decoded in (pairing per batch) and provenance
+            stats.update(batch_size=len(shard.samples), batch_row=i, batch_wall_s=wall, batch_prefill_s=prefill,
+                         worker_pid=os.getpid(), order_in_batch=pos, schedule=schedule)
+            rows.append({"task": sample.task, "sample_id": sample.sample_id, "method": method,
+                         "token_ids": [int(t) for t in token_ids], "text": str(text),
+                         "finish_reason": finish_reason, "stats": stats})
+        return rows
+
+    # ------------------------------------------------------------------ vLLM methods
+    def _run_vllm(self, shard: Shard, method: str, prompts: Sequence[Sequence[int]]
+                  ) -> tuple[list[dict[str, Any]], float, float]:
+        """One batch of ``method`` on vLLM (``cluster.peers.engine.VllmMethods.run``, which warms
+        each (method, batch size) up once: rows, wall and prefill seconds on vLLM's engine-core
+        clock), each sample's sampling parameters as our cores get them. MethodUnavailable where it
+        cannot run: a quantised target (vLLM runs the checkpoint as it is), a model that is not a
+        local folder, or an engine that fails (``PeerError``: no peers venv, a crash, a timeout)."""
+        seed = shard.sampling.get("seed")
+        params = []
+        for i, sample in enumerate(shard.samples):
+            sp = sampling_params(sample, shard.sampling, row_seed(seed, shard.sample_offset + i))
+            params.append({"max_tokens": sp.max_new_tokens, "min_tokens": min(sp.min_new_tokens, sp.max_new_tokens),
+                           "ignore_eos": sp.ignore_eos, "temperature": sp.temperature, "top_p": sp.top_p,
+                           "top_k": sp.top_k, "seed": sp.seed, "stop_token_ids": list(sp.stop_token_ids),
+                           "stop": list(sp.stop)})
+        if self.quantize != "none":
+            raise MethodUnavailable(f"{method} runs the checkpoint's own weights; this worker's target is "
+                                    f"quantised ({self.quantize})")
+        try:
+            if self._vllm is None:
+                from sparsespec.provision import resolve_model
+
+                self._vllm = VllmMethods(resolve_model(self.model), self.dtype,
+                                         int(self.threads) if self.threads else None, self.engine.max_context,
+                                         lambda ids: self.engine.tokenizer.decode(ids, skip_special_tokens=True),
+                                         resolve_model, warmup_tokens=WARMUP_TOKENS,
+                                         warmup_prompt_tokens=WARMUP_PROMPT_TOKENS)
+            return self._vllm.run(method, dict(shard.method_options.get(method, {}) or {}), prompts, params)
+        except (PeerError, FileNotFoundError, ValueError, OSError) as e:
+            raise MethodUnavailable(f"{method}: {e}") from None
 
 
 #: ``EngineWorkerActor.options(num_gpus=1).remote(model, dtype, device, threads, factory, quantize, schedule)``

