@@ -455,3 +455,76 @@ def test_worker_on_a_quantised_target_leaves_vllm_methods_out(tmp_path, monkeypa
     out = worker.run_shard(_shard(folder, ("ar", "vllm:ar"), _samples(), quantize="int8"))
     assert "quantised (int8)" in out["unavailable"]["vllm:ar"] and FakePeer.started == []
     assert {r["method"] for r in out["rows"]} == {"ar"}
+
+
+def test_runner_takes_vllms_processes_with_it_when_its_stdin_closes(tmp_path):
+    """The real runner in serve mode, over a stand-in ``vllm`` package whose ``LLM`` starts a
+    child process (as vLLM's engine core does): closing the runner's stdin (the worker is done or
+    died) ends the child too, and a batch before that is answered on the protocol stream."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    fake = tmp_path / "site" / "vllm"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(textwrap.dedent('''
+        import subprocess, sys
+        __version__ = "0.0-fake"
+        class SamplingParams:
+            def __init__(self, **kw):
+                self.kw = kw
+        class _Out:
+            def __init__(self, n):
+                self.token_ids, self.finish_reason, self.text = list(range(n)), "length", ""
+        class _Metrics:
+            scheduled_ts, first_token_ts, last_token_ts = 10.0, 10.5, 11.0
+        class _Res:
+            def __init__(self, n):
+                self.outputs, self.metrics = [_Out(n)], _Metrics()
+        class LLM:
+            def __init__(self, **kw):
+                self.child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+                open(kw["model"] + "/child.pid", "w").write(str(self.child.pid))
+            def get_metrics(self):
+                return []
+            def generate(self, prompts, params, use_tqdm=False):
+                return [_Res(p.kw["max_tokens"]) for p in params]
+        '''))
+    (fake / "inputs.py").write_text("class TokensPrompt(dict):\n    pass\n")
+    model = tmp_path / "model"
+    model.mkdir()
+    cfg = tmp_path / "engine.json"
+    cfg.write_text(json.dumps({"model": str(model), "threads": 1}))
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    proc = subprocess.Popen([sys.executable, str(peers.RUNNER), "--serve", str(cfg)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+                            start_new_session=True)
+    try:
+        ready = json.loads(proc.stdout.readline())
+        assert ready["ready"] and ready["vllm_version"] == "0.0-fake"
+        proc.stdin.write(json.dumps({"prompts": [[1, 2]], "params": [{"max_tokens": 3}]}) + "\n")
+        proc.stdin.flush()
+        answer = json.loads(proc.stdout.readline())
+        assert answer["token_ids"] == [[0, 1, 2]] and answer["times"][0]["first_s"] == pytest.approx(0.5)
+        child = int((model / "child.pid").read_text())
+        assert Path(f"/proc/{child}").exists()  # alive while the runner serves
+        proc.stdin.close()
+        proc.wait(timeout=30)
+        def alive(pid):  # a zombie (killed, not yet reaped by whoever adopted it) is dead
+            try:
+                return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+            except (FileNotFoundError, IndexError):
+                return False
+
+        for _ in range(100):
+            if not alive(child):
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("vLLM's stand-in engine process outlived its runner")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

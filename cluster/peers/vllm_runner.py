@@ -535,7 +535,23 @@ def serve(config: dict, inp, out) -> int:
         except Exception as exc:  # noqa: BLE001 - this batch's error; the engine keeps serving
             traceback.print_exc()
             say({"error": _one_line(exc)})
+    # stdin closed: the caller is done or gone (a sweep worker that died closes it too). vLLM's
+    # engine-core and worker processes outlive a runner that merely returns (measured: two idle
+    # 6 GB workers left behind), so the whole process group goes, this process last.
+    end_process_group()
     return 0
+
+
+def end_process_group() -> None:
+    """Kill this process's group, itself included, where it leads the group (``VllmPeer`` starts it
+    in a session of its own, which vLLM's engine core and workers join); otherwise do nothing."""
+    import signal
+
+    if os.getpgid(0) != os.getpid():
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.killpg(0, signal.SIGKILL)
 
 
 def main_serve(config_path: str) -> int:

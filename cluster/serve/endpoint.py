@@ -126,6 +126,12 @@ class ArmConfig(BaseModel):
     ``method: policy`` is the policy arm: ``options: {path: FILE, model: KEY}`` names a policy
     file (``cluster.results.policy``); the arm holds one ``EngineCore`` per speculative method the policy
     uses and caps each request at its entry's k, k=0 included (``SpeculationPolicy.cores``).
+
+    ``url`` makes it an external arm (``ExternalArmServer``): an OpenAI-compatible server, e.g.
+    ``vllm serve`` (``http://127.0.0.1:8001/v1``), that decodes the arm's requests; ``method``
+    is then the label its rows carry (``vllm:ar``, ``vllm:ngram``: what that server was started
+    with), ``served_model`` the model id it serves (default: the first of its ``/v1/models``), and
+    ``options`` are not used.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -134,11 +140,28 @@ class ArmConfig(BaseModel):
     name: str | None = None
     options: dict[str, Any] = Field(default_factory=dict)
     weight: float = Field(1.0, ge=0.0)
+    url: str | None = None
+    served_model: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "ArmConfig":
         from sparsespec.engine import resolve_method_options
 
+        if self.url is not None:
+            if not self.url.startswith(("http://", "https://")):
+                raise ValueError(f"arm {self.name or self.method!r}: url must be an http(s) base URL such as "
+                                 f"http://127.0.0.1:8001/v1, got {self.url!r}")
+            if self.options:
+                raise ValueError(f"arm {self.name or self.method!r}: an external arm (url) takes no options: its "
+                                 f"server was started with them")
+            object.__setattr__(self, "url", self.url.rstrip("/"))
+            name = self.name or self.method.replace(":", "-")
+            if not name or ":" in name or "/" in name:
+                raise ValueError(f"arm name {name!r} must be non-empty without ':' or '/'")
+            object.__setattr__(self, "name", name)
+            return self
+        if self.served_model is not None:
+            raise ValueError(f"arm {self.name or self.method!r}: served_model needs url (an external arm)")
         try:
             if self.method == POLICY:
                 load_policy_options(self.options)
@@ -958,6 +981,208 @@ class Arm(ArmServer):
     """The Serve deployment of one arm (``arm-<name>``)."""
 
 
+class ExternalArmServer(ArmServer):
+    """An arm whose requests another OpenAI-compatible server decodes (``ArmConfig.url``: a
+    ``vllm serve`` process, so an A/B can put our engine against vLLM on the same live traffic).
+
+    It forwards the Router's tokenised request to ``{url}/completions`` as token ids
+    (``prompt``: the ids, ``return_token_ids``, streamed with ``include_usage``; vLLM's sampling
+    extensions ``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``), turns the chunks into
+    the same events an ``ArmServer`` yields, and records the row the same way (status, TTFT, ITL,
+    TPOT from the chunks' arrival times here; speculation from the server's per-request
+    ``metrics.speculative_decoding``, which ``vllm serve --per-request-spec-decode-metrics
+    summary`` adds). An unreachable server answers 503, a refused request the server's status.
+    """
+
+    def __init__(self, args: Mapping[str, Any], arm_name: str) -> None:  # noqa: D107 - no engine here
+        self.args = parse_args(args)
+        self.arm = self.args.arm(arm_name)
+        if self.arm.url is None:
+            raise ValueError(f"arm {arm_name!r} has no url: it is not an external arm")
+        self.log = RequestLog(self.args.db)
+        self.dead: str | None = None
+        self.last_error: str | None = None
+        self.num_steps = self.num_aborted = self.max_batch_seen = 0
+        self.inflight = 0
+        self._streams: dict[str, Any] = {}
+        self._metrics = _arm_metrics()
+        self.replica_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.vllm_metrics = VllmArmMetrics(self.args.model_id, self.arm.name, self.arm.method,
+                                           int(self.args.max_model_len or 2048), 0, lambda: self.inflight,
+                                           lambda: 0)
+        self._served_model = self.arm.served_model
+        self._client = None
+
+    def _http(self):
+        import httpx
+
+        if self._client is None:  # one client per replica, on the replica's event loop
+            self._client = httpx.AsyncClient(base_url=self.arm.url, timeout=httpx.Timeout(600.0, connect=10.0))
+        return self._client
+
+    async def _model(self) -> str:
+        if self._served_model is None:
+            r = await self._http().get("/models")
+            r.raise_for_status()
+            self._served_model = str(r.json()["data"][0]["id"])
+        return self._served_model
+
+    @staticmethod
+    def request_body(model: str, prompt_ids: Sequence[int], sampling: Mapping[str, Any]) -> dict[str, Any]:
+        """The ``/v1/completions`` body for one request (``sampling``: ``SamplingParams`` fields)."""
+        body: dict[str, Any] = {"model": model, "prompt": [int(t) for t in prompt_ids], "stream": True,
+                                "stream_options": {"include_usage": True}, "return_token_ids": True,
+                                "max_tokens": int(sampling.get("max_new_tokens", 16)),
+                                "temperature": float(sampling.get("temperature", 0.0)),
+                                "top_p": float(sampling.get("top_p", 1.0))}
+        if int(sampling.get("top_k", 0) or 0) > 0:
+            body["top_k"] = int(sampling["top_k"])
+        if sampling.get("seed") is not None:
+            body["seed"] = int(sampling["seed"])
+        if sampling.get("stop"):
+            body["stop"] = list(sampling["stop"])
+        if sampling.get("stop_token_ids"):
+            body["stop_token_ids"] = [int(t) for t in sampling["stop_token_ids"]]
+        if int(sampling.get("min_new_tokens", 0) or 0) > 0:
+            body["min_tokens"] = int(sampling["min_new_tokens"])
+        if sampling.get("ignore_eos"):
+            body["ignore_eos"] = True
+        return body
+
+    async def generate(self, payload: Mapping[str, Any]):
+        """The ``ArmServer.generate`` events for one request decoded by the external server."""
+        from sparsespec.stats import itl_percentiles, request_tpot
+
+        arrival = time.perf_counter()
+        rid = str(payload["request_id"])
+        row = {"request_id": rid, "experiment": self.args.experiment, "model": self.args.model_id,
+               "arm": self.arm.name, "method": self.arm.method, "session": payload.get("session"),
+               "endpoint": payload.get("endpoint", "completions"), "stream": bool(payload.get("stream")),
+               "prompt_tokens": len(payload["prompt_ids"]),
+               "max_tokens": payload["sampling"].get("max_new_tokens"),
+               "temperature": payload["sampling"].get("temperature")}
+        first_t = last_t = None
+        gaps: list[float] = []
+        text, token_ids, finish, usage, spec = [], [], None, None, None
+        self.inflight += 1
+        finished = False
+        try:
+            try:
+                body = self.request_body(await self._model(), payload["prompt_ids"], payload["sampling"])
+                async with self._http().stream("POST", "/completions", json=body) as r:
+                    if r.status_code != 200:
+                        raw = (await r.aread()).decode("utf-8", "replace")
+                        try:
+                            msg = json.loads(raw).get("error", {}).get("message") or raw
+                        except (ValueError, AttributeError):
+                            msg = raw
+                        status = r.status_code if r.status_code < 500 else 502
+                        finished = True
+                        row.update(status=status, error=f"{self.arm.url}: {msg}"[:2000])
+                        self._done(row)
+                        yield {"type": "error", "status": status, "message": f"arm {self.arm.name}: {msg}"[:2000],
+                               "param": None}
+                        return
+                    self.last_error = None
+                    yield {"type": "started", "arm": self.arm.name, "method": self.arm.method, "pid": os.getpid()}
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            break
+                        chunk = json.loads(data)
+                        if chunk.get("error"):
+                            raise RuntimeError(str(chunk["error"].get("message") or chunk["error"]))
+                        if chunk.get("usage"):
+                            usage = chunk["usage"]
+                            spec = (chunk.get("metrics") or {}).get("speculative_decoding")
+                        for c in chunk.get("choices") or []:
+                            ids = [int(t) for t in (c.get("token_ids") or [])]
+                            now = time.perf_counter()
+                            if ids:
+                                if first_t is None:
+                                    first_t = now
+                                elif last_t is not None:
+                                    gaps.append(now - last_t)
+                                last_t = now
+                            text.append(c.get("text") or "")
+                            token_ids += ids
+                            finish = c.get("finish_reason") or finish
+                            self.num_steps += 1
+                            yield {"type": "delta", "text": c.get("text") or "", "token_ids": ids,
+                                   "step": self.num_steps, "finished": False}
+            except Exception as e:  # noqa: BLE001 - unreachable, dropped mid-stream, malformed
+                if finished:
+                    raise
+                import httpx
+
+                status = 503 if isinstance(e, httpx.ConnectError) and first_t is None else 502
+                self.last_error = f"{type(e).__name__}: {e}"[:500]
+                finished = True
+                row.update(status=status, error=f"{self.arm.url}: {self.last_error}", output_tokens=len(token_ids),
+                           finish_reason="error" if token_ids else None, e2el_s=time.perf_counter() - arrival)
+                self._done(row)
+                yield {"type": "error", "status": status,
+                       "message": f"arm {self.arm.name}: external server {self.arm.url}: {self.last_error}",
+                       "param": None}
+                return
+            end = time.perf_counter()
+            e2el = end - arrival
+            ttft = (first_t - arrival) if first_t is not None else None
+            n_out = len(token_ids)
+            timing = {"queue_s": None, "ttft_s": ttft, "e2el_s": e2el, "tpot_s": request_tpot(e2el, ttft, n_out),
+                      "num_chunks": len(gaps) + (1 if first_t is not None else 0), "max_batch": None,
+                      **itl_percentiles(gaps)}
+            stats: dict[str, Any] = {"num_prompt_tokens": row["prompt_tokens"], "num_output_tokens": n_out,
+                                     "ttft_s": ttft, "total_s": e2el, "engine": "external", "url": self.arm.url,
+                                     "chunk_gaps_s": gaps,
+                                     **{k: timing[k] for k in ("tpot_s", "num_chunks", "itl_p50_s", "itl_p95_s",
+                                                               "itl_p99_s")}}
+            speculation = None
+            if spec:
+                speculation = {k: spec.get(k) for k in ("num_draft_tokens", "num_accepted_draft_tokens",
+                                                        "draft_acceptance_rate", "mean_acceptance_length",
+                                                        "acceptance_histogram", "num_spec_steps")}
+                stats.update(num_drafted=int(spec.get("num_draft_tokens") or 0),
+                             num_accepted=int(spec.get("num_accepted_draft_tokens") or 0),
+                             num_drafting_steps=int(spec.get("num_spec_steps") or 0))
+            usage = usage or {"prompt_tokens": row["prompt_tokens"], "completion_tokens": n_out,
+                              "total_tokens": row["prompt_tokens"] + n_out}
+            row.update(status=200, finish_reason=finish, output_tokens=n_out, queue_s=None, ttft_s=ttft, e2el_s=e2el,
+                       stats=stats)
+            finished = True
+            self._done(row, speculation, timing)
+            yield {"type": "final", "text": "", "token_ids": [], "step": self.num_steps, "finished": True,
+                   "finish_reason": finish, "usage": usage, "speculation": speculation, "timing": timing,
+                   "all_text": "".join(text), "all_token_ids": token_ids}
+        finally:
+            self.inflight -= 1
+            if not finished:  # the caller went away: the stream was closed, the server aborts it
+                self.num_aborted += 1
+                row.update(status=499, finish_reason="abort", error="client disconnected", output_tokens=len(token_ids),
+                           e2el_s=time.perf_counter() - arrival,
+                           ttft_s=(first_t - arrival) if first_t is not None else None)
+                self._done(row)
+
+    def state(self) -> dict[str, Any]:
+        return {"arm": self.arm.name, "method": self.arm.method, "url": self.arm.url, "pid": os.getpid(),
+                "alive": self.last_error is None, "error": self.last_error, "running": self.inflight, "waiting": 0,
+                "free_slots": None, "num_steps": self.num_steps, "num_aborted": self.num_aborted,
+                "max_batch_seen": None, "open_streams": self.inflight, "rows_written": self.log.written}
+
+    def check_health(self) -> None:
+        """The server's own health is its business: this replica is healthy while it runs."""
+
+    def shutdown(self) -> None:
+        self.log.close()
+
+
+@serve.deployment(max_ongoing_requests=64, max_queued_requests=64, graceful_shutdown_timeout_s=5)
+class ExternalArm(ExternalArmServer):
+    """The Serve deployment of one external arm (``arm-<name>``)."""
+
+
 # ====================================================================== the ingress
 class APIError(Exception):
     """An OpenAI-style error answer: ``{"error": {"message", "type", "param", "code"}}``."""
@@ -1750,7 +1975,7 @@ def build_app(args: Mapping[str, Any] | None = None):
         except Exception:  # noqa: BLE001
             device = "cpu"
     raw["device"] = device
-    threads = cfg.threads or max(1, (os.cpu_count() or 1) // len(cfg.arms))
+    threads = cfg.threads or max(1, (os.cpu_count() or 1) // max(1, sum(a.url is None for a in cfg.arms)))
     raw["threads"] = threads
     if device == "cuda":
         actor = {"num_gpus": 1, "num_cpus": cfg.arm_num_cpus if cfg.arm_num_cpus is not None else 1}
@@ -1758,6 +1983,10 @@ def build_app(args: Mapping[str, Any] | None = None):
         actor = {"num_cpus": cfg.arm_num_cpus if cfg.arm_num_cpus is not None else threads}
     arms = {}
     for a in cfg.arms:
+        if a.url is not None:  # another server decodes: the replica only forwards and records
+            arms[a.name] = ExternalArm.options(name=f"arm-{a.name}", ray_actor_options={"num_cpus": 0.1},
+                                               max_queued_requests=cfg.max_queued_requests).bind(raw, a.name)
+            continue
         arms[a.name] = Arm.options(name=f"arm-{a.name}", ray_actor_options=actor,
                                    max_ongoing_requests=cfg.max_ongoing_requests or 2 * cfg.max_num_seqs,
                                    max_queued_requests=cfg.max_queued_requests).bind(raw, a.name)

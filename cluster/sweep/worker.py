@@ -44,6 +44,7 @@ import ray
 
 from cluster.peers.engine import PeerError, VllmMethods, is_vllm_method
 from cluster.sweep.plan import Shard
+from sparsespec.provision import ModelNotAvailableError
 from sparsespec.registry import AR, MethodUnavailable
 
 EngineFactory = Callable[[str, str, str], Any]  # (model, dtype, device) -> engine
@@ -354,7 +355,7 @@ class EngineWorker:
                                          resolve_model, warmup_tokens=WARMUP_TOKENS,
                                          warmup_prompt_tokens=WARMUP_PROMPT_TOKENS)
             return self._vllm.run(method, dict(shard.method_options.get(method, {}) or {}), prompts, params)
-        except (PeerError, FileNotFoundError, ValueError, OSError) as e:
+        except (PeerError, ModelNotAvailableError, ValueError, OSError) as e:
             raise MethodUnavailable(f"{method}: {e}") from None
 
 
