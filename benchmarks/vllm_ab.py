@@ -52,11 +52,11 @@ def start_vllm(folder: Path, served: str, port: int, threads: int, max_model_len
         raise SystemExit("no .venv-peers: run make peers")
     cmd = [str(python), str(ROOT / "cluster" / "peers" / "vllm_cli.py"), "serve", str(folder),
            "--served-model-name", served, "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", str(max_model_len), "--per-request-spec-decode-metrics", "summary",
-           "--disable-uvicorn-access-log"]
-    if method == "ngram":
+           "--max-model-len", str(max_model_len), "--disable-uvicorn-access-log"]
+    if method == "ngram":  # (vLLM refuses per-request speculation metrics without speculation)
         cmd += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 4,
-                                                    "prompt_lookup_min": 1, "prompt_lookup_max": 4})]
+                                                    "prompt_lookup_min": 1, "prompt_lookup_max": 4}),
+                "--per-request-spec-decode-metrics", "summary"]
     env = {k: v for k, v in os.environ.items() if k not in _DROP_ENV}
     env.update(PYTHONNOUSERSITE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                VLLM_CPU_OMP_THREADS_BIND=",".join(str(c) for c in sorted(os.sched_getaffinity(0))[:threads]),
