@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     if split is None:
         raise SystemExit("this torch has no fused CPU flash attention op: nothing to compare")
     lengths = [int(x) for x in a.lengths.split(",")]
-    ids = torch.randint(100, min(30000, model.cfg.vocab_size), (1, max(lengths)), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(100, min(30000, model.cfg.vocab_size), (1, max(lengths)),
+                        generator=torch.Generator().manual_seed(0))
 
     def run(L: int, flash) -> tuple[float, torch.Tensor]:
         M._FLASH_CPU = flash  # None: the masked SDPA path

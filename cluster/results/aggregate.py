@@ -856,10 +856,11 @@ def engines_table(rows: Iterable[Mapping[str, Any]], *, n_boot: int = N_BOOT, se
     (``ENGINE_CELL_KEYS``) and method variant, ``speedup`` against our ``ar`` (as everywhere),
     ``speedup_own_ar`` against its own engine's plain decoding (``engine_ar``; None without its
     rows) and ``speedup_fastest_ar`` against the faster plain decoding of the cell
-    (``fastest_ar``: the engine AR with the least decode time over the batches both decoded), each
+    (``fastest_ar``: the engine ar with the least decode time over the batches both decoded), each
     a median of paired batches (``paired_speedup``); ``alpha``, ``tau`` (accepted length + 1 per
-    step), ``tpot_s`` (the median batch TPOT, ``sparsespec.stats.batch_tpot``), and ``lossless_rate`` (for ``vllm:ar``: the share of samples whose greedy
-    tokens equal our ``ar``'s)."""
+    step), ``tpot_s`` (the median batch TPOT, ``sparsespec.stats.batch_tpot``), and
+    ``lossless_rate`` (for ``vllm:ar``: the share of samples whose greedy tokens equal our
+    ``ar``'s)."""
     rows = list(rows)
     by = (*ENGINE_CELL_KEYS, "method", "k", "draft_weights")
     cells = cell_table(rows, by=by, n_boot=n_boot, seed=seed)

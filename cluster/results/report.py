@@ -411,7 +411,8 @@ def _engines_main(args: argparse.Namespace) -> int:
         print(f"error: no results in {safe_url(args.db)}; run a sweep first (e.g. python -m cluster.sweep "
               f"configs/engines_cpu.yaml)", file=sys.stderr)
         return 1
-    print(json.dumps(rows, indent=2, default=str) if args.json else format_engines(rows), end="" if not args.json else "\n")
+    print(json.dumps(rows, indent=2, default=str) if args.json else format_engines(rows),
+          end="" if not args.json else "\n")
     return 0
 
 

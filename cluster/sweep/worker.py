@@ -18,11 +18,11 @@ Measurement discipline:
   runs on the 2-core CPU machines. ``schedule="run"``: each method's whole batch back to back
   (order rotating with the batch index), one method's KV pool in memory at a time (large
   batches x long contexts on a GPU);
-- a method of vLLM (``vllm:ar``, ``vllm:ngram``, ... ``cluster.peers.engine``) decodes the
-  same batch on one persistent vLLM engine per (worker, method, options)
-  (``cluster.peers.engine.VllmMethods``), started (never timed) and warmed up on its first batch; it cannot step in turn with our cores, so its whole batch runs
-  right after ours (before ours on odd batch indices, so drift favours neither engine), timed on
-  vLLM's own engine-core clock;
+- a method of vLLM (``vllm:ar``, ``vllm:ngram``, ...) decodes the same batch on one persistent
+  vLLM engine per (worker, method, options) (``cluster.peers.engine.VllmMethods``), started
+  (never timed) and warmed up on its first batch of each size; it cannot step in turn with our
+  cores, so its whole batch runs right after ours (before ours on odd batch indices, so drift
+  favours neither engine), timed on vLLM's own engine-core clock;
 - a batch's B samples are added to one ``EngineCore`` with ``max_num_seqs=B`` and stepped to
   completion; each row keeps its own stats, and every row also records the batch's wall time
   (``batch_wall_s``: the core's own steps), its prefill part (``batch_prefill_s``, the sum of
