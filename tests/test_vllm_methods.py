@@ -457,10 +457,12 @@ def test_worker_on_a_quantised_target_leaves_vllm_methods_out(tmp_path, monkeypa
     assert {r["method"] for r in out["rows"]} == {"ar"}
 
 
-def test_runner_takes_vllms_processes_with_it_when_its_stdin_closes(tmp_path):
+@pytest.mark.parametrize("how", ["stdin closed", "runner killed"])
+def test_runner_takes_vllms_processes_with_it_when_its_stdin_closes(tmp_path, how):
     """The real runner in serve mode, over a stand-in ``vllm`` package whose ``LLM`` starts a
     child process (as vLLM's engine core does): closing the runner's stdin (the worker is done or
-    died) ends the child too, and a batch before that is answered on the protocol stream."""
+    died) or killing the runner outright ends the child too, and a batch before that is answered
+    on the protocol stream."""
     import os
     import signal
     import subprocess
@@ -509,7 +511,10 @@ def test_runner_takes_vllms_processes_with_it_when_its_stdin_closes(tmp_path):
         assert answer["token_ids"] == [[0, 1, 2]] and answer["times"][0]["first_s"] == pytest.approx(0.5)
         child = int((model / "child.pid").read_text())
         assert Path(f"/proc/{child}").exists()  # alive while the runner serves
-        proc.stdin.close()
+        if how == "stdin closed":  # the worker is done, or died with its pipe
+            proc.stdin.close()
+        else:  # as Ray ends a dead actor's child processes: SIGKILL, no chance to clean up
+            os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         def alive(pid):  # a zombie (killed, not yet reaped by whoever adopted it) is dead
             try:
@@ -517,7 +522,7 @@ def test_runner_takes_vllms_processes_with_it_when_its_stdin_closes(tmp_path):
             except (FileNotFoundError, IndexError):
                 return False
 
-        for _ in range(100):
+        for _ in range(200):
             if not alive(child):
                 break
             time.sleep(0.05)
