@@ -413,6 +413,10 @@ def test_vllm_methods_warm_each_engine_and_batch_size_once_and_restart_only_when
     assert len(made) == 2 and made[1].config["max_num_seqs"] == 6 and len(made[1].batches) == 2
     vm.run("vllm:ngram", opts, prompts, params)  # the larger engine serves the small batch too (warmed for it)
     assert len(made) == 2 and len(made[1].batches) == 4
+    long = [list(range(3, 2503))] * 2  # 2 x (2500 + 6) tokens: more than 4096 in one step
+    vm.run("vllm:ngram", opts, long, params)
+    assert len(made) == 3 and made[2].config["engine_kwargs"]["max_num_batched_tokens"] == 8192
+    assert made[2].config["max_num_seqs"] == 4  # sized for this batch, not the largest one seen
     vm.close()
     assert vm.peers == {}
 

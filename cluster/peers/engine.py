@@ -331,9 +331,6 @@ def batch_times(answer: Mapping[str, Any]) -> tuple[float, float]:
 
 
 
-#: the most tokens a vLLM engine is built to prefill in one step unless a batch needs more
-VLLM_STEP_TOKENS = 65536
-
 
 class VllmMethods:
     """A worker's ``vllm:`` methods on one model: one :class:`VllmPeer` per (method, options), started
@@ -345,11 +342,13 @@ class VllmMethods:
     (engine, batch size) is warmed up once with a short unrecorded batch (the prompts' last
     ``warmup_prompt_tokens``, ``warmup_tokens`` new ones), as the worker warms our methods up.
 
-    Each engine is sized for batches of up to ``max(4, B)`` full windows, with the whole batch's
-    prefill in one engine step (``max_num_batched_tokens``, at most ``VLLM_STEP_TOKENS`` unless a
-    batch needs more), as our cores prefill every row before the first decode step (vLLM's CPU
-    default, 4096 tokens a step, would decode early rows while later ones prefill, and no decode
-    span would be clean); a batch larger than that restarts it (90-160 s on 2 cores).
+    Each engine takes ``max(4, B)`` rows and the whole batch's prefill in one engine step
+    (``max_num_batched_tokens``: the batch's prompt + new tokens, rounded up to a power of two, at
+    least 4096), as our cores prefill every row before the first decode step (vLLM's CPU default,
+    4096 tokens a step, would decode early rows while later ones prefill, and no decode span would
+    be clean); a batch that needs more restarts it (90-160 s on 2 cores). Sized for the batch, not
+    for full windows: an engine built for 65536 tokens a step ran Qwen2.5-Coder-0.5B's worker out
+    of 23 GB during vLLM's start-up.
     """
 
     def __init__(self, folder: str | os.PathLike, dtype: str, threads: int | None, max_context: int,
@@ -365,18 +364,18 @@ class VllmMethods:
         ``need_tokens`` tokens in all (prompt + new tokens). Raises PeerError, ValueError."""
         key = (method, json.dumps(dict(options), sort_keys=True))
         seqs = max(4, batch)
-        step = max(need_tokens, 4096, min(VLLM_STEP_TOKENS, seqs * self.max_context))
-        step = 1 << (step - 1).bit_length()
+        step = 1 << (max(need_tokens, 4096) - 1).bit_length()
         peer = self.peers.get(key)
         if peer is not None and (peer.config["max_num_seqs"] < batch
                                  or peer.config["engine_kwargs"]["max_num_batched_tokens"] < need_tokens):
             peer.close()
             peer = None
         if peer is None:
-            # KV for its batches of full windows, no more (several engines stay resident in one worker)
+            # KV for the batch's tokens (at least one full window, which vLLM checks at start), no
+            # more: several engines stay resident in one worker
             config = {"model": self.folder, "dtype": self.dtype, "threads": self.threads, "max_num_seqs": seqs,
                       "speculative_config": speculative_config(method, options, self.resolve_model),
-                      "kv_cache_gib": kv_cache_gib(self.folder, self.dtype, seqs * self.max_context, 1.25),
+                      "kv_cache_gib": kv_cache_gib(self.folder, self.dtype, max(step, self.max_context), 1.25),
                       "max_model_len": self.max_context, "engine_kwargs": {"max_num_batched_tokens": step}}
             peer = VllmPeer(config)
             peer.start()
