@@ -537,3 +537,17 @@ def test_runner_takes_vllms_processes_with_it_when_its_stdin_closes(tmp_path, ho
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_engines_report_cli_says_what_is_missing(tmp_path, capsys):
+    from cluster.results.report import main
+    from cluster.results.store import open_store
+
+    url = f"sqlite:///{tmp_path}/empty.db"
+    with open_store(url):
+        pass
+    assert main(["--engines", "--db", url]) == 1
+    assert "no results" in capsys.readouterr().err
+    assert main(["--engines", "--db", f"sqlite:///{tmp_path}/absent.db"]) != 0
+    with pytest.raises(SystemExit):
+        main(["--engines", "--policy", "--db", url])

@@ -340,30 +340,41 @@ def _policy_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     return 0
 
 
-def seed_table_rows(db_url: str, run_ids: str | Iterable[str] | None = None) -> list[dict[str, Any]]:
-    """``cluster.results.seed_table.seed_table`` over the store (the given runs, default all)."""
+def _store_rows(db_url: str, run_ids: str | Iterable[str] | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The store's result rows (with their run's fields) and runs, for the given runs (default all)."""
     from cluster.results import aggregate as queries
-    from cluster.results.seed_table import seed_table
 
     with open_store(db_url, create=False) as store:
         wanted = None if run_ids is None else set([run_ids] if isinstance(run_ids, str) else run_ids)
         runs = [r for r in store.runs() if wanted is None or r["run_id"] in wanted]
-        return seed_table(queries.with_run_fields(store.results(run_ids=run_ids), runs), runs)
+        return queries.with_run_fields(store.results(run_ids=run_ids), runs), runs
+
+
+def seed_table_rows(db_url: str, run_ids: str | Iterable[str] | None = None) -> list[dict[str, Any]]:
+    """``cluster.results.seed_table.seed_table`` over the store (the given runs, default all)."""
+    from cluster.results.seed_table import seed_table
+
+    return seed_table(*_store_rows(db_url, run_ids))
+
+
+def _table_main(args: argparse.Namespace, rows_of, fmt, example_spec: str) -> int:
+    """One of the report's own tables: ``rows_of(db, runs)``, printed by ``fmt`` (or as JSON)."""
+    try:
+        rows = rows_of(args.db, args.runs)
+    except StoreError as e:
+        return cli_error(e)
+    if not rows:
+        print(f"error: no results in {safe_url(args.db)}; run a sweep first (e.g. python -m cluster.sweep "
+              f"{example_spec})", file=sys.stderr)
+        return 1
+    print(json.dumps(rows, indent=2, default=str) if args.json else fmt(rows), end="" if not args.json else "\n")
+    return 0
 
 
 def _seed_table_main(args: argparse.Namespace) -> int:
     from cluster.results.seed_table import format_seed_table
 
-    try:
-        rows = seed_table_rows(args.db, args.runs)
-    except StoreError as e:
-        return cli_error(e)
-    if not rows:
-        print(f"error: no results in {safe_url(args.db)}; run a sweep first (e.g. python -m cluster.sweep "
-              f"configs/seed_table_cpu.yaml)", file=sys.stderr)
-        return 1
-    print(json.dumps(rows, indent=2, default=str) if args.json else format_seed_table(rows), end="" if not args.json else "\n")
-    return 0
+    return _table_main(args, seed_table_rows, format_seed_table, "configs/seed_table_cpu.yaml")
 
 
 ENGINES_HEADERS = {"model": "model", "quantize": "target", "context_length": "ctx", "batch_size": "batch",
@@ -396,24 +407,11 @@ def engines_rows(db_url: str, run_ids: str | Iterable[str] | None = None) -> lis
     """``cluster.results.aggregate.engines_table`` over the store (the given runs, default all)."""
     from cluster.results import aggregate as queries
 
-    with open_store(db_url, create=False) as store:
-        wanted = None if run_ids is None else set([run_ids] if isinstance(run_ids, str) else run_ids)
-        runs = [r for r in store.runs() if wanted is None or r["run_id"] in wanted]
-        return queries.engines_table(queries.with_run_fields(store.results(run_ids=run_ids), runs))
+    return queries.engines_table(_store_rows(db_url, run_ids)[0])
 
 
 def _engines_main(args: argparse.Namespace) -> int:
-    try:
-        rows = engines_rows(args.db, args.runs)
-    except StoreError as e:
-        return cli_error(e)
-    if not rows:
-        print(f"error: no results in {safe_url(args.db)}; run a sweep first (e.g. python -m cluster.sweep "
-              f"configs/engines_cpu.yaml)", file=sys.stderr)
-        return 1
-    print(json.dumps(rows, indent=2, default=str) if args.json else format_engines(rows),
-          end="" if not args.json else "\n")
-    return 0
+    return _table_main(args, engines_rows, format_engines, "configs/engines_cpu.yaml")
 
 
 def _four_way_main(args: argparse.Namespace) -> int:

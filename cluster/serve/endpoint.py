@@ -539,6 +539,15 @@ class ArmServer:
         return self.cores[core], choice
 
     # ------------------------------------------------------------ request side
+    def _request_row(self, payload: Mapping[str, Any]) -> dict[str, Any]:
+        """The stored row of one request as it arrives (every arm kind fills in the rest)."""
+        return {"request_id": str(payload["request_id"]), "experiment": self.args.experiment,
+                "model": self.args.model_id, "arm": self.arm.name, "method": self.arm.method,
+                "session": payload.get("session"), "endpoint": payload.get("endpoint", "completions"),
+                "stream": bool(payload.get("stream")), "prompt_tokens": len(payload["prompt_ids"]),
+                "max_tokens": payload["sampling"].get("max_new_tokens"),
+                "temperature": payload["sampling"].get("temperature")}
+
     async def generate(self, payload: Mapping[str, Any]):
         """Decode one request; yields event dicts. ``payload``: ``request_id``, ``prompt_ids``,
         ``sampling`` (``SamplingParams`` fields), and for the record ``session``, ``endpoint``,
@@ -547,12 +556,7 @@ class ArmServer:
 
         arrival = time.perf_counter()
         rid = str(payload["request_id"])
-        row = {"request_id": rid, "experiment": self.args.experiment, "model": self.args.model_id,
-               "arm": self.arm.name, "method": self.arm.method, "session": payload.get("session"),
-               "endpoint": payload.get("endpoint", "completions"), "stream": bool(payload.get("stream")),
-               "prompt_tokens": len(payload["prompt_ids"]),
-               "max_tokens": payload["sampling"].get("max_new_tokens"),
-               "temperature": payload["sampling"].get("temperature")}
+        row = self._request_row(payload)
         if self.dead:
             row.update(status=503, error=self.dead)
             self._done(row)
@@ -1055,12 +1059,7 @@ class ExternalArmServer(ArmServer):
 
         arrival = time.perf_counter()
         rid = str(payload["request_id"])
-        row = {"request_id": rid, "experiment": self.args.experiment, "model": self.args.model_id,
-               "arm": self.arm.name, "method": self.arm.method, "session": payload.get("session"),
-               "endpoint": payload.get("endpoint", "completions"), "stream": bool(payload.get("stream")),
-               "prompt_tokens": len(payload["prompt_ids"]),
-               "max_tokens": payload["sampling"].get("max_new_tokens"),
-               "temperature": payload["sampling"].get("temperature")}
+        row = self._request_row(payload)
         first_t = last_t = None
         gaps: list[float] = []
         text, token_ids, finish, usage, spec = [], [], None, None, None
