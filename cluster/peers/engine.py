@@ -357,7 +357,7 @@ class VllmMethods:
         self.max_context, self.decode, self.resolve_model = int(max_context), decode, resolve_model
         self.warmup_tokens, self.warmup_prompt_tokens = int(warmup_tokens), int(warmup_prompt_tokens)
         self.peers: dict[tuple[str, str], VllmPeer] = {}
-        self._warmed: set[tuple[int, int]] = set()  # (id of the engine, batch size)
+        self._warmed: dict[tuple[str, str], set[int]] = {}  # engine key -> batch sizes its engine warmed up
 
     def peer(self, method: str, options: Mapping[str, Any], batch: int, need_tokens: int) -> VllmPeer:
         """The running engine for ``method`` with ``options`` that takes ``batch`` prompts of
@@ -380,6 +380,7 @@ class VllmMethods:
             peer = VllmPeer(config)
             peer.start()
             self.peers[key] = peer
+            self._warmed[key] = set()  # a new engine: nothing warmed yet
         return peer
 
     def run(self, method: str, options: Mapping[str, Any], prompts: Sequence[Sequence[int]],
@@ -393,12 +394,13 @@ class VllmMethods:
             peer = self.peer(method, options, len(prompts), need)
         except (OSError, ValueError) as e:
             raise PeerError(str(e)) from None
-        if (id(peer), len(prompts)) not in self._warmed:
+        warmed = self._warmed[(method, json.dumps(dict(options), sort_keys=True))]
+        if len(prompts) not in warmed:
             peer.generate([list(p)[-self.warmup_prompt_tokens:] for p in prompts],
                           [{**q, "max_tokens": min(self.warmup_tokens, q["max_tokens"]),
                             "min_tokens": min(self.warmup_tokens, q["max_tokens"], q.get("min_tokens", 0))}
                            for q in params])
-            self._warmed.add((id(peer), len(prompts)))
+            warmed.add(len(prompts))
         answer = peer.generate(prompts, params)
         k = (peer.config.get("speculative_config") or {}).get("num_speculative_tokens")
         texts = answer.get("texts") or [None] * len(prompts)
