@@ -26,6 +26,8 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=8, help="draft length: verify has T = k + 1 queries")
     ap.add_argument("--window", type=int, default=16)
     ap.add_argument("--budget-frac", type=float, default=0.1)
+    ap.add_argument("--graphs", action="store_true",
+                    help="also time each case as a CUDA graph replay (device time without Python launch costs)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -86,9 +88,18 @@ def main(argv=None) -> int:
                 sec = float("nan")
             row = {"context": S, "case": name, "backend": "triton" if use else "torch", "seconds": sec,
                    "bytes": nbytes, "x_roofline": sec / (nbytes / bw)}
+            graph = ""
+            if args.graphs:
+                try:
+                    gsec = float(triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")) * 1e-3
+                except Exception as e:  # not capturable (a host sync in the torch path), or out of memory
+                    gsec, graph = float("nan"), f"  graph: {type(e).__name__}"
+                    torch.cuda.empty_cache()
+                row.update(seconds_graph=gsec, x_roofline_graph=gsec / (nbytes / bw))
+                graph = graph or f"  graph {gsec * 1e6:8.1f} us {row['x_roofline_graph']:5.2f}x"
             results["rows"].append(row)
             print(f"S={S:6d}  {name:28s} {row['backend']:6s} {sec * 1e6:9.1f} us  {nbytes / sec / 1e9:7.0f} GB/s"
-                  f"  {row['x_roofline']:5.2f}x roofline")
+                  f"  {row['x_roofline']:5.2f}x roofline{graph}")
         del kc, vc
         torch.cuda.empty_cache()
     if args.json_out:

@@ -133,6 +133,24 @@ def test_the_roofline_module_needs_no_ray_or_sql():
     assert out.stdout.strip() == ""
 
 
+def test_a_steps_only_run_needs_no_ray_or_pydantic(tmp_path):
+    """GPU images without the sweep layer's packages (the H200 one has neither) still time the steps."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, runpy\n"
+            "for m in ('ray', 'pydantic'): sys.modules[m] = None  # import fails as if not installed\n"
+            "sys.argv = ['cluster.speed', '--shape', 'tiny', '--random-weights', '--steps-only', '--context-lengths',"
+            " '128', '--batch-sizes', '1', '--k', '2', '--reps', '1', '--warmup', '0', '--gen-tokens', '4',"
+            " '--threads', '1', '--peers', 'none', '--db', '']\n"
+            "runpy.run_module('cluster.speed', run_name='__main__')\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "| ctx (prompt) | B |" in out.stdout
+
+
 @pytest.mark.parametrize("kwargs, msg", [
     ({"random_weights": True}, "needs --shape"),
     ({"context_lengths": (32,)}, "context lengths"),

@@ -1109,8 +1109,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     import sparsespec
-    from cluster.sweep.coordinator import WorkerStartError
     from cluster.results.store import StoreError, safe_url
+
+    errors: tuple[type[Exception], ...] = (StoreError,)
+    if cfg.runs_e2e or a.ray:  # a sweep's workers (the sweep layer needs pydantic and Ray: not on bare GPU images)
+        from cluster.sweep.coordinator import WorkerStartError
+
+        errors += (WorkerStartError,)
 
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -1128,7 +1133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, sparsespec.ModelNotAvailableError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (WorkerStartError, StoreError) as e:
+    except errors as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     md = markdown(result)

@@ -263,23 +263,25 @@ def _meta(q: torch.Tensor, num_warps: int) -> dict:
     return dict(PREC=prec, UPCAST=upcast, num_warps=num_warps)
 
 
-# Launch configurations: chosen from offline sm_90 compiles (triton.compile for
-# GPUTarget("cuda", 90, 32) with the JIT's specialisations: unit strides constexpr, 16-divisible
-# pointers/strides), bf16, D=128, looking at registers per thread, spills and shared memory:
-#   _attn_fwd  M=16 (decode/draft, G*T <= 16): BLOCK_N=64, 4 warps -> 138 regs, 39 KB smem, no spills
-#   _attn_fwd  M=64 (verify T=9, G=4):         BLOCK_N=64, 8 warps -> 125 regs, 82 KB smem
-#   _attn_fwd  M=128 (T=17, G=4):               BLOCK_N=32, 8 warps
-#   _importance (W <= 16):                      BLOCK_N=64, 8 warps ->  80 regs, 37 KB smem
-#   fp32 (tests only; "tf32x3" dots): BLOCK_N=16, 8 warps, 1 stage -> at most 147 KB smem, small spills
-# Not timed on a GPU yet (benchmarks/kernel_timing.py does that); retune there.
+# Launch configurations, measured on an H200 (Triton 3.6, CUDA 13; benchmarks/kernel_configs.py,
+# Llama-3.1-8B heads, 2 rows x 16000 keys; benchmarks/RESULTS.md, 2026-12-04), chosen among those
+# that compiled without spills on sm_90 (registers, shared memory):
+#   bf16 _attn_fwd  M=16 (decode/draft, G*T <= 16): BLOCK_N=64, 4 warps, 2 stages
+#   bf16 _attn_fwd  M=32..128 (verify):             BLOCK_N=32, 8 warps, 2 stages (T=9: 465 us
+#                                                   against 569 at BLOCK_N=64; T=17: 351 against 600)
+#   _importance (W <= 16):                          BLOCK_N=64, 8 warps
+#   fp32 ("tf32x3" dots; the lossless tests): M=16 BLOCK_N=16 8 warps; M=32..64 BLOCK_N=32 4 warps;
+#   M=128 BLOCK_N=32 8 warps; 1 stage. BLOCK_N=16 with 8 warps at M=64 faults the device
+#   (illegal address) under Triton 3.6, and BLOCK_N=64 with 2 stages at M=128 needs 256 KB of
+#   shared memory (232 KB on sm_90).
 def _fwd_config(block_m: int, block_d: int, fp32: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of ``_attn_fwd``."""
     if fp32:
-        return 16, 8, 1
+        if block_m <= 16:
+            return 16, 8, 1
+        return (32, 4, 1) if block_m <= 64 else (32, 8, 1)
     if block_m <= 16:
         return (64 if block_d <= 128 else 32), 4, 2
-    if block_m <= 64:
-        return (64 if block_d <= 128 else 32), 8, 2
     return 32, 8, 2
 
 
