@@ -102,7 +102,7 @@ def _row(run_id="r1", task="t", sample_id="s1", method="sparsespec-l", trace=Non
 # ------------------------------------------------------------------ schema
 def test_upgrade_from_empty_matches_the_models(db_url):
     with open_store(db_url) as st:
-        assert st.revision() == head_revision() == "0003"
+        assert st.revision() == head_revision() == "0004"
         assert STORE_TABLES <= set(inspect(st.engine).get_table_names())
         assert _diffs(st.engine) == [], "the models changed without a migration (cluster/results/migrations/versions)"
         # the check bites: a model column the migrations do not create is a difference
@@ -118,7 +118,7 @@ def test_upgrade_from_empty_matches_the_models(db_url):
         assert not STORE_TABLES & set(inspect(st.engine).get_table_names())
         assert current_revision(st.engine) is None
         _alembic(st.engine, command.upgrade, "head")
-        assert current_revision(st.engine) == "0003" and _diffs(st.engine) == []
+        assert current_revision(st.engine) == "0004" and _diffs(st.engine) == []
 
 
 @pytest.mark.parametrize("missing", [(), ("shards", "bench", "serve_requests")])
@@ -194,18 +194,46 @@ def test_in_memory_database():
 # ------------------------------------------------------------------ command line
 def test_cli_upgrade_and_current(db_url, capsys):
     assert main(["upgrade", "--db", db_url]) == 0
-    assert capsys.readouterr().out.strip().endswith(": none -> 0003")
+    assert capsys.readouterr().out.strip().endswith(": none -> 0004")
     assert main(["upgrade", "--db", db_url]) == 0
-    assert capsys.readouterr().out.strip().endswith(": 0003 -> 0003 (already at head)")
+    assert capsys.readouterr().out.strip().endswith(": 0004 -> 0004 (already at head)")
     assert main(["current", "--db", db_url]) == 0
-    assert capsys.readouterr().out.strip() == "0003 (head)"
+    assert capsys.readouterr().out.strip() == "0004 (head)"
     from alembic import command
 
     _alembic(db_url, command.downgrade, "0001")
     assert main(["current", "--db", db_url]) == 0
-    assert capsys.readouterr().out.startswith("0001 (head is 0003")
+    assert capsys.readouterr().out.startswith("0001 (head is 0004")
     assert main(["upgrade", "--db", db_url]) == 0
-    assert capsys.readouterr().out.strip().endswith(": 0001 -> 0003")
+    assert capsys.readouterr().out.strip().endswith(": 0001 -> 0004")
+
+
+def test_0004_flags_warmups_keeps_older_rows_and_goes_back(db_url):
+    """Rows stored before 0004 become measured requests (warmup false); after it, a warm-up row is
+    left out of ``serve_requests()`` unless asked; downgrading drops the column, not the rows."""
+    from alembic import command
+
+    row = dict(experiment="e", model="m", arm="ar", method="ar", endpoint="completions", status=200,
+               output_tokens=4)
+    _alembic(db_url, command.upgrade, "0003")
+    eng = _engine(db_url)
+    try:
+        with eng.begin() as c:
+            c.execute(text("INSERT INTO serve_requests (request_id, experiment, model, arm, method, endpoint, "
+                           "stream, status, output_tokens, created_at) VALUES ('old', 'e', 'm', 'ar', 'ar', "
+                           "'completions', false, 200, 4, CURRENT_TIMESTAMP)"))
+    finally:
+        eng.dispose()
+    with open_store(db_url) as st:
+        assert st.revision() == "0004"
+        st.add_serve_requests([{**row, "request_id": "warm", "warmup": True}, {**row, "request_id": "new"}])
+        assert [q["request_id"] for q in st.serve_requests("e")] == ["old", "new"]
+        assert [q["warmup"] for q in st.serve_requests("e")] == [False, False]
+        assert [q["request_id"] for q in st.serve_requests("e", warmups=True)] == ["old", "warm", "new"]
+        _alembic(st.engine, command.downgrade, "0003")
+        assert "warmup" not in {c["name"] for c in inspect(st.engine).get_columns("serve_requests")}
+        with st.engine.connect() as c:
+            assert c.execute(text("SELECT count(*) FROM serve_requests")).scalar() == 3
 
 
 def test_cli_from_another_directory(tmp_path):
@@ -217,7 +245,7 @@ def test_cli_from_another_directory(tmp_path):
     assert up.returncode == 0, up.stderr
     cur = subprocess.run([sys.executable, "-m", "cluster.results.store", "current", "--db", db], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=120)
-    assert (cur.returncode, cur.stdout.strip()) == (0, "0003 (head)"), cur.stderr
+    assert (cur.returncode, cur.stdout.strip()) == (0, "0004 (head)"), cur.stderr
 
 
 @pytest.mark.parametrize("url", ["results.db", "nosuchdialect://x/y", "postgresql+asyncpg://u@h/db", ""])

@@ -419,6 +419,7 @@ def _make_app(state: FakeState):
         session = request.headers.get("x-session-id", "")
         arm = request.headers.get("x-arm") or fake_arm(session)
         state.calls.append({"session": session, "x_arm": request.headers.get("x-arm"), "body": body,
+                            "warmup": request.headers.get("x-sparsespec-warmup"),
                             "auth": request.headers.get("authorization")})
         first = body["prompt"][0]
         headers = {"x-sparsespec-arm": arm, "x-sparsespec-method": arm}
@@ -695,6 +696,8 @@ def test_warmups_reach_every_arm_the_server_lists(server):
     warm = state.calls[:4]
     assert [c["x_arm"] for c in warm] == ["ar", "sparsespec-l", "ar", "sparsespec-l"]
     assert all(c["x_arm"] is None for c in state.calls[4:])  # measured requests go through the split
+    # warm-ups say so, for the endpoint's stored rows (Store.serve_requests leaves them out)
+    assert [c["warmup"] for c in state.calls] == ["1"] * 4 + [None] * 2
     assert len(res.warmups) == 4 and len(res.records) == 2
 
 

@@ -207,7 +207,7 @@ def test_a_store_written_before_resumes_under_the_new_ids(tmp_path, db_url):  # 
     url = db_url
     spec, old_cells, old_keys = _old_store(url, tmp_path)
     with open_store(url) as st:  # a writer upgrades it: 0002 -> 0003
-        assert st.revision() == head_revision() == "0003"
+        assert st.revision() == head_revision() == "0004"
         new_cells = plan_cells(spec, check_methods(spec), _info)
         assert len(new_cells) == len(old_cells) == 1
         (old,), (new,) = old_cells, new_cells

@@ -86,6 +86,9 @@ def test_external_arm_forwards_token_ids_and_records_the_row_like_ours():
     assert final["all_token_ids"] == [11, 12, 13] and final["all_text"] == "abc" and final["finish_reason"] == "length"
     assert final["speculation"]["num_accepted_draft_tokens"] == 2 and final["usage"]["completion_tokens"] == 3
     (row,) = rows
+    assert row["warmup"] is False
+    run(arm_with(handler, rows), {**PAYLOAD, "request_id": "r2", "warmup": True})
+    assert rows[-1]["warmup"] is True and rows[-1]["status"] == 200
     assert row["status"] == 200 and row["arm"] == "vllm-ngram" and row["method"] == "vllm:ngram"
     assert row["output_tokens"] == 3 and row["ttft_s"] is not None and row["e2el_s"] >= row["ttft_s"]
     assert row["stats"]["num_drafted"] == 4 and row["stats"]["num_accepted"] == 2

@@ -504,6 +504,17 @@ def test_refusal_row_fits_the_store(gw, tmp_path):
     assert store.add_serve_requests([row, busy]) == 2
 
 
+@pytest.mark.parametrize("value, warm", [(None, False), ("1", True), ("true", True), ("0", False), ("no", False),
+                                         ("", False)])
+def test_a_client_marked_warmup_reaches_the_payload_and_the_rows(gw, value, warm):
+    from cluster.serve.endpoint import APIError
+
+    headers = _auth() if value is None else _auth(**{"X-Sparsespec-Warmup": value})
+    _, _, payload = _prep(gw, {"model": gw.args.model_id, "prompt": "Hello"}, headers=headers)
+    assert payload["warmup"] is warm
+    assert gw.refusal_row(headers, False, APIError(503, "full"))["warmup"] is warm
+
+
 # ---------------------------------------------------------------- vLLM's server routes (Gateway)
 def test_tokenize_and_detokenize_give_the_ids_the_routes_send(gw, tiny):
     import importlib.metadata

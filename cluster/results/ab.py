@@ -3,7 +3,9 @@ a percentile-bootstrap interval, and the goodput (SLO attainment) ratio.
 
 ``cluster.serve.loadtest`` decides from the requests it measured; ``cluster.results.aggregate``
 (``ab_decisions``: the dashboard's A/B page) from the rows the endpoint stored, turned into the
-same :class:`RequestRecord`. One decision, two callers.
+same :class:`RequestRecord`. One decision, two callers. Both leave warm-up requests out: the load
+test sends them with :data:`WARMUP_HEADER`, the endpoint stores the flag (``serve_requests.warmup``)
+and ``Store.serve_requests`` leaves those rows out unless asked.
 """
 from __future__ import annotations
 
@@ -16,6 +18,13 @@ import numpy as np
 from sparsespec.stats import bootstrap_means, bootstrap_medians, percentile_ci
 
 MIN_AB_SAMPLES = 5
+#: Request header by which a client marks a warm-up request (any value but "", "0", "false", "no").
+WARMUP_HEADER = "x-sparsespec-warmup"
+
+
+def is_warmup(value: str | None) -> bool:
+    """The :data:`WARMUP_HEADER` value as a flag (absent, "", "0", "false", "no": not a warm-up)."""
+    return value is not None and value.strip().lower() not in ("", "0", "false", "no")
 
 
 @dataclass

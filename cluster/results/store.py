@@ -77,6 +77,7 @@ from sqlalchemy import (
     select,
     text,
 )
+from sqlalchemy import false as sa_false
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -255,6 +256,10 @@ class ServeRequest(Base):
     # counts and seconds of the engine (``sparsespec.stats`` keys) plus the chunk gaps
     stats: Mapped[dict | None] = mapped_column(JSONType, nullable=True)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+    # a client's warm-up request (``cluster.results.ab.WARMUP_HEADER``; revision 0004): stored, left
+    # out of ``Store.serve_requests`` unless asked for. No Python-side default: an insert that
+    # does not name it leaves it to the database (and works on a schema from before 0004)
+    warmup: Mapped[bool] = mapped_column(Boolean, server_default=sa_false())
 
 
 class AcceptanceStep(Base):
@@ -700,15 +705,23 @@ class Store:
                 n += len(s.execute(stmt.returning(ServeRequest.id)).all())  # rowcount is -1 on psycopg
         return n
 
-    def serve_requests(self, experiment: str | None = None) -> list[dict[str, Any]]:
-        """Stored Serve requests (all experiments, or one), oldest first, as plain dicts."""
+    def serve_requests(self, experiment: str | None = None, *, warmups: bool = False) -> list[dict[str, Any]]:
+        """Stored Serve requests (all experiments, or one), oldest first, as plain dicts; warm-up
+        requests (``warmup`` true: the client marked them) only with ``warmups=True``, so every
+        A/B view counts the requests the load test measured. A reader on a store from before
+        revision 0004 (readers never migrate) sees ``warmup`` false on every row."""
         if not self._has_tables or not inspect(self.engine).has_table("serve_requests"):
             return []
-        q = select(ServeRequest).order_by(ServeRequest.id)
+        stored = {c["name"] for c in inspect(self.engine).get_columns("serve_requests")}
+        table = ServeRequest.__table__
+        names = [c for c in ("id", *SERVE_REQUEST_FIELDS) if c in stored]
+        q = select(*(table.c[c] for c in names)).order_by(table.c.id)
         if experiment is not None:
-            q = q.where(ServeRequest.experiment == experiment)
+            q = q.where(table.c.experiment == experiment)
+        if not warmups and "warmup" in stored:
+            q = q.where(table.c.warmup.is_(False))
         with self._session() as s:
-            return [{c: getattr(r, c) for c in ("id", *SERVE_REQUEST_FIELDS)} for r in s.scalars(q)]
+            return [{"warmup": False, **dict(r._mapping)} for r in s.execute(q)]
 
     def bench_rows(self, run_id: str | None = None) -> list[dict[str, Any]]:
         """Stored bench rows (all runs, or one), oldest first, as plain dicts."""

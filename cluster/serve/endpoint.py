@@ -31,7 +31,9 @@ Layout (the Ray layer stays thin):
     disconnected) aborts its request in the core, which frees the slot at once.
 
 Every request (answered or refused) is written to the results database's ``serve_requests``
-table by a background writer (batched, off the request path). Response headers
+table by a background writer (batched, off the request path); one marked with the
+``x-sparsespec-warmup`` header (``cluster.serve.loadtest`` marks its warm-ups) is stored with
+``warmup`` true, which the store's A/B views leave out. Response headers
 ``x-sparsespec-arm`` / ``x-sparsespec-method`` and the body fields ``arm`` / ``method`` say who
 served it; the body's ``speculation`` object has vLLM's per-request names
 (``sparsespec.stats.spec_decode_metrics``). Prometheus metrics leave two ways, both fed by the
@@ -546,7 +548,7 @@ class ArmServer:
                 "session": payload.get("session"), "endpoint": payload.get("endpoint", "completions"),
                 "stream": bool(payload.get("stream")), "prompt_tokens": len(payload["prompt_ids"]),
                 "max_tokens": payload["sampling"].get("max_new_tokens"),
-                "temperature": payload["sampling"].get("temperature")}
+                "temperature": payload["sampling"].get("temperature"), "warmup": bool(payload.get("warmup"))}
 
     async def generate(self, payload: Mapping[str, Any]):
         """Decode one request; yields event dicts. ``payload``: ``request_id``, ``prompt_ids``,
@@ -1461,6 +1463,12 @@ class Gateway:
     def _h(headers: Mapping[str, str]) -> dict[str, str]:
         return {str(k).lower(): v for k, v in headers.items()}
 
+    def warmup(self, headers: Mapping[str, str]) -> bool:
+        """True when the client marked the request a warm-up (``cluster.results.ab.WARMUP_HEADER``)."""
+        from cluster.results.ab import WARMUP_HEADER, is_warmup
+
+        return is_warmup(self._h(headers).get(WARMUP_HEADER))
+
     def auth(self, headers: Mapping[str, str]) -> None:
         if self.api_key is None:
             return
@@ -1651,7 +1659,7 @@ class Gateway:
         sampling = self.sampling(body, len(prompt_ids), prompt_param, chat)
         payload = {"request_id": request_id, "prompt_ids": prompt_ids, "sampling": sampling,
                    "session": self.session(headers, body), "endpoint": "chat.completions" if chat else "completions",
-                   "stream": body.stream}
+                   "stream": body.stream, "warmup": self.warmup(headers)}
         return body, arm, payload
 
     def refusal_row(self, headers: Mapping[str, str], chat: bool, err: APIError, body: Any = None,
@@ -1661,7 +1669,8 @@ class Gateway:
                 "model": self.args.model_id, "arm": arm, "method": self.args.arm(arm).method if arm else None,
                 "session": self.session(headers, body) if body is not None else self._h(headers).get(SESSION_HEADER),
                 "endpoint": "chat.completions" if chat else "completions",
-                "stream": bool(getattr(body, "stream", False)), "status": err.status, "error": err.message[:2000]}
+                "stream": bool(getattr(body, "stream", False)), "status": err.status, "error": err.message[:2000],
+                "warmup": self.warmup(headers)}
 
     def failed_row(self, headers: Mapping[str, str], chat: bool, err: APIError, body: Any, arm: str,
                    request_id: str, payload: Mapping[str, Any], output_tokens: int | None = None) -> dict[str, Any]:

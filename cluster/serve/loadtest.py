@@ -88,7 +88,9 @@ first arm by name; one comparison per other arm):
     Fewer than 5 requests with a TPOT in either arm: "sample too small", no CI.
 
 Warm-up requests (``--num-warmups``, sent one after another first) are excluded from every
-metric. Exit status: 0 when the measured phase ran (even with failed requests), 1 when every
+metric; they carry the ``x-sparsespec-warmup: 1`` header, so the endpoint stores them flagged
+and the store's A/B views (dashboard, ``cluster.results.aggregate.ab_decisions``) leave them
+out too. Exit status: 0 when the measured phase ran (even with failed requests), 1 when every
 measured request failed, 2 on bad arguments or an unreachable server.
 """
 from __future__ import annotations
@@ -111,7 +113,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from cluster.results.ab import RequestRecord, ab_decisions, meets_slo, to_ms
+from cluster.results.ab import WARMUP_HEADER, RequestRecord, ab_decisions, meets_slo, to_ms
 from sparsespec.stats import bench_spec_decode, mean_acceptance_length
 
 __all__ = [
@@ -746,6 +748,8 @@ async def run_load(
             "stream_options": {"include_usage": True}, "ignore_eos": bool(ignore_eos), "user": session,
         }
         headers = {"x-session-id": session}
+        if warm:  # stored with the request, so views of the store leave it out as this report does
+            headers[WARMUP_HEADER] = "1"
         if arm:
             headers["x-arm"] = arm
         elif warm and warmup_arms:
