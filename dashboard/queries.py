@@ -211,8 +211,8 @@ def cells_frame(rows: Sequence[Mapping[str, Any]], by: Sequence[str] = cq.CELL_K
     return _k_text(pd.DataFrame(cq.cell_table(rows, by=by)))
 
 
-#: A map cell: a (model, target weights, context, batch) and a method variant (k, draft weights).
-MAP_KEYS = ("model", "quantize", "context_length", "batch_size", "method", "k", "draft_weights")
+#: A map cell: a (model, target weights, context, batch) and a method variant (k, draft weights, options).
+MAP_KEYS = ("model", "quantize", "context_length", "batch_size", "method", "k", "draft_weights", "options")
 
 
 def speedup_map(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:

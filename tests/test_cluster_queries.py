@@ -307,6 +307,30 @@ def test_an_int8_draft_is_its_own_cell_paired_with_the_same_ar():
     assert _cell(cells, method="x", draft_weights="int8")["n_pairs"] == 1
 
 
+def test_runs_that_differ_in_other_options_are_cells_of_their_own_each_against_its_run_ar():
+    """Two runs of x k=auto, budget_frac 0.1 and 0.2 (run configs), plus a third option every run
+    shares: two cells, named by the option they differ in, each paired with its own run's ar."""
+    runs = [{"run_id": run, "config": {"method_options": {"ar": {}, "x": {"k": "auto", "draft_weights": "target",
+                                                                          "budget_frac": bf, "window": 16}}}}
+            for run, bf in (("r1", 0.1), ("r2", 0.2))]
+    rows = [_row("ar", i, 0.1, run="r1") for i in range(2)] + [_row("x", i, 0.05, run="r1") for i in range(2)]
+    rows += [_row("ar", i, 0.3, run="r2") for i in range(2)] + [_row("x", i, 0.3, run="r2") for i in range(2)]
+    rows = q.with_run_fields(rows, runs)
+    assert {r["options"] for r in rows if r["method"] == "ar"} == {""}
+    assert q.run_options(runs[0]["config"], "x") == '{"budget_frac": 0.1, "window": 16}'  # k, draft weights apart
+    cells = q.cell_table(rows)
+    assert {c["variant"]: c["speedup"] for c in cells} == pytest.approx(
+        {"ar": 1.0, "x (budget_frac=0.1)": 2.0, "x (budget_frac=0.2)": 1.0})
+    assert all(c["n_pairs"] == 2 for c in cells if c["method"] == "x")
+    # without the run configs (no options on the rows) the two runs pool, as before
+    assert len([c for c in q.cell_table([{k: v for k, v in r.items() if k != "options"} for r in rows])
+                if c["method"] == "x"]) == 1
+    # the engines table keeps them apart too, each against our ar of the same cells
+    eng = q.engines_table(rows)
+    assert sorted((r["variant"], round(r["speedup"], 3)) for r in eng if r["method"] == "x") == [
+        ("x (budget_frac=0.1)", 2.0), ("x (budget_frac=0.2)", 1.0)]
+
+
 @pytest.fixture(scope="module")
 def quant_rows(tmp_path_factory):
     url = f"sqlite:///{tmp_path_factory.mktemp('q8')}/quant.db"

@@ -61,7 +61,7 @@ def test_report_known_answers():
     ar, sp = rows
     assert all(tuple(r) == REPORT_KEYS for r in rows)
     assert ar == {"benchmark": "bench", "task": "t", "model": "m", "quantize": "none", "context_length": None, "batch_size": 1,
-                  "method": "ar", "k": None, "draft_weights": None, "n": 4, "score": 0.5,
+                  "method": "ar", "k": None, "draft_weights": None, "options": "", "variant": "ar", "n": 4, "score": 0.5,
                   "speedup": 1.0, "alpha": None, "tau": 1.0, "mean_k": None, "gamma": None,
                   "lossless_rate": None}
     assert sp["score"] == pytest.approx(2.5 / 4)  # mean of non-null scores

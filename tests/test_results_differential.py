@@ -59,7 +59,10 @@ def random_store(url: str, seed: int) -> None:
             variants = list({v[0]: v for v in variants}.values())  # a run holds each method once
             run_id = f"run{ri}"
             config = {"benchmark": "bench", "context_length": L, "batch_size": B, "quantize": quantize,
-                      "methods": sorted({v[0] for v in variants}), "sampling": {"temperature": 0.0}}
+                      "methods": sorted({v[0] for v in variants}), "sampling": {"temperature": 0.0},
+                      # runs of one cell may differ in a method's other options: never pooled
+                      "method_options": {m: ({} if m == "ar" else {"k": k, "budget_frac": float(rng.choice([0.1, 0.2]))})
+                                         for m, k, _ in variants}}
             store.start_run(run_id, benchmark="bench", model="m", methods=config["methods"], config=config)
             tasks = ["t1", "t2"][: int(rng.integers(1, 3))]
             for task in tasks:
@@ -125,9 +128,10 @@ def test_every_view_gives_the_same_number_per_cell(tmp_path, capsys, seed):
         for name in NUMBERS:
             assert _same(r[name], c[name]), (cell_id(r), name, r[name], c[name])
         assert r["n"] == c["n"]
-    # fixed and auto k of one method are never pooled
-    assert {(r["method"], _k(r["k"])) for r in cli if r["method"] != "ar"} == \
-        {(c["method"], _k(c["k"])) for c in cells if c["method"] != "ar"}
+    # fixed and auto k of one method are never pooled, nor runs with different other options
+    assert {(r["method"], _k(r["k"]), _k(r["options"])) for r in cli if r["method"] != "ar"} == \
+        {(c["method"], _k(c["k"]), _k(c["options"])) for c in cells if c["method"] != "ar"}
+    assert {_k(r["options"]) for r in cli if r["method"] == "ar"} <= {None}
 
     # the leaderboard CSV (tasks pooled per setting) against cell_table at its grouping and the
     # dashboard's ledger page (per task) against the report
@@ -144,8 +148,8 @@ def test_every_view_gives_the_same_number_per_cell(tmp_path, capsys, seed):
             assert _same(r[name] if r[name] != "" else None, s[name]), (r["variant"], name, r[name], s[name])
 
     led = dq.ledger_page_frame(rows).to_dict("records")
-    rep_by_variant = {(r["task"], r["context_length"], r["batch_size"],
-                       cq.variant(r["method"], r["k"], r["draft_weights"], r["quantize"])): r for r in cli}
+    rep_by_variant = {(r["task"], r["context_length"], r["batch_size"], r["variant"]): r for r in cli}
+    assert len(rep_by_variant) == len(cli)
     for row in led:
         r = rep_by_variant[(row["task"], row["context_length"], row["batch_size"], row["variant"])]
         for name in ("speedup", "alpha", "tau", "mean_k", "gamma"):
@@ -168,10 +172,9 @@ def test_a_cell_without_its_ar_has_no_speedup_and_no_lossless_rate(tmp_path, cap
         with open_store(url, create=False) as store:
             rows = store.results()
         cells = cq.cell_table(rows)
-        ars = {tuple(c[k] for k in cq.CELL_KEYS if k not in ("method", "k", "draft_weights"))
-               for c in cells if c["method"] == "ar"}
-        orphans = [c for c in cells if c["method"] != "ar"
-                   and tuple(c[k] for k in cq.CELL_KEYS if k not in ("method", "k", "draft_weights")) not in ars]
+        setting = [k for k in cq.CELL_KEYS if k not in ("method", "k", "draft_weights", "options")]
+        ars = {tuple(c[k] for k in setting) for c in cells if c["method"] == "ar"}
+        orphans = [c for c in cells if c["method"] != "ar" and tuple(c[k] for k in setting) not in ars]
         if orphans:
             assert all(c["speedup"] is None and c["lossless_rate"] is None for c in orphans)
             return

@@ -42,8 +42,12 @@ N_BOOT = 2000
 #: ``draft_weights``: what the draft forward read (``"target"``, ``"int8"``; None for ar).
 #: ``quantize``: the target's own weights (``"none"``, ``"int8"``): a quantised target is another
 #: model, whose ar is the reference of its methods (ar's rows of a cell share its quantize).
+#: ``options``: the method's other options in its run (``run_options``; "" for none), so runs of
+#: one method that differ in any of them (``budget_frac``, vLLM's suffix cache, ...) are not pooled.
 CELL_KEYS = ("benchmark", "task", "model", "quantize", "context_length", "batch_size", "method", "k",
-             "draft_weights")
+             "draft_weights", "options")
+#: Method options a cell keys on by themselves (``k``, ``draft_weights``), left out of ``options``.
+KEYED_OPTIONS = ("k", "draft_weights")
 
 
 #: The message prefix of the run event a sweep records once per (run, method) that could not run
@@ -73,14 +77,25 @@ def twin_key(config: Mapping[str, Any] | None) -> str | None:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def run_options(config: Mapping[str, Any] | None, method: str) -> str:
+    """``method``'s own options in a run's config (``config["method_options"][method]``) except
+    ``KEYED_OPTIONS``, as canonical JSON; "" when it has none (``ar``) or the config lists none."""
+    opts = ((config or {}).get("method_options") or {}).get(method) or {}
+    rest = {k: v for k, v in opts.items() if k not in KEYED_OPTIONS}
+    return json.dumps(rest, sort_keys=True, default=str) if rest else ""
+
+
 def with_run_fields(results: Iterable[Mapping[str, Any]], runs: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Result rows with their run's sampling ``temperature`` (from the run config; 0 = greedy)
-    and ``twin`` (``twin_key``: the same for the full-precision and the int8 run of one cell)."""
+    """Result rows with their run's sampling ``temperature`` (from the run config; 0 = greedy),
+    ``twin`` (``twin_key``: the same for the full-precision and the int8 run of one cell) and
+    ``options`` (``run_options`` of the row's method: a cell key)."""
     runs = list(runs)
     temp = {r["run_id"]: float(((r.get("config") or {}).get("sampling") or {}).get("temperature") or 0.0)
             for r in runs}
     twin = {r["run_id"]: twin_key(r.get("config")) for r in runs}
-    return [{**r, "temperature": temp.get(r["run_id"], 0.0), "twin": twin.get(r["run_id"])} for r in results]
+    config = {r["run_id"]: r.get("config") for r in runs}
+    return [{**r, "temperature": temp.get(r["run_id"], 0.0), "twin": twin.get(r["run_id"]),
+             "options": run_options(config.get(r["run_id"]), r["method"])} for r in results]
 
 
 def run_k(row: Mapping[str, Any]) -> int | str | None:
@@ -129,6 +144,8 @@ def _cell_key(r: Mapping[str, Any], by: Sequence[str]) -> tuple:
             out.append(int(r.get("batch_size") or 1))
         elif key == "quantize":
             out.append(str(r.get("quantize") or "none"))
+        elif key == "options":
+            out.append(str(r.get("options") or ""))
         else:
             out.append(r.get(key))
     return tuple(out)
@@ -279,7 +296,8 @@ def cell_table(rows: Iterable[Mapping[str, Any]], by: Sequence[str] = CELL_KEYS,
     batches), and the pooled ``tokens_per_s`` (output tokens / total seconds), ``tpot_s`` (decode
     seconds / decoded tokens) and ``budget_frac`` (``sparsespec.stats.derive``).
     ``by`` must contain ``method``; ar's rows of a group are those with the same keys except
-    method and k.
+    method, k, draft weights and options. Groups that differ only in ``options`` name the
+    options they differ in after their ``variant`` (``sparsespec-l k=4 (budget_frac=0.2)``).
     """
     by = tuple(by)
     if "method" not in by:
@@ -292,6 +310,7 @@ def cell_table(rows: Iterable[Mapping[str, Any]], by: Sequence[str] = CELL_KEYS,
     ki = by.index("k") if "k" in by else None
     di = by.index("draft_weights") if "draft_weights" in by else None
     qi = by.index("quantize") if "quantize" in by else None
+    oi = by.index("options") if "options" in by else None
 
     def ar_key(key: tuple) -> tuple:
         k = list(key)
@@ -299,6 +318,8 @@ def cell_table(rows: Iterable[Mapping[str, Any]], by: Sequence[str] = CELL_KEYS,
         for i in (ki, di):
             if i is not None:
                 k[i] = None
+        if oi is not None:
+            k[oi] = ""
         return tuple(k)
 
     out = []
@@ -350,7 +371,24 @@ def cell_table(rows: Iterable[Mapping[str, Any]], by: Sequence[str] = CELL_KEYS,
         row["throughput"] = _throughput(rs)
         row["ar_throughput"] = _throughput(ar_rows)
         out.append(row)
+    if oi is not None:
+        _name_options(out, by)
     return out
+
+
+def _name_options(cells: Sequence[dict[str, Any]], by: Sequence[str]) -> None:
+    """Cells that differ only in ``options``: append the options they differ in to ``variant``."""
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for c in cells:
+        groups[tuple(c[k] for k in by if k != "options")].append(c)
+    for cs in groups.values():
+        if len({c["options"] for c in cs}) < 2:
+            continue
+        parsed = [json.loads(c["options"]) if c["options"] else {} for c in cs]
+        names = sorted({n for p in parsed for n in p
+                        if len({json.dumps(q.get(n), sort_keys=True, default=str) for q in parsed}) > 1})
+        for c, p in zip(cs, parsed):
+            c["variant"] += " (" + ", ".join(f"{n}={p.get(n)}" for n in names) + ")"
 
 
 def best_per_cell(cells: Sequence[Mapping[str, Any]], by: Sequence[str]) -> list[dict[str, Any]]:
@@ -642,7 +680,8 @@ def _f(v: float | None) -> str:
     return "-" if v is None else f"{v:.3g}"
 
 
-SETTING_KEYS = ("benchmark", "model", "quantize", "context_length", "batch_size", "method", "k", "draft_weights")
+SETTING_KEYS = ("benchmark", "model", "quantize", "context_length", "batch_size", "method", "k", "draft_weights",
+                "options")
 
 
 def gates_table(rows: Iterable[Mapping[str, Any]], t: GateThresholds = GateThresholds(), *,
@@ -862,7 +901,7 @@ def engines_table(rows: Iterable[Mapping[str, Any]], *, n_boot: int = N_BOOT, se
     ``lossless_rate`` (for ``vllm:ar``: the share of samples whose greedy tokens equal our
     ``ar``'s)."""
     rows = list(rows)
-    by = (*ENGINE_CELL_KEYS, "method", "k", "draft_weights")
+    by = (*ENGINE_CELL_KEYS, "method", "k", "draft_weights", "options")
     cells = cell_table(rows, by=by, n_boot=n_boot, seed=seed)
     groups: dict[tuple, list[Mapping[str, Any]]] = defaultdict(list)
     for r in rows:
@@ -870,7 +909,7 @@ def engines_table(rows: Iterable[Mapping[str, Any]], *, n_boot: int = N_BOOT, se
     nk = len(ENGINE_CELL_KEYS)
 
     def ar_rows(setting: tuple, method: str) -> list[Mapping[str, Any]]:
-        return groups.get((*setting, method, None, None), [])
+        return groups.get((*setting, method, None, None, ""), [])
 
     out = []
     for c in cells:

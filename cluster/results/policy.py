@@ -50,8 +50,9 @@ from sparsespec.registry import AR
 
 POLICY_VERSION = 1
 
-#: The grouping of a policy's cells: ``cluster.results.aggregate.CELL_KEYS`` without benchmark and task.
-POLICY_KEYS = ("model", "quantize", "context_length", "batch_size", "method", "k", "draft_weights")
+#: The grouping of a policy's cells: ``cluster.results.aggregate.CELL_KEYS`` without benchmark and task
+#: (runs of a method with different other options stay apart; their variants name those options).
+POLICY_KEYS = ("model", "quantize", "context_length", "batch_size", "method", "k", "draft_weights", "options")
 
 Status = Literal["speculate", "off", "insufficient_pairs"]
 

@@ -55,14 +55,14 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from cluster.results.aggregate import CELL_KEYS, cell_table, paired_batches
+from cluster.results.aggregate import CELL_KEYS, cell_table, paired_batches, with_run_fields
 from cluster.results.store import DEFAULT_DB_URL, StoreError, cli_error, open_store, safe_url
 from sparsespec.stats import derive
 
 #: the keys of a report row's cell (``cluster.results.aggregate.CELL_KEYS``)
 GROUP_KEYS = CELL_KEYS
 
-REPORT_KEYS = (*CELL_KEYS, "n", "score", "speedup", "alpha", "tau", "mean_k", "gamma", "lossless_rate")
+REPORT_KEYS = (*CELL_KEYS, "variant", "n", "score", "speedup", "alpha", "tau", "mean_k", "gamma", "lossless_rate")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -87,7 +87,7 @@ def compute_report(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 def _load(db_url: str, run_ids: str | Iterable[str] | None) -> list[dict[str, Any]]:
     with open_store(db_url, create=False) as store:
-        return store.results(run_ids=run_ids)
+        return with_run_fields(store.results(run_ids=run_ids), store.runs())
 
 
 def report_rows(db_url: str, run_ids: str | Iterable[str] | None = None) -> list[dict[str, Any]]:

@@ -814,7 +814,9 @@ def run_e2e(cfg: BenchConfig, steps: Sequence[Mapping[str, Any]], *, db: str | N
                 progress(f"end to end {spec.name}: {len(res.done)} shard(s) run, {len(res.skipped)} already stored, "
                          f"{len(res.failed)} failed, {res.wall_s:.1f} s")
         with open_store(url, create=False) as store:
-            results = store.results(run_ids=info["run_ids"])
+            from cluster.results.aggregate import with_run_fields
+
+            results = with_run_fields(store.results(run_ids=info["run_ids"]), store.runs())
     rows = e2e_rows(results, steps, cfg)
     for r in rows:
         progress(f"ctx {r['context_len']} B {r['batch_size']} {r['method']}: "
