@@ -176,6 +176,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="comma list of method[:k]; ar is always the reference")
     p.add_argument("--gen-tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed warm-up cells per batch size before its timed ones (every method, a short "
+                        "context): compiles the GPU kernels for each (batch, draft length) outside the timing; "
+                        "default 1 on cuda, 0 on cpu")
     p.add_argument("--schedule", default="step", choices=("step", "run"),
                    help="step: the methods' cores take turns step by step (default); run: whole batches back to back")
     p.add_argument("--threads", type=int, default=None)
@@ -188,6 +192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     methods = parse_methods(a.methods)
+    warmup = a.warmup if a.warmup is not None else (1 if torch.device(a.device).type == "cuda" else 0)
+    if warmup < 0:
+        p.error(f"--warmup must be >= 0, got {warmup}")
     batch_sizes = [int(x) for x in a.batch_sizes.split(",")]
     lengths = [int(x) for x in a.context_lengths.split(",")]
 
@@ -206,16 +213,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine = measure_machine(a.device, model.dtype, reps=3)
     meta = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "model": name,
             "device": a.device, "dtype": a.dtype, "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "schedule": a.schedule, "gen_tokens": a.gen_tokens, "reps": a.reps, **run_stamp(model, machine)}
+            "schedule": a.schedule, "gen_tokens": a.gen_tokens, "reps": a.reps,
+            "warmup": warmup, **run_stamp(model, machine)}
     print(f"{meta['date']} · {name} ({a.dtype}, {a.device}) · {meta['cpu']} [{meta['isa']}] · torch {meta['torch']} · "
           f"{meta['threads']} threads · kernels: {meta['kernels']}")
     print(f"read {meta['read_bytes_per_s'] / 1e9:.1f} GB/s, GEMM {meta['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s · "
-          f"schedule {a.schedule}, {a.reps} rep(s), {a.gen_tokens} tokens\n")
+          f"schedule {a.schedule}, {a.reps} rep(s), {a.gen_tokens} tokens, {warmup} warm-up cell(s) per batch size\n")
     print("| B | ctx | method | TPOT ms | speedup vs ar (per rep) | alpha | tau | mean k | gamma | k chosen | same tokens as ar |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     cfg = BenchConfig(model=a.model or "smollm2-135m", gen_tokens=a.gen_tokens)
     for B in batch_sizes:
+        if warmup:
+            warm_cfg = BenchConfig(model=a.model or "smollm2-135m", gen_tokens=min(8, a.gen_tokens))
+            warm_L = min(2048, engine.max_context, *lengths)
+            warm_prompts = make_prompts(tokenizer, model.cfg.vocab_size, engine.max_context, B, warm_L, warm_cfg)
+            for _ in range(warmup):
+                run_cell(engine, methods, warm_prompts, warm_cfg.gen_tokens, warm_L, a.schedule)
         for L in lengths:
             if a.max_batch_tokens and B * L > a.max_batch_tokens:
                 print(f"| {B} | {L} | (skipped: {B} x {L} > --max-batch-tokens {a.max_batch_tokens}) |||||||||")

@@ -114,3 +114,35 @@ def test_main_writes_a_row_per_method_with_the_machine(tmp_path, monkeypatch, ca
     assert all(r["same_tokens"] for r in data["rows"]) and len(data["rows"][1]["speedups"]) == 2
     printed = capsys.readouterr().out
     assert "skipped: 2 x 4096 > --max-batch-tokens 4096" in printed and "| 2 | 56 | sparsespec-l k=2 |" in printed
+
+
+def test_warmup_cells_run_untimed_before_each_batch_size(tmp_path, monkeypatch):
+    """--warmup N: N short cells (every method, at most 8 tokens, the shortest context up to 2048)
+    per batch size before its timed cells, outside the rows; none by default on the CPU."""
+    import json
+
+    import sparsespec.roofline
+
+    monkeypatch.setattr(sparsespec.roofline, "measure_machine",
+                        lambda device, dtype, reps=3: {"read_bytes_per_s": 2e10, "gemm_flops_per_s": 1e11})
+    calls, real = [], paired.run_cell
+
+    def spy(engine, methods, prompts, gen_tokens, window, schedule):
+        calls.append((len(prompts), len(prompts[0]) + gen_tokens, gen_tokens, tuple(m for m, _ in methods)))
+        return real(engine, methods, prompts, gen_tokens, window, schedule)
+
+    monkeypatch.setattr(paired, "run_cell", spy)
+    args = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--batch-sizes", "1,2", "--context-lengths",
+            "64,56", "--methods", "sparsespec-l:2", "--gen-tokens", "12", "--reps", "1"]
+    out = tmp_path / "w.json"
+    assert paired.main([*args, "--warmup", "2", "--json-out", str(out)]) == 0
+    m = ("ar", "sparsespec-l")
+    assert calls == [(1, 56, 8, m), (1, 56, 8, m), (1, 64, 12, m), (1, 56, 12, m),
+                     (2, 56, 8, m), (2, 56, 8, m), (2, 64, 12, m), (2, 56, 12, m)]
+    data = json.loads(out.read_text())
+    assert data["meta"]["warmup"] == 2 and len(data["rows"]) == 8  # 2 batch sizes x 2 contexts x 2 methods
+    calls.clear()
+    assert paired.main(args) == 0
+    assert [c[:3] for c in calls] == [(1, 64, 12), (1, 56, 12), (2, 64, 12), (2, 56, 12)]
+    with pytest.raises(SystemExit):
+        paired.main([*args, "--warmup", "-1"])

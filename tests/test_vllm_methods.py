@@ -461,16 +461,19 @@ def test_worker_on_a_quantised_target_leaves_vllm_methods_out(tmp_path, monkeypa
     assert {r["method"] for r in out["rows"]} == {"ar"}
 
 
-@pytest.mark.parametrize("how", ["stdin closed", "runner killed"])
-def test_runner_takes_vllms_processes_with_it_when_its_stdin_closes(tmp_path, how):
-    """The real runner in serve mode, over a stand-in ``vllm`` package whose ``LLM`` starts a
-    child process (as vLLM's engine core does): closing the runner's stdin (the worker is done or
-    died) or killing the runner outright ends the child too, and a batch before that is answered
-    on the protocol stream."""
+def _alive(pid: int) -> bool:
+    """A zombie (killed, not yet reaped by whoever adopted it) is dead."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def _fake_vllm(tmp_path) -> dict:
+    """A stand-in ``vllm`` package whose ``LLM`` starts a child process (as vLLM's engine core
+    does), writes its pid to ``<model>/child.pid`` and, with ``FAKE_VLLM_SLOW_START`` set, stays
+    in its constructor (a long engine start); the runner's environment."""
     import os
-    import signal
-    import subprocess
-    import time
 
     fake = tmp_path / "site" / "vllm"
     fake.mkdir(parents=True)
@@ -490,8 +493,11 @@ def test_runner_takes_vllms_processes_with_it_when_its_stdin_closes(tmp_path, ho
                 self.outputs, self.metrics = [_Out(n)], _Metrics()
         class LLM:
             def __init__(self, **kw):
+                import os, time
                 self.child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
                 open(kw["model"] + "/child.pid", "w").write(str(self.child.pid))
+                if os.environ.get("FAKE_VLLM_SLOW_START"):
+                    time.sleep(600)
             def get_metrics(self):
                 return []
             def generate(self, prompts, params, use_tqdm=False):
@@ -502,7 +508,21 @@ def test_runner_takes_vllms_processes_with_it_when_its_stdin_closes(tmp_path, ho
     model.mkdir()
     cfg = tmp_path / "engine.json"
     cfg.write_text(json.dumps({"model": str(model), "threads": 1}))
-    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    return {"model": model, "cfg": cfg, "env": {**os.environ, "PYTHONPATH": str(tmp_path / "site")}}
+
+
+@pytest.mark.parametrize("how", ["stdin closed", "runner killed"])
+def test_runner_takes_vllms_processes_with_it_when_its_stdin_closes(tmp_path, how):
+    """The real runner in serve mode, over a stand-in ``vllm``: closing the runner's stdin (the
+    worker is done or died) or killing the runner outright ends vLLM's child process too, and a
+    batch before that is answered on the protocol stream."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    fv = _fake_vllm(tmp_path)
+    model, cfg, env = fv["model"], fv["cfg"], fv["env"]
     proc = subprocess.Popen([sys.executable, str(peers.RUNNER), "--serve", str(cfg)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
                             start_new_session=True)
@@ -520,14 +540,8 @@ def test_runner_takes_vllms_processes_with_it_when_its_stdin_closes(tmp_path, ho
         else:  # as Ray ends a dead actor's child processes: SIGKILL, no chance to clean up
             os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-        def alive(pid):  # a zombie (killed, not yet reaped by whoever adopted it) is dead
-            try:
-                return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-            except (FileNotFoundError, IndexError):
-                return False
-
         for _ in range(200):
-            if not alive(child):
+            if not _alive(child):
                 break
             time.sleep(0.05)
         else:
@@ -535,6 +549,48 @@ def test_runner_takes_vllms_processes_with_it_when_its_stdin_closes(tmp_path, ho
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_runner_and_vllm_end_when_the_worker_dies_during_the_engine_start(tmp_path):
+    """A worker killed (for memory, say) while vLLM's engine is still starting: the runner is not
+    reading its stdin yet, so only its watchdog can see the caller go (the runner re-parented);
+    runner and engine process end within seconds."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    fv = _fake_vllm(tmp_path)
+    env = {**fv["env"], "FAKE_VLLM_SLOW_START": "1"}
+    caller = subprocess.Popen(  # stands in for the sweep worker: starts the runner as VllmPeer does, then hangs
+        [sys.executable, "-c", "import subprocess, sys, time\n"
+         f"p = subprocess.Popen([sys.executable, {str(peers.RUNNER)!r}, '--serve', {str(fv['cfg'])!r}],"
+         " stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)\n"
+         "print(p.pid, flush=True)\ntime.sleep(600)\n"], stdout=subprocess.PIPE, text=True, env=env)
+    runner = int(caller.stdout.readline())
+    try:
+        pid_file = fv["model"] / "child.pid"
+        for _ in range(200):  # the engine has started its child and sits in its start
+            if pid_file.exists() and pid_file.read_text():
+                break
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        time.sleep(1.0)
+        assert _alive(runner) and _alive(child)  # nothing ends them while their caller lives
+        caller.kill()
+        caller.wait(timeout=10)
+        for _ in range(200):
+            if not _alive(runner) and not _alive(child):
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the runner or vLLM's engine process outlived the worker that started it")
+    finally:
+        caller.kill()
+        try:
+            os.killpg(runner, signal.SIGKILL)
         except ProcessLookupError:
             pass
 

@@ -473,8 +473,14 @@ def _times_of(outs) -> tuple[list[dict], float]:
 
 _WATCHDOG = """
 import os, signal, sys, time
-runner = int(sys.argv[1])
-while os.getppid() == runner:
+runner, caller = int(sys.argv[1]), int(sys.argv[2])
+def parent(pid):  # pid's parent from /proc (None where there is no /proc: then only the runner is watched)
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+while os.getppid() == runner and parent(runner) in (caller, None):
     time.sleep(0.5)
 os.killpg(0, signal.SIGKILL)
 """
@@ -482,13 +488,17 @@ os.killpg(0, signal.SIGKILL)
 
 def start_watchdog() -> None:
     """A process in this runner's group that kills the group once the runner is gone, however it
-    went: Ray kills a dead actor's child processes (the runner) with SIGKILL, which leaves vLLM's
-    engine core and workers (the runner's children) running (measured: 5 GB left idle after a
-    sweep). Only where this runner leads its own group (``VllmPeer`` starts it so)."""
+    went, or once the runner's caller is (the runner was re-parented): Ray kills a dead actor's
+    child processes (the runner) with SIGKILL, which leaves vLLM's engine core and workers (the
+    runner's children) running (measured: 5 GB left idle after a sweep); and a worker killed for
+    memory while vLLM's engine was still starting left the runner, which reads its stdin only
+    once the engine is up, holding 8 GB for minutes. Only where this runner leads its own group
+    (``VllmPeer`` starts it so)."""
     import subprocess
 
     if os.getpgid(0) == os.getpid():
-        subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid())], stdin=subprocess.DEVNULL,
+        subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(os.getppid())],
+                         stdin=subprocess.DEVNULL,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
 
 
