@@ -72,9 +72,10 @@ EOF
 }
 PY="${PYTHON:-}"
 if [ -n "${GPU_WHEELS:-}" ]; then
-    log "installing the wheels in $GPU_WHEELS (no index) into $OUT/site"
-    "${PY:-python3}" -m pip install -q --no-index --no-deps --no-compile --target "$OUT/site" "$GPU_WHEELS"/*.whl
-    export PYTHONPATH="$PYTHONPATH:$OUT/site"
+    SITE="$(mktemp -d "${TMPDIR:-/tmp}/sparsespec-gpu-site.XXXXXX")"  # not under $OUT: that comes back
+    log "installing the wheels in $GPU_WHEELS (no index) into $SITE"
+    "${PY:-python3}" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$GPU_WHEELS"/*.whl
+    export PYTHONPATH="$PYTHONPATH:$SITE"
 fi
 if [ -z "$PY" ]; then
     VENV="${GPU_VENV:-.venv-gpu}"
