@@ -224,6 +224,8 @@ def test_0004_flags_warmups_keeps_older_rows_and_goes_back(db_url):
                            "'completions', false, 200, 4, CURRENT_TIMESTAMP)"))
     finally:
         eng.dispose()
+    with open_store(db_url, create=False) as reader:  # readers never migrate: no column, no warm-ups
+        assert [(q["request_id"], q["warmup"]) for q in reader.serve_requests("e", warmups=True)] == [("old", False)]
     with open_store(db_url) as st:
         assert st.revision() == "0004"
         st.add_serve_requests([{**row, "request_id": "warm", "warmup": True}, {**row, "request_id": "new"}])
