@@ -224,9 +224,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     cfg = BenchConfig(model=a.model or "smollm2-135m", gen_tokens=a.gen_tokens)
     for B in batch_sizes:
-        if warmup:
+        runnable = [L for L in lengths if L - a.gen_tokens >= 1 and L <= engine.max_context]
+        if warmup and runnable:  # (cells that cannot run are reported below; they get no warm-up)
             warm_cfg = BenchConfig(model=a.model or "smollm2-135m", gen_tokens=min(8, a.gen_tokens))
-            warm_L = min(2048, engine.max_context, *lengths)
+            warm_L = min(2048, *runnable)
             warm_prompts = make_prompts(tokenizer, model.cfg.vocab_size, engine.max_context, B, warm_L, warm_cfg)
             for _ in range(warmup):
                 run_cell(engine, methods, warm_prompts, warm_cfg.gen_tokens, warm_L, a.schedule)

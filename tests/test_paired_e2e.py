@@ -146,3 +146,23 @@ def test_warmup_cells_run_untimed_before_each_batch_size(tmp_path, monkeypatch):
     assert [c[:3] for c in calls] == [(1, 64, 12), (1, 56, 12), (2, 64, 12), (2, 56, 12)]
     with pytest.raises(SystemExit):
         paired.main([*args, "--warmup", "-1"])
+
+
+def test_warmup_skips_contexts_that_cannot_run(monkeypatch, capsys):
+    """A context shorter than the new tokens is reported as skipped; the warm-up uses a runnable one."""
+    import sparsespec.roofline
+
+    monkeypatch.setattr(sparsespec.roofline, "measure_machine",
+                        lambda device, dtype, reps=3: {"read_bytes_per_s": 2e10, "gemm_flops_per_s": 1e11})
+    calls, real = [], paired.run_cell
+
+    def spy(engine, methods, prompts, gen_tokens, window, schedule):
+        calls.append((len(prompts[0]) + gen_tokens, gen_tokens))
+        return real(engine, methods, prompts, gen_tokens, window, schedule)
+
+    monkeypatch.setattr(paired, "run_cell", spy)
+    assert paired.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--batch-sizes", "1",
+                        "--context-lengths", "6,56", "--methods", "sparsespec-l:2", "--gen-tokens", "12",
+                        "--reps", "1", "--warmup", "1"]) == 0
+    assert calls == [(56, 8), (56, 12)]
+    assert "| 1 | 6 | (skipped: needs 1 <= prompt" in capsys.readouterr().out
