@@ -22,7 +22,7 @@ from cluster.sweep.coordinator import WorkerStartError, plan_workers, result_row
 from cluster.sweep.plan import plan_shards
 from cluster.results.report import batch_speedups, compute_report
 from cluster.sweep.schema import SpecError, load_spec, parse_spec
-from cluster.results.store import open_store
+from cluster.results.store import StoreError, open_store
 from cluster.sweep.worker import EngineWorker
 from helpers import tiny_model_like
 
@@ -259,6 +259,9 @@ def test_sweep_runs_then_resumes_without_writing_twice(ray_session, tiny, tmp_pa
     prov = run["host"]["provenance"]
     assert prov["git"]["commit"] and prov["packages"]["torch"] and prov["sweep"]["spec"]["batch_sizes"] == [2]
     assert run["host"]["workers"][0]["torch_threads"] == 1
+    # the session the coordinator ran in travels with WorkersReady into the same provenance
+    assert prov["worker_plan"]["num_workers"] == len(run["host"]["workers"]) == run["host"]["devices"]["num_workers"]
+    assert prov["worker_plan"]["threads"] == 1 and prov["ray"]["resources"]["CPU"] > 0
     again = sweep.run_sweep(spec, progress=False)
     assert not again.done and len(again.skipped) == 4
     assert _counts(db)[:2] == (n, n)
@@ -467,15 +470,14 @@ def test_sampled_outputs_do_not_depend_on_the_batching(tiny, tmp_path):
 
 
 def test_worker_provenance_carries_the_kernel_plan():
-    from cluster.sweep import provenance
-    from cluster.sweep.worker import EngineWorker
+    from cluster.sweep.worker import EngineWorker, summarize_workers
     from sparsespec.engine import Engine
     from sparsespec.shapes import IdTokenizer, random_transformer
 
     w = EngineWorker("tiny", engine_factory=lambda m, d, dev: Engine(random_transformer("tiny"), IdTokenizer()))
     ping = w.ping()
     assert ping["kernels"]["cpu"] and "linear" in ping["kernels"] and ping["kernels_summary"].startswith("linear ")
-    summary = provenance.summarize_workers([ping, dict(ping, hostname="other")])
+    summary = summarize_workers([ping, dict(ping, hostname="other")])
     assert summary["kernels"] == [ping["kernels_summary"]] and len(summary["cpus"]) == 1
 
 
@@ -511,3 +513,45 @@ def test_an_unknown_schedule_is_refused_before_the_model_loads():
 
     with pytest.raises(ValueError, match=r"schedule must be one of \['step', 'run'\], got 'batch'"):
         EngineWorker("tiny", engine_factory=never, schedule="batch")
+
+
+def test_the_recorder_stores_each_event_and_refuses_anything_else(tmp_path):
+    """``cluster.results.store.SweepRecorder`` against a real store: runs started, a shard
+    started / done / failed, the workers' session merged into every matching run's provenance,
+    an unknown event a TypeError; ``finish_all`` raises a store error, ``finish`` logs it."""
+    from types import SimpleNamespace
+
+    from cluster.results.events import ShardDone, ShardFailed, ShardStarted, WorkersReady
+    from cluster.results.store import SweepRecorder
+
+    cells = [SimpleNamespace(run_id=f"r{i}", benchmark="ruler", model=m, quantize="none", context_length=1024,
+                             batch_size=1, repetition=0, config={"methods": ["ar"]}) for i, m in enumerate("ab")]
+    st = open_store(f"sqlite:///{tmp_path}/rec.db")
+    rec = SweepRecorder(st, cells, {"sweep": {"name": "x"}})
+    assert rec.start_runs() == set()
+    shard = SimpleNamespace(run_id="r0", key="r0/t/0", task="t", samples=[SimpleNamespace(sample_id="s0")])
+    rec.record(WorkersReady("a", "none", [{"pid": 1}], {"num_workers": 1}, {"worker_plan": {"num_workers": 1}}))
+    rec.record(ShardStarted(shard, {"pid": 1, "slot": 0}))
+    assert [s["status"] for s in st.shards("r0")] == ["running"]
+    rec.record(ShardFailed(shard, "boom", final=False, note="shard failed: boom"))
+    rec.record(ShardDone(shard, [], 0.5, {"pid": 1}, {"eagle3": "no head"}))
+    assert st.done_shards("r0") == {"r0/t/0"}
+    runs = {r["run_id"]: r for r in st.runs()}
+    assert runs["r0"]["host"] == {"provenance": {"sweep": {"name": "x"}, "worker_plan": {"num_workers": 1}},
+                                  "workers": [{"pid": 1}], "devices": {"num_workers": 1}}
+    assert runs["r1"]["host"] == {"provenance": {"sweep": {"name": "x"}}}  # model b's workers never came
+    events = [e["message"] for e in st.get_run("r0")["events"]]
+    assert "shard failed: boom" in events and "method unavailable: eagle3: no head" in events
+    with pytest.raises(TypeError, match="not a shard event"):
+        rec.record(object())
+    rec.finish({"r0": "finished"})
+    assert st.get_run("r0")["status"] == "finished"
+    st.close()
+
+    def down(*a, **k):
+        raise StoreError("database is down")
+
+    broken = SweepRecorder(SimpleNamespace(release_running=down, finish_run=down), cells)
+    broken.finish({"r1": "failed"})  # logged, not raised (the caller may be unwinding another error)
+    with pytest.raises(StoreError, match="down"):
+        broken.finish_all("finished")

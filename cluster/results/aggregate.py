@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from cluster.results.events import UNAVAILABLE_EVENT  # noqa: F401 - re-exported (the reports read it here)
 from sparsespec.registry import AR
 from sparsespec.stats import (_num, batch_tpot, bootstrap_means, bootstrap_medians, derive,  # noqa: F401
                               drafting_steps, ledger_speedup, mean_acceptance_length, percentile_ci, pool,
@@ -50,10 +51,10 @@ CELL_KEYS = ("benchmark", "task", "model", "quantize", "context_length", "batch_
 KEYED_OPTIONS = ("k", "draft_weights")
 
 
-#: The message prefix of the run event a sweep records once per (run, method) that could not run
-#: on the run's target here (``sparsespec.MethodUnavailable``); the event also carries ``method``
-#: and ``unavailable`` (why). ``unavailable_methods`` reads them back.
-UNAVAILABLE_EVENT = "method unavailable"
+# ``UNAVAILABLE_EVENT`` (``cluster.results.events``): the message prefix of the run event a sweep
+# records once per (run, method) that could not run on the run's target here
+# (``sparsespec.MethodUnavailable``); the event also carries ``method`` and ``unavailable`` (why).
+# ``unavailable_methods`` reads them back.
 
 
 # --------------------------------------------------------------------------- keys

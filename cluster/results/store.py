@@ -42,6 +42,10 @@ Tables:
     By hand: ``python -m cluster.results.store upgrade --db URL`` and ``python -m cluster.results.store current
     --db URL``.
 
+A sweep writes through one object, :class:`SweepRecorder` (its runs, and the shard events of
+``cluster.results.events`` that the coordinator hands back); nothing in ``cluster.sweep`` calls a
+store write itself.
+
 The same code runs against ``sqlite:///path.db`` and ``postgresql+psycopg://user@host/db``.
 Only this module and its callers import SQLAlchemy; ``sparsespec`` and ``evals`` never do.
 """
@@ -55,6 +59,7 @@ import logging
 import sys
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +89,9 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+
+from cluster.results.events import (UNAVAILABLE_EVENT, ShardDone, ShardEvent, ShardFailed, ShardStarted,
+                                    WorkersReady)
 
 log = logging.getLogger(__name__)
 
@@ -823,6 +831,83 @@ class Store:
 # ------------------------------------------------------------------ schema migrations (Alembic)
 #: Where the revisions live, as a package path (works from any working directory and installed).
 MIGRATIONS = "cluster.results:migrations"
+# --------------------------------------------------------------------------- the sweep's writer
+@dataclass
+class SweepRecorder:
+    """The one place a sweep writes to the store: its runs (started or resumed, their workers,
+    finished) and every event the coordinator hands back (``cluster.results.events``: workers
+    ready, shard started, done with its rows, failed). ``tests/test_layering.py`` checks that no
+    code in ``cluster.sweep`` calls a store write.
+
+    ``cells``: the sweep's planned runs (``cluster.sweep.plan.Cell``: ``run_id``, ``benchmark``,
+    ``model``, ``quantize``, ``config``, ...). ``prov``: the runs' provenance, stored with each run
+    at :meth:`start_runs` and again, with the workers' hosts and session, when they are ready."""
+
+    store: Store
+    cells: Sequence[Any]
+    prov: dict[str, Any] = field(default_factory=dict)
+    _unavailable_logged: set[tuple[str, str]] = field(default_factory=set, repr=False)
+
+    def start_runs(self) -> set[str]:
+        """Start or resume every cell's run (shards a dead driver left ``running`` go back to
+        ``pending``); the keys of the shards already stored."""
+        done_keys: set[str] = set()
+        for c in self.cells:
+            new = self.store.start_run(c.run_id, benchmark=c.benchmark, model=c.model,
+                                       methods=list(c.config["methods"]), config=c.config,
+                                       host={"provenance": self.prov})
+            self.store.release_running(c.run_id)  # a previous driver that died mid-shard
+            done_keys |= self.store.done_shards(c.run_id)
+            log.info("%s run %s (%s, L=%s, B=%d, rep %d)", "new" if new else "resuming", c.run_id, c.model,
+                     c.context_length, c.batch_size, c.repetition)
+        return done_keys
+
+    def finish_all(self, status: str) -> None:
+        """Every run ends with ``status`` (nothing was left to run); a store error is raised."""
+        self.finish({c.run_id: status for c in self.cells}, raise_errors=True)
+
+    def record(self, event: ShardEvent) -> None:
+        """Store one event of ``cluster.sweep.coordinator.run_shards``. Raises TypeError for
+        anything else."""
+        st = self.store
+        if isinstance(event, ShardStarted):
+            sh = event.shard
+            st.start_shard(sh.run_id, sh.key, task=sh.task, sample_ids=[s.sample_id for s in sh.samples],
+                           worker=event.worker)
+        elif isinstance(event, ShardDone):
+            st.complete_shard(event.shard.run_id, event.shard.key, event.rows, wall_s=event.wall_s,
+                              worker=event.worker)
+            for method, why in sorted(event.unavailable.items()):
+                if (event.shard.run_id, method) not in self._unavailable_logged:
+                    self._unavailable_logged.add((event.shard.run_id, method))
+                    st.record_event(event.shard.run_id, f"{UNAVAILABLE_EVENT}: {method}: {why}",
+                                    method=method, unavailable=why, shard=event.shard.key)
+        elif isinstance(event, ShardFailed):
+            st.fail_shard(event.shard.run_id, event.shard.key, event.error, final=event.final)
+            if event.note is not None:
+                st.record_event(event.shard.run_id, event.note, shard=event.shard.key)
+        elif isinstance(event, WorkersReady):
+            self.prov.update(event.session)
+            for c in self.cells:
+                if c.model == event.model and c.quantize == event.quantize:
+                    st.update_run(c.run_id, host={"provenance": self.prov, "workers": event.hosts,
+                                                  "devices": event.devices})
+        else:
+            raise TypeError(f"not a shard event: {event!r}")
+
+    def finish(self, status_of: Mapping[str, str], *, raise_errors: bool = False) -> None:
+        """Each run ends with its status, its ``running`` shards back to ``pending``. A store
+        error is logged, not raised (the caller may be unwinding another), unless ``raise_errors``."""
+        for run_id, status in status_of.items():
+            try:
+                self.store.release_running(run_id)
+                self.store.finish_run(run_id, status=status)
+            except Exception:  # noqa: BLE001 - never mask the original error
+                if raise_errors:
+                    raise
+                log.exception("could not mark run %s as %s", run_id, status)
+
+
 #: The revision of the schema written before migrations existed (``Base.metadata.create_all``).
 BASE_REVISION = "0001"
 #: Key of the PostgreSQL advisory lock held (for the migration's transaction) while migrating.

@@ -6,9 +6,9 @@ Thin, resumable and idempotent:
 - Workers are actors that each pin one GPU (``num_gpus=1``) on a GPU cluster, or a share of the
   CPUs (``device="cpu"``); each loads its model once. Shards are run grouped by model, so weights
   load once per worker per model; one shard per actor is in flight at a time.
-- The coordinator never touches the store: it hands each event (:data:`ShardEvent`: workers
-  ready, shard started, done with its scored rows, failed) to ``emit`` as it happens, and the
-  caller writes it (``cluster.sweep.run.SweepRecorder``, the one writer: a shard's results and
+- The coordinator never touches the store: it hands each event (``cluster.results.events``:
+  workers ready, shard started, done with its scored rows, failed) to ``emit`` as it happens, and
+  the caller writes it (``cluster.results.store.SweepRecorder``, the one writer: a shard's results and
   its ``done`` mark in one transaction), so a crash or Ctrl-C loses at most the shards in flight,
   and a resume skips every ``done`` shard. No (run, task, sample, method) row is written twice.
 - A worker that dies mid-shard (SIGKILL, out of memory, node lost) is replaced by a new actor
@@ -22,6 +22,7 @@ submit`` sets) is joined; else a local Ray is started and shut down at the end.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -31,8 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.peers.engine import VLLM_PREFIX
+from cluster.results.events import ShardDone, ShardEvent, ShardFailed, ShardStarted, WorkersReady
 from cluster.sweep.plan import AR, Shard
-from cluster.sweep.worker import EngineFactory
+from cluster.sweep.worker import EngineFactory, summarize_workers
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +155,16 @@ class WorkerPool:
         import ray
 
         timeout_s = WORKER_START_TIMEOUT_S if timeout_s is None else timeout_s
-        try:
+        with self._start_errors(timeout_s):
             return ray.get([a.ping.remote() for a in self.actors], timeout=timeout_s)
+
+    @contextlib.contextmanager
+    def _start_errors(self, timeout_s: float) -> Iterator[None]:
+        """Ray's errors while the actors start, as one WorkerStartError that says what to do."""
+        import ray
+
+        try:
+            yield
         except ray.exceptions.GetTimeoutError as e:
             raise WorkerStartError(
                 f"{self.plan.num_workers} worker(s) for {self.model} (num_cpus={self.plan.num_cpus}, "
@@ -299,51 +309,6 @@ def shard_summary(shard: Shard, rows: Sequence[Mapping[str, Any]], unavailable: 
     return f"{shard.key} B={len(shard.samples)}: " + ", ".join(parts + [f"{m} unavailable" for m in unavailable])
 
 
-# --------------------------------------------------------------------------- events
-@dataclass(frozen=True)
-class WorkersReady:
-    """A model's workers have loaded it (``quantize``: the target's weights): their host records."""
-
-    model: str
-    quantize: str
-    hosts: list[dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class ShardStarted:
-    """A shard was handed to the worker in ``worker`` (``{"pid": ..., "slot": ...}``)."""
-
-    shard: Shard
-    worker: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class ShardDone:
-    """A shard's scored, AR-checked result rows (``result_rows``), its wall time and worker;
-    ``unavailable``: the shard's methods that cannot run on this target here, and why
-    (``sparsespec.MethodUnavailable``: no rows for them)."""
-
-    shard: Shard
-    rows: list[dict[str, Any]]
-    wall_s: float | None
-    worker: Any
-    unavailable: Mapping[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class ShardFailed:
-    """An attempt failed with ``error``; ``final``: the shard will not be retried. ``note``: the
-    line for the run's event log (None: nothing to log)."""
-
-    shard: Shard
-    error: str
-    final: bool
-    note: str | None = None
-
-
-ShardEvent = WorkersReady | ShardStarted | ShardDone | ShardFailed
-
-
 # --------------------------------------------------------------------------- the loop
 @dataclass
 class Outcome:
@@ -353,23 +318,48 @@ class Outcome:
     hosts: list[dict[str, Any]] = field(default_factory=list)
 
 
+def run_on_ray(shards: Sequence[Shard], *, emit: Callable[[ShardEvent], None], scorers: Mapping[str, Scorer],
+               dtype: str, num_workers: int | None = None, threads: int | None = None, device: str = "auto",
+               schedule: str = "step", max_retries: int = 2, ray_address: str | None = None,
+               local_num_cpus: int | None = None, engine_factory: EngineFactory | None = None,
+               progress: bool = False, desc: str = "") -> Outcome:
+    """Run ``shards`` on Ray from start to end: join or start Ray (:func:`ray_session`), plan the
+    workers for its resources (:func:`plan_workers`), run the shards (:func:`run_shards`) and hand
+    every event to ``emit``; the session (Ray's resources, the worker plan) travels with each
+    :class:`WorkersReady`. Raises WorkerStartError (no such resources, a model that does not load)."""
+    from cluster.sweep import provenance
+
+    with ray_session(ray_address, num_cpus=local_num_cpus):
+        wplan = dataclasses.replace(plan_workers(num_workers, threads, device), schedule=schedule)
+        log.info("%d worker(s) x %d thread(s) on %s, schedule %s", wplan.num_workers, wplan.threads, wplan.device,
+                 wplan.schedule)
+        session = {"ray": provenance.ray_resources(),
+                   "worker_plan": {"num_workers": wplan.num_workers, "num_gpus": wplan.num_gpus,
+                                   "num_cpus": wplan.num_cpus, "threads": wplan.threads, "device": wplan.device,
+                                   "schedule": wplan.schedule}}
+        return run_shards(shards, plan=wplan, dtype=dtype, scorers=scorers, emit=emit, max_retries=max_retries,
+                          engine_factory=engine_factory, progress=progress, desc=desc, session=session)
+
+
 def run_shards(shards: Sequence[Shard], *, plan: WorkerPlan, dtype: str, scorers: Mapping[str, Scorer],
                emit: Callable[[ShardEvent], None], max_retries: int = 2,
-               engine_factory: EngineFactory | None = None, progress: bool = False, desc: str = "") -> Outcome:
+               engine_factory: EngineFactory | None = None, progress: bool = False, desc: str = "",
+               session: Mapping[str, Any] | None = None) -> Outcome:
     """Run ``shards`` (grouped by model and target quantisation) on ``plan``'s actors; hand every
     event to ``emit`` as it happens (the caller stores them).
 
     ``scorers``: benchmark name -> ``score_sample``. ``emit`` gets :class:`WorkersReady` once a
     model's workers have loaded (provenance), :class:`ShardStarted` before a shard is submitted,
     :class:`ShardDone` with its rows, and :class:`ShardFailed` for each failed attempt.
-    ``progress``: a progress bar over the shards on stderr (``desc``: its label).
+    ``progress``: a progress bar over the shards on stderr (``desc``: its label). ``session``: what
+    each :class:`WorkersReady` carries about the Ray session (:func:`run_on_ray`).
     KeyboardInterrupt propagates after the shards in flight are released (a non-final
     :class:`ShardFailed` ``"interrupted"`` each: back to ``pending``) and the actors are stopped.
     """
     bar = _bar(len(shards), progress, desc)
     try:
         return _run_shards(shards, plan=plan, dtype=dtype, scorers=scorers, emit=emit, max_retries=max_retries,
-                           engine_factory=engine_factory, bar=bar)
+                           engine_factory=engine_factory, bar=bar, session=dict(session or {}))
     finally:
         bar.close()
 
@@ -382,7 +372,7 @@ def _bar(total: int, enabled: bool, desc: str) -> Any:
 
 def _run_shards(shards: Sequence[Shard], *, plan: WorkerPlan, dtype: str, scorers: Mapping[str, Scorer],
                 emit: Callable[[ShardEvent], None], max_retries: int, engine_factory: EngineFactory | None,
-                bar: Any) -> Outcome:
+                bar: Any, session: dict[str, Any]) -> Outcome:
     import ray
 
     outcome = Outcome()
@@ -400,7 +390,7 @@ def _run_shards(shards: Sequence[Shard], *, plan: WorkerPlan, dtype: str, scorer
         try:
             hosts = pool.ping_all()
             outcome.hosts.extend(hosts)
-            emit(WorkersReady(model, quantize, hosts))
+            emit(WorkersReady(model, quantize, hosts, summarize_workers(hosts), session))
             pids = {slot: h.get("pid") for slot, h in enumerate(hosts)}
 
             def submit(slot: int) -> None:
@@ -483,4 +473,4 @@ def _advance(bar: Any, samples_done: int) -> None:
 
 __all__ = ["Outcome", "ShardDone", "ShardEvent", "ShardFailed", "ShardStarted", "WorkerPlan", "WorkerPool",
            "WorkerStartError", "WorkersReady", "first_divergence", "lossless_check", "plan_workers", "ray_session",
-           "result_rows", "run_shards", "shard_summary"]
+           "result_rows", "run_on_ray", "run_shards", "shard_summary"]

@@ -1,6 +1,7 @@
 """Provenance stored with every run: code version, packages, the driver host and Ray's resources.
 
-Worker-side facts (device names and counts, torch threads) come from each actor's ``ping``.
+Worker-side facts (device names and counts, torch threads) come from each actor's ``ping``,
+summarised by ``cluster.sweep.worker.summarize_workers``.
 """
 from __future__ import annotations
 
@@ -73,20 +74,3 @@ def ray_resources() -> dict[str, Any]:
 def collect() -> dict[str, Any]:
     """Everything known on the driver: git state, package versions, host, Ray resources."""
     return {"git": git_state(), "packages": package_versions(), "driver": driver_info(), "ray": ray_resources()}
-
-
-def summarize_workers(pings: list[dict[str, Any]]) -> dict[str, Any]:
-    """Device names/counts and thread counts over the workers' pings."""
-    devices: dict[str, int] = {}
-    for p in pings:
-        names = p.get("cuda_devices") or [f"cpu ({p.get('cpu_count')} cores on {p.get('hostname')})"]
-        for n in names[:1] if p.get("cuda_devices") else names:  # an actor sees its one GPU
-            devices[n] = devices.get(n, 0) + 1
-    kernels = [p["kernels"] for p in pings if p.get("kernels")]
-    return {"num_workers": len(pings), "devices": devices,
-            "torch_threads": sorted({p.get("torch_threads") for p in pings if p.get("torch_threads") is not None}),
-            "hosts": sorted({str(p.get("hostname")) for p in pings}),
-            # the kernel plans the workers chose (CPU model, ISA flags, measured bandwidth, backends)
-            "kernels": sorted({p["kernels_summary"] for p in pings if p.get("kernels_summary")}),
-            "cpus": sorted({f"{k.get('cpu')} [{k.get('isa')}]" for k in kernels}),
-            "read_bytes_per_s": sorted({k["read_bytes_per_s"] for k in kernels if k.get("read_bytes_per_s")})}

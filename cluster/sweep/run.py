@@ -19,18 +19,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import logging
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.results.aggregate import UNAVAILABLE_EVENT
-from cluster.results.store import Store, StoreError, open_store, safe_url
-from cluster.sweep.coordinator import (ShardDone, ShardEvent, ShardFailed, ShardStarted, WorkersReady, WorkerStartError,
-                                       plan_workers, ray_session, run_shards)
+from cluster.results.store import StoreError, SweepRecorder, open_store, safe_url
+from cluster.sweep.coordinator import WorkerStartError, run_on_ray
 from cluster.sweep.plan import Cell, Shard, TokenizerInfo, default_tokenizer_info, plan_cells, plan_shards
 from cluster.sweep.schema import SpecError, SweepSpec, check_benchmarks, check_method_sets, load_spec
 from cluster.sweep.worker import EngineFactory
@@ -51,8 +48,8 @@ class SweepResult:
 
 def plan(spec: SweepSpec, tokenizer_info: TokenizerInfo = default_tokenizer_info) -> tuple[list[Cell], list[Shard]]:
     """Cells and shards of ``spec`` (deterministic). Raises SpecError."""
-    options = check_method_sets(spec)
     check_benchmarks(spec)
+    options = check_method_sets(spec)
     try:
         cells = plan_cells(spec, options, tokenizer_info)
     except (ValueError, FileNotFoundError) as e:
@@ -64,85 +61,11 @@ def plan(spec: SweepSpec, tokenizer_info: TokenizerInfo = default_tokenizer_info
     return cells, [sh for c in cells for sh in plan_shards(c)]
 
 
-@dataclass
-class SweepRecorder:
-    """The one place a sweep writes to the store: its runs (started or resumed, their workers,
-    finished) and every shard event the coordinator hands back (``cluster.sweep.coordinator``:
-    started, done with its rows, failed). ``tests/test_layering.py`` checks that no other code
-    in ``cluster.sweep`` calls a store write.
-
-    ``prov``: the runs' provenance, stored with each run (the caller fills it in before
-    :meth:`start_runs` and may add to it until the workers are ready)."""
-
-    store: Store
-    cells: Sequence[Cell]
-    prov: dict[str, Any] = field(default_factory=dict)
-    _unavailable_logged: set[tuple[str, str]] = field(default_factory=set, repr=False)
-
-    def start_runs(self) -> set[str]:
-        """Start or resume every cell's run (shards a dead driver left ``running`` go back to
-        ``pending``); the keys of the shards already stored."""
-        done_keys: set[str] = set()
-        for c in self.cells:
-            new = self.store.start_run(c.run_id, benchmark=c.benchmark, model=c.model,
-                                       methods=list(c.config["methods"]), config=c.config,
-                                       host={"provenance": self.prov})
-            self.store.release_running(c.run_id)  # a previous driver that died mid-shard
-            done_keys |= self.store.done_shards(c.run_id)
-            log.info("%s run %s (%s, L=%s, B=%d, rep %d)", "new" if new else "resuming", c.run_id, c.model,
-                     c.context_length, c.batch_size, c.repetition)
-        return done_keys
-
-    def shard_event(self, event: ShardEvent) -> None:
-        """Store one event of ``cluster.sweep.coordinator.run_shards``."""
-        st = self.store
-        if isinstance(event, ShardStarted):
-            sh = event.shard
-            st.start_shard(sh.run_id, sh.key, task=sh.task, sample_ids=[s.sample_id for s in sh.samples],
-                           worker=event.worker)
-        elif isinstance(event, ShardDone):
-            st.complete_shard(event.shard.run_id, event.shard.key, event.rows, wall_s=event.wall_s,
-                              worker=event.worker)
-            for method, why in sorted(event.unavailable.items()):
-                if (event.shard.run_id, method) not in self._unavailable_logged:
-                    self._unavailable_logged.add((event.shard.run_id, method))
-                    st.record_event(event.shard.run_id, f"{UNAVAILABLE_EVENT}: {method}: {why}",
-                                    method=method, unavailable=why, shard=event.shard.key)
-        elif isinstance(event, ShardFailed):
-            st.fail_shard(event.shard.run_id, event.shard.key, event.error, final=event.final)
-            if event.note is not None:
-                st.record_event(event.shard.run_id, event.note, shard=event.shard.key)
-        elif isinstance(event, WorkersReady):
-            from cluster.sweep import provenance
-
-            for c in self.cells:
-                if c.model == event.model and c.quantize == event.quantize:
-                    st.update_run(c.run_id, host={"provenance": self.prov, "workers": event.hosts,
-                                                  "devices": provenance.summarize_workers(event.hosts)})
-        else:
-            raise TypeError(f"not a shard event: {event!r}")
-
-    def finish_all(self, status: str) -> None:
-        """Every run ends with ``status`` (nothing was left to run)."""
-        for c in self.cells:
-            self.store.finish_run(c.run_id, status=status)
-
-    def finish(self, status_of: Mapping[str, str]) -> None:
-        """Each run ends with its status, its ``running`` shards back to ``pending``; an error
-        is logged, never raised (the caller may be unwinding another)."""
-        for run_id, status in status_of.items():
-            try:
-                self.store.release_running(run_id)
-                self.store.finish_run(run_id, status=status)
-            except Exception:  # noqa: BLE001 - never mask the original error
-                log.exception("could not mark run %s as %s", run_id, status)
-
-
 def run_sweep(spec: SweepSpec, *, ray_address: str | None = None, engine_factory: EngineFactory | None = None,
               tokenizer_info: TokenizerInfo = default_tokenizer_info, progress: bool = True,
               local_num_cpus: int | None = None) -> SweepResult:
     """Plan, resume and run ``spec``; every completed shard is stored as it finishes (by a
-    :class:`SweepRecorder`, from the coordinator's events).
+    ``cluster.results.store.SweepRecorder``, from the coordinator's events).
 
     ``engine_factory`` (tests) replaces ``sparsespec.Engine.from_pretrained`` in the workers;
     it must be importable there. Raises SpecError (bad spec), WorkerStartError (no such
@@ -155,12 +78,11 @@ def run_sweep(spec: SweepSpec, *, ray_address: str | None = None, engine_factory
     t0 = time.perf_counter()
     cells, shards = plan(spec, tokenizer_info)
     result = SweepResult(run_ids=[c.run_id for c in cells], num_shards=len(shards))
+    prov = {"sweep": {"name": spec.name, "spec": spec.resolved()}, **provenance.collect()}
     store = open_store(spec.db)
+    recorder = SweepRecorder(store, cells, prov)
     status_of: dict[str, str] = {}
-    recorder = SweepRecorder(store, cells)
     try:
-        prov = recorder.prov
-        prov.update({"sweep": {"name": spec.name, "spec": spec.resolved()}, **provenance.collect()})
         done_keys = recorder.start_runs()
         todo = [s for s in shards if s.key not in done_keys]
         result.skipped = [s.key for s in shards if s.key in done_keys]
@@ -170,19 +92,13 @@ def run_sweep(spec: SweepSpec, *, ray_address: str | None = None, engine_factory
             recorder.finish_all("finished")
             return result
         status_of = {c.run_id: "failed" for c in cells}
-        with ray_session(ray_address, num_cpus=local_num_cpus):
-            wplan = dataclasses.replace(plan_workers(spec.workers.num_workers, spec.workers.threads, spec.device),
-                                        schedule=spec.workers.schedule)
-            log.info("%d worker(s) x %d thread(s) on %s, schedule %s", wplan.num_workers, wplan.threads,
-                     wplan.device, wplan.schedule)
-            prov["ray"] = provenance.ray_resources()
-            prov["worker_plan"] = {"num_workers": wplan.num_workers, "num_gpus": wplan.num_gpus,
-                                   "num_cpus": wplan.num_cpus, "threads": wplan.threads, "device": wplan.device,
-                                   "schedule": wplan.schedule}
-            scorers = {b.name: get_benchmark(b.name).score_sample for b in spec.benchmarks}
-            out = run_shards(todo, plan=wplan, dtype=spec.dtype, scorers=scorers, emit=recorder.shard_event,
-                             max_retries=spec.workers.max_retries, engine_factory=engine_factory,
-                             progress=progress, desc=spec.name)
+        w = spec.workers
+        out = run_on_ray(todo, emit=recorder.record, scorers={b.name: get_benchmark(b.name).score_sample
+                                                                for b in spec.benchmarks},
+                         dtype=spec.dtype, num_workers=w.num_workers, threads=w.threads, device=spec.device,
+                         schedule=w.schedule, max_retries=w.max_retries, ray_address=ray_address,
+                         local_num_cpus=local_num_cpus, engine_factory=engine_factory, progress=progress,
+                         desc=spec.name)
         result.done, result.failed, result.worker_deaths = out.done, out.failed, out.worker_deaths
         failed_runs = {k.rsplit("/", 2)[0] for k in out.failed}
         status_of = {c.run_id: ("failed" if c.run_id in failed_runs else "finished") for c in cells}

@@ -35,7 +35,6 @@ import math
 import os
 import platform
 import socket
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -357,6 +356,24 @@ class EngineWorker:
             return self._vllm.run(method, dict(shard.method_options.get(method, {}) or {}), prompts, params)
         except (PeerError, ModelNotAvailableError, ValueError, OSError) as e:
             raise MethodUnavailable(f"{method}: {e}") from None
+
+
+def summarize_workers(pings: list[dict[str, Any]]) -> dict[str, Any]:
+    """Device names/counts, thread counts and kernel plans over the workers' pings
+    (:meth:`EngineWorker.ping`): what a run's provenance stores as ``devices``."""
+    devices: dict[str, int] = {}
+    for p in pings:
+        names = p.get("cuda_devices") or [f"cpu ({p.get('cpu_count')} cores on {p.get('hostname')})"]
+        for n in names[:1] if p.get("cuda_devices") else names:  # an actor sees its one GPU
+            devices[n] = devices.get(n, 0) + 1
+    kernels = [p["kernels"] for p in pings if p.get("kernels")]
+    return {"num_workers": len(pings), "devices": devices,
+            "torch_threads": sorted({p.get("torch_threads") for p in pings if p.get("torch_threads") is not None}),
+            "hosts": sorted({str(p.get("hostname")) for p in pings}),
+            # the kernel plans the workers chose (CPU model, ISA flags, measured bandwidth, backends)
+            "kernels": sorted({p["kernels_summary"] for p in pings if p.get("kernels_summary")}),
+            "cpus": sorted({f"{k.get('cpu')} [{k.get('isa')}]" for k in kernels}),
+            "read_bytes_per_s": sorted({k["read_bytes_per_s"] for k in kernels if k.get("read_bytes_per_s")})}
 
 
 #: ``EngineWorkerActor.options(num_gpus=1).remote(model, dtype, device, threads, factory, quantize, schedule)``
