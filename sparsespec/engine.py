@@ -366,6 +366,36 @@ class EngineCore:
                 self._release(req)
                 return
 
+    def set_max_k(self, request_id: str, max_k: int | None) -> None:
+        """Change a queued or running request's cap on draft tokens per round (``add_request``'s
+        ``max_k``) from the next round on: a serving policy that decides round by round. Its
+        stats' ``k`` keeps the admission value; each round's own k is in its step trace.
+
+        Raises:
+            ValueError: ``max_k`` not an integer >= 0 or None.
+            KeyError: no such unfinished request.
+        """
+        request_id = str(request_id)
+        if max_k is not None and (not isinstance(max_k, int) or isinstance(max_k, bool) or max_k < 0):
+            raise ValueError(f"request {request_id!r}: max_k must be an integer >= 0 or None, got {max_k!r}")
+        staged = [self.prefilling.req] if self.prefilling is not None else []
+        for req in [*self.running, *staged, *self.waiting]:
+            if req.request_id == request_id:
+                req.max_k = max_k
+                return
+        raise KeyError(f"no unfinished request {request_id!r}")
+
+    def round_rows(self) -> list[tuple[str, int]]:
+        """``(request id, context tokens)`` of the rows the next step's round decodes (the running
+        rows; a request whose prefill ends in that step joins them): context = prompt tokens +
+        ``max_new_tokens``, the definition of a sweep cell's context length."""
+        return [(r.request_id, len(r.prompt) + r.params.max_new_tokens) for r in self.running]
+
+    def prefill_pending(self) -> bool:
+        """Whether the next step prefills (a chunk of a request being admitted, or a waiting
+        request with a free slot), so that its round carries that cost too."""
+        return self.prefilling is not None or bool(self.waiting and len(self.running) < self.max_num_seqs)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.prefilling)
 

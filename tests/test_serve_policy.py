@@ -171,3 +171,124 @@ def test_a_capped_row_never_drafts_in_a_batch_whose_other_row_does(tiny):
     assert done["two"].token_ids == ref[1].token_ids and done["free"].token_ids == ref[0].token_ids
     assert st["k"] == "auto" == free["k"] and st["max_k"] == 2 and "max_k" not in free
     assert st["num_drafted"] <= 2 * st["num_drafting_steps"]
+
+
+def test_set_max_k_recaps_a_row_from_its_next_round(tiny):
+    """EngineCore.set_max_k: a row admitted at k=0 drafts once re-capped, one re-capped to 0
+    stops drafting; round_rows / prefill_pending describe the next step; bad input is an error."""
+    import sparsespec
+
+    eng = sparsespec.Engine.from_pretrained(str(tiny))
+    prompts = [[1, 5, 9, 200, 31, 7] * 5, [3, 8, 40, 41, 42] * 7]
+    ref = eng.generate(prompts, method="ar", max_new_tokens=24, ignore_eos=True)
+    core = eng.core("sparsespec-l", {"k": 3}, max_num_seqs=1)
+    params = sparsespec.SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    core.add_request("late", prompts[0], params, max_k=0)
+    core.add_request("queued", prompts[1], params, max_k=3)
+    assert core.round_rows() == [] and core.prefill_pending()
+    with pytest.raises(KeyError, match="no unfinished request 'nope'"):
+        core.set_max_k("nope", 1)
+    with pytest.raises(ValueError, match="max_k must be an integer >= 0"):
+        core.set_max_k("late", -1)
+    core.set_max_k("queued", 0)  # a waiting request can be re-capped too
+    done, steps = {}, 0
+    while core.has_unfinished_requests():
+        if [r for r, _ in core.round_rows()] == ["late"] and steps == 3:
+            assert core.round_rows() == [("late", len(prompts[0]) + 24)]
+            assert not core.prefill_pending()  # the one slot is taken: "queued" waits without a prefill
+            core.set_max_k("late", 2)
+        steps += 1
+        for out in core.step():
+            if out.finished:
+                done[out.request_id] = out.output
+    late, queued = done["late"].stats, done["queued"].stats
+    assert done["late"].token_ids == ref[0].token_ids and done["queued"].token_ids == ref[1].token_ids
+    assert late["k"] == 0 and 0 < late["num_drafted"] <= 2 * late["num_drafting_steps"]  # k: the admission cap
+    assert queued["num_drafted"] == 0
+
+
+def test_round_cap_decides_the_whole_batch_and_drafts_while_a_prefill_rides():
+    from cluster.results.policy import SpeculationPolicy
+
+    p = SpeculationPolicy.model_validate({"version": 1, "models": {"m": [
+        _e(1024, 1), _e(1024, 4), _e(8192, 1, "sparsespec-l", 2), _e(8192, 4, "sparsespec-l", 3)]}})
+    assert p.round_cap("m", "sparsespec-l", [], prefill=True)[0] is None  # no rows: nothing to decide
+    # a prefill chunk in the round: the largest k this core's entries use, whatever the bucket
+    assert p.round_cap("m", "sparsespec-l", [1024], prefill=True)[0] == 3
+    # decode-only rounds: the bucket of the batch's mean context at its size
+    cap, e, why = p.round_cap("m", "sparsespec-l", [1024, 1024], prefill=False)
+    assert cap == 0 and (e.context_length, e.batch_size) == (1024, 4) and "1024 x 4" in why  # 2: on the edge
+    cap, e, _ = p.round_cap("m", "sparsespec-l", [1024, 8192, 8192, 1024], prefill=False)  # mean 4608 > 2896
+    assert cap == 3 and (e.context_length, e.batch_size) == (8192, 4)
+    assert p.round_cap("m", "sparsespec-l", [8192], prefill=False)[0] == 2
+    assert p.round_cap("m", "sparsespec-l", [1024, 1024, 2048, 1024], prefill=False)[0] == 0  # mean 1280: off
+    assert p.round_cap("m", "sparsespec-l", [1024, 1024, 1024, 8192], prefill=False)[0] == 0  # the mean, not the max
+    # a bucket of another core's method is an AR round on this core; an auto core is left to its controller
+    q = SpeculationPolicy.model_validate({"version": 1, "models": {"m": [
+        _e(1024, 1, "ngram", 2), _e(8192, 1, "sparsespec-l", "auto")]}})
+    assert q.round_cap("m", "ngram", [8192], prefill=False)[0] == 0
+    assert q.round_cap("m", "sparsespec-l auto", [8192], prefill=False)[0] is None
+    assert q.round_cap("m", "sparsespec-l auto", [1024], prefill=True)[0] is None
+    assert q.round_cap("m", "ngram", [1024], prefill=False)[0] == 2
+
+
+def test_the_policy_keeps_a_variants_options_and_its_arm_runs_them():
+    """A chosen cell whose method ran with other options (``budget_frac``): the entry keeps them,
+    its core is named by them and built with them."""
+    from cluster.results.policy import SpeculationPolicy, decide
+
+    cells = [{"method": "ar", "variant": "ar", "k": None, "options": ""},
+             {"method": "sparsespec-l", "variant": "sparsespec-l k=2 (budget_frac=0.3)", "k": 2,
+              "draft_weights": "target", "options": '{"budget_frac": 0.3}', "speedup": 1.3, "ci_low": 1.1,
+              "ci_high": 1.5, "n_pairs": 8, "lossless_rate": 1.0}]
+    e = decide(8192, 4, cells)
+    assert e.status == "speculate" and e.options == {"budget_frac": 0.3}
+    assert e.core_options == {"budget_frac": 0.3, "k": 2} and e.core_name == "sparsespec-l (budget_frac=0.3)"
+    p = SpeculationPolicy.model_validate({"version": 1, "models": {"m": [_e(1024, 4), e.model_dump()]}})
+    assert p.cores("m") == {"sparsespec-l (budget_frac=0.3)": ("sparsespec-l", {"budget_frac": 0.3, "k": 2})}
+    assert p.round_cap("m", "sparsespec-l (budget_frac=0.3)", [8192] * 4, prefill=False)[0] == 2
+    with pytest.raises(ValueError, match="budget_fraction"):  # an option the method does not have
+        PolicyEntry.model_validate(_e(64, 1, "sparsespec-l", 2, options={"budget_fraction": 0.3}))
+
+
+def test_policy_arm_decides_each_round_for_its_whole_batch(tiny, tmp_path):
+    """A short request admitted alone (its bucket: off) joins a long one: their mean context falls
+    in the long bucket, so the short row drafts too (capped at 0 for its life before); every round
+    is counted on the row by its cap, and outputs stay ar's tokens."""
+    import sparsespec
+    from cluster.results.store import open_store
+    from cluster.serve.endpoint import ArmServer
+
+    pol = tmp_path / "policy.json"
+    pol.write_text(json.dumps({"version": 1, "models": {"tiny": [
+        _e(64, 1), _e(64, 2), _e(256, 1, "sparsespec-l", 2), _e(256, 2, "sparsespec-l", 2)]}}))
+    db = f"sqlite:///{tmp_path}/r.db"
+    args = {"model": str(tiny), "arms": [{"method": "policy", "options": {"path": str(pol), "model": "tiny"}}],
+            "threads": 1, "max_num_seqs": 2, "db": db, "device": "cpu"}
+    arm = ArmServer(args, "policy")
+    short, long_ = [1, 5, 9, 200, 31, 7] * 4, [3, 8, 40, 41, 42] * 40  # contexts 24 + 96 (-> 64), 200 + 32
+
+    async def both():
+        gen, evs = arm.generate(_payload("short", short, 96)), []
+        async for ev in gen:  # the short one decodes alone first ...
+            evs.append(ev)
+            if ev.get("token_ids"):
+                break
+        other = asyncio.ensure_future(_collect(arm, _payload("long", long_, 32)))  # ... then the long one joins
+        evs += [ev async for ev in gen]
+        return [evs, await other]
+    try:
+        res = asyncio.run(both())
+    finally:
+        arm.shutdown()
+    eng = sparsespec.Engine.from_pretrained(str(tiny))
+    ref = [eng.generate([short], method="ar", max_new_tokens=96, ignore_eos=True)[0],
+           eng.generate([long_], method="ar", max_new_tokens=32, ignore_eos=True)[0]]
+    assert [r[-1]["all_token_ids"] for r in res] == [ref[0].token_ids, ref[1].token_ids]
+    rows = {r["request_id"]: r for r in open_store(db).serve_requests()}
+    sp = rows["short"]["stats"]
+    assert sp["policy"]["k"] == 0 and sp["policy"]["method"] == "ar"  # admitted alone: off
+    caps = sp["policy"]["round_caps"]
+    assert caps.get("0", 0) > 0 and caps.get("2", 0) > 0, caps  # alone: off; beside the long row: k = 2
+    assert sp["num_drafted"] > 0  # before: capped at 0 for its life
+    assert sum(rows["long"]["stats"]["policy"]["round_caps"].values()) > 0

@@ -76,6 +76,7 @@ class Candidate(BaseModel):
     n_pairs: int = 0
     lossless_rate: float | None = None
     mean_k: float | None = None
+    options: dict[str, Any] = Field(default_factory=dict)  # the method's other options (besides k)
     rejected: str | None = None  # None: eligible
 
 
@@ -131,8 +132,12 @@ class PolicyEntry(BaseModel):
     @property
     def core_name(self) -> str:
         """The policy arm's core that decodes this entry (``SpeculationPolicy.cores``): one per
-        speculative method at fixed k, one per method at ``k="auto"``; ``ar`` has none of its own."""
-        return f"{self.method} auto" if self.k == "auto" else self.method
+        speculative method (and other options) at fixed k, one per method (and other options) at
+        ``k="auto"``; ``ar`` has none of its own."""
+        name = f"{self.method} auto" if self.k == "auto" else self.method
+        if self.options:
+            name += " (" + ", ".join(f"{k}={v}" for k, v in sorted(self.options.items())) + ")"
+        return name
 
 
 def _edges(values: Sequence[int]) -> list[float]:
@@ -234,6 +239,39 @@ class SpeculationPolicy(BaseModel):
         b = bucket_of(batch, [e.batch_size for e in at_ctx])
         return next(e for e in at_ctx if e.batch_size == b)
 
+    def round_cap(self, model: str, core: str, contexts: Sequence[int], *,
+                  prefill: bool) -> tuple[int | None, PolicyEntry | None, str]:
+        """The draft cap of every row of the policy arm's core ``core`` (a ``cores`` name) in its
+        next round, from the batch that round decodes: ``(max_k, entry, why)``; ``max_k`` None: no
+        cap (an ``auto`` core's controller chooses), 0: the round is an AR step.
+
+        The map's cells are uniform batches decoding alone, and one round drafts for the whole
+        batch (a row capped at 0 still waits through the others' draft phase, for one token), so
+        the round, not each request, is decided:
+
+        - ``prefill``: the round also carries a prefill chunk (a request being admitted while
+          others decode). Its cost is about a chunk whatever the verify's width, so the tokens a
+          round yields decide its rows' TPOT: the core drafts at the largest k its entries use
+          (measured on the Serve A/B, concurrency 4 with 1K and 8K prompts: speculation at k = 2
+          0.49x and 0.40x ``ar``'s TPOT where the decode-only map says 0.85x and 0.83x).
+        - otherwise the entry of the batch's mean context (prompt + max_tokens of each row) at its
+          size: its k when the entry is this core's, else 0 (off, or another method's bucket).
+
+        ``contexts``: one per row of the round (empty: nothing to decide, cap None).
+        """
+        if not contexts or core == AR:
+            return (None if not contexts else 0), None, "no rows" if not contexts else "ar core"
+        mine = [e for e in self.entries(model) if e.method != AR and e.core_name == core]
+        if prefill:
+            if any(e.k == "auto" for e in mine):
+                return None, None, "prefill chunk in the round: k auto"
+            k = max((int(e.k) for e in mine), default=0)
+            return k, None, f"prefill chunk in the round: k={k}"
+        e = self.lookup(model, max(1, round(sum(contexts) / len(contexts))), len(contexts))
+        if e.method == AR or e.core_name != core:
+            return 0, e, f"bucket {e.context_length} x {e.batch_size}: {e.variant}"
+        return (None if e.k == "auto" else int(e.k)), e, f"bucket {e.context_length} x {e.batch_size}: {e.variant}"
+
     def cores(self, model: str) -> dict[str, tuple[str, dict[str, Any]]]:
         """The ``EngineCore`` s a policy arm needs for ``model``: ``{name: (method, options)}``.
 
@@ -282,9 +320,10 @@ def _candidate(c: Mapping[str, Any], min_pairs: int) -> Candidate:
     else:
         why = None
     k = c.get("k")
+    options = json.loads(c["options"]) if c.get("options") else {}  # aggregate.run_options: canonical JSON
     return Candidate(variant=str(c["variant"]), method=str(c["method"]), k=k, draft_weights=c.get("draft_weights"),
                      speedup=c.get("speedup"), ci_low=lo, ci_high=c.get("ci_high"), n_pairs=n, lossless_rate=lr,
-                     mean_k=c.get("mean_k"), rejected=why)
+                     mean_k=c.get("mean_k"), options=options, rejected=why)
 
 
 def decide(context_length: int, batch_size: int, cells: Sequence[Mapping[str, Any]], *,
@@ -310,7 +349,8 @@ def decide(context_length: int, batch_size: int, cells: Sequence[Mapping[str, An
     base = dict(context_length=int(context_length), batch_size=int(batch_size), candidates=tuple(cands))
     if eligible:
         best = eligible[0]
-        return PolicyEntry(**base, status="speculate", method=best.method, k=best.k, variant=best.variant,
+        return PolicyEntry(**base, status="speculate", method=best.method, k=best.k, options=best.options,
+                           variant=best.variant,
                            speedup=best.speedup, ci_low=best.ci_low, ci_high=best.ci_high, n_pairs=best.n_pairs,
                            reason=f"{best.variant}: median speedup {best.speedup:.3g}, 95% interval "
                                   f"[{best.ci_low:.3g}, {best.ci_high:.3g}] over {best.n_pairs} paired batches")

@@ -127,7 +127,10 @@ class ArmConfig(BaseModel):
 
     ``method: policy`` is the policy arm: ``options: {path: FILE, model: KEY}`` names a policy
     file (``cluster.results.policy``); the arm holds one ``EngineCore`` per speculative method the policy
-    uses and caps each request at its entry's k, k=0 included (``SpeculationPolicy.cores``).
+    uses (``SpeculationPolicy.cores``), routes each request by its entry at admission, and before
+    each step caps every row of a core at the k the policy decides for that round's batch, k=0
+    included (``SpeculationPolicy.round_cap``: the batch's mean context and size; the largest k
+    while a prefill chunk rides in the step). The row records both (``stats.policy``).
 
     ``url`` makes it an external arm (``ExternalArmServer``): an OpenAI-compatible server, e.g.
     ``vllm serve`` (``http://127.0.0.1:8001/v1``), that decodes the arm's requests; ``method``
@@ -389,6 +392,7 @@ class _Stream:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop, self.q = loop, asyncio.Queue()
         self.max_batch = 0
+        self.round_caps: dict[str, int] = {}  # a policy arm: rounds of this request per decided cap
 
     def push(self, event: dict) -> None:
         self.loop.call_soon_threadsafe(self.q.put_nowait, event)
@@ -458,8 +462,10 @@ class ArmServer:
                 if not self._has_work():
                     continue
                 outputs = []
-                for core in self.cores.values():  # a policy arm's cores take turns, one step each
+                for name, core in self.cores.items():  # a policy arm's cores take turns, one step each
                     if core.has_unfinished_requests():
+                        if self.policy is not None:
+                            self._decide_round(name, core)
                         outputs += core.step()
                 now = time.perf_counter()
                 self.num_steps += 1
@@ -520,6 +526,23 @@ class ArmServer:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
                 return
+
+    def _decide_round(self, name: str, core: Any) -> None:
+        """A policy arm: cap every row of ``core`` (its ``cores`` name ``name``) at the k
+        ``SpeculationPolicy.round_cap`` decides for the round its next step decodes (the batch's
+        mean context and size; the largest k while a prefill chunk rides in the step), and count
+        the round on each row's request. Engine thread only."""
+        rows = core.round_rows()
+        if not rows:
+            return
+        cap, _, _ = self.policy.round_cap(self.policy_model, name, [c for _, c in rows],
+                                          prefill=core.prefill_pending())
+        key = "auto" if cap is None else str(cap)
+        for rid, _ in rows:
+            core.set_max_k(rid, cap)
+            st = self._streams.get(rid)
+            if st is not None:
+                st.round_caps[key] = st.round_caps.get(key, 0) + 1
 
     def _has_work(self) -> bool:
         return any(c.has_unfinished_requests() for c in self.cores.values())
@@ -624,8 +647,8 @@ class ArmServer:
                 stats.update({k: timing[k] for k in ("tpot_s", "num_chunks", "max_batch", "itl_p50_s",
                                                      "itl_p95_s", "itl_p99_s")})
                 stats["chunk_gaps_s"] = gaps
-                if choice is not None:
-                    stats["policy"] = choice
+                if choice is not None:  # the admission decision, and the cap of each round it rode in
+                    stats["policy"] = {**choice, "round_caps": dict(st.round_caps)}
                 ev.update(type="final", finish_reason=out["finish_reason"],
                           usage={"prompt_tokens": row["prompt_tokens"], "completion_tokens": len(out["token_ids"]),
                                  "total_tokens": row["prompt_tokens"] + len(out["token_ids"])},
