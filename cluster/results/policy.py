@@ -252,8 +252,9 @@ class SpeculationPolicy(BaseModel):
         - ``prefill``: the round also carries a prefill chunk (a request being admitted while
           others decode). Its cost is about a chunk whatever the verify's width, so the tokens a
           round yields decide its rows' TPOT: the core drafts at the largest k its entries use
-          (measured on the Serve A/B, concurrency 4 with 1K and 8K prompts: speculation at k = 2
-          0.49x and 0.40x ``ar``'s TPOT where the decode-only map says 0.85x and 0.83x).
+          (measured on the Serve A/B at concurrency 4 with 1K and 8K prompts, SmolLM2 on 2 CPU
+          cores: speculation at k = 2 had 0.49x and 0.40x ``ar``'s TPOT, while on decode-only
+          batches of 1K x 4 it was slower than ``ar``, a speedup of 0.87, and the map kept it off).
         - otherwise the entry of the batch's mean context (prompt + max_tokens of each row) at its
           size: its k when the entry is this core's, else 0 (off, or another method's bucket).
 
