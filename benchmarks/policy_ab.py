@@ -66,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrencies", default="1,4", help="closed-loop concurrency levels (comma list)")
     p.add_argument("--num-prompts", type=int, default=8, help="requests per arm per concurrency level")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--blocks", type=int, default=1,
+                   help="split the prompts into this many blocks and run the arms in turn per block, the order "
+                        "rotating each block (ar, sparsespec-l, policy; then sparsespec-l, policy, ar; ...), so the "
+                        "machine's drift over the run falls on every arm alike (1: each arm's prompts in one go)")
     p.add_argument("--max-num-seqs", type=int, default=4)
     p.add_argument("--threads", type=int, default=None, help="torch threads per arm replica")
     p.add_argument("--db", required=True)
@@ -73,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--analyze-only", action="store_true",
                    help="print the decisions from the rows already in --db (a previous run's) and start nothing")
     a = p.parse_args(argv)
+    if not 1 <= a.blocks <= a.num_prompts:
+        p.error(f"--blocks must be between 1 and --num-prompts ({a.num_prompts}), got {a.blocks}")
     if a.analyze_only:
         return analyze(a.db, _ints(a.lengths), _ints(a.concurrencies))
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -109,14 +115,16 @@ def main(argv: list[str] | None = None) -> int:
                                  "max_model_len": max(lengths) + a.max_tokens, "db": a.db, "experiment": exp}),
                       name="policy-ab", route_prefix="/")
             print(f"\n=== concurrency {c}: app up in {time.time() - t0:.0f} s", flush=True)
-            for arm in ("ar", "sparsespec-l", "policy"):
-                print(f"\n--- arm {arm}, concurrency {c}", flush=True)
-                rc = loadtest.main(["--url", base, "--model", a.model, "--tokenizer", str(folder), "--arm", arm,
-                                    "--num-prompts", str(len(prompts)), "--max-concurrency", str(c),
-                                    "--max-tokens", str(a.max_tokens), "--ignore-eos", "--disable-tqdm",
-                                    "--request-timeout-s", str(a.request_timeout_s)], prompts=prompts)
-                if rc:
-                    print(f"loadtest exited {rc}", file=sys.stderr)
+            for i, (block, order) in enumerate(blocks(prompts, a.blocks, ("ar", "sparsespec-l", "policy"))):
+                for arm in order:
+                    print(f"\n--- arm {arm}, concurrency {c}, block {i + 1}/{a.blocks}", flush=True)
+                    rc = loadtest.main(["--url", base, "--model", a.model, "--tokenizer", str(folder), "--arm", arm,
+                                        "--num-prompts", str(len(block)), "--max-concurrency", str(c),
+                                        "--max-tokens", str(a.max_tokens), "--ignore-eos", "--disable-tqdm",
+                                        "--request-timeout-s", str(a.request_timeout_s)]
+                                       + (["--num-warmups", "0"] if i else []), prompts=block)
+                    if rc:
+                        print(f"loadtest exited {rc}", file=sys.stderr)
             time.sleep(2.0)  # the request log flushes every 0.5 s
             summary += decisions(open_store(a.db).serve_requests(exp), c, lengths)
             serve.delete("policy-ab")
@@ -125,6 +133,13 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
     print("\n" + json.dumps(summary, indent=1))
     return 0
+
+
+def blocks(prompts: list, n: int, arms: tuple[str, ...]) -> list[tuple[list, tuple[str, ...]]]:
+    """``prompts`` in ``n`` consecutive blocks (sizes differing by at most one), each with the arm
+    order rotated by its index: every arm runs every block, each arm first as often as the others."""
+    bounds = [round(i * len(prompts) / n) for i in range(n + 1)]
+    return [(prompts[bounds[i]:bounds[i + 1]], arms[i % len(arms):] + arms[:i % len(arms)]) for i in range(n)]
 
 
 def decisions(rows: list[dict], concurrency: int, lengths: list[int]) -> list[dict]:
