@@ -136,15 +136,21 @@ def test_policy_cores_one_per_method_with_the_largest_k_and_ar_capped_at_zero():
     assert only_ar.cores("m") == {"ar": ("ar", {})} and only_ar.core_for("m", only_ar.entries("m")[0]) == ("ar", None)
 
 
-def test_a_capped_row_never_drafts_in_a_batch_whose_other_row_does(tiny):
-    """EngineCore.add_request(max_k=...): the policy arm's per-request k inside one batch."""
+def _capped_core(tiny, max_num_seqs):
+    """A sparsespec-l core at k=3 on the tiny model, two prompts, their ar reference (24 tokens)
+    and greedy params: what the per-row cap tests start from."""
     import sparsespec
 
     eng = sparsespec.Engine.from_pretrained(str(tiny))
     prompts = [[1, 5, 9, 200, 31, 7] * 5, [3, 8, 40, 41, 42] * 7]
     ref = eng.generate(prompts, method="ar", max_new_tokens=24, ignore_eos=True)
-    core = eng.core("sparsespec-l", {"k": 3}, max_num_seqs=2)
     params = sparsespec.SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    return eng, prompts, ref, eng.core("sparsespec-l", {"k": 3}, max_num_seqs=max_num_seqs), params
+
+
+def test_a_capped_row_never_drafts_in_a_batch_whose_other_row_does(tiny):
+    """EngineCore.add_request(max_k=...): the policy arm's per-request k inside one batch."""
+    eng, prompts, ref, core, params = _capped_core(tiny, 2)
     core.add_request("off", prompts[0], params, max_k=0)
     core.add_request("two", prompts[1], params, max_k=2)
     done = {}
@@ -176,13 +182,7 @@ def test_a_capped_row_never_drafts_in_a_batch_whose_other_row_does(tiny):
 def test_set_max_k_recaps_a_row_from_its_next_round(tiny):
     """EngineCore.set_max_k: a row admitted at k=0 drafts once re-capped, one re-capped to 0
     stops drafting; round_rows / prefill_pending describe the next step; bad input is an error."""
-    import sparsespec
-
-    eng = sparsespec.Engine.from_pretrained(str(tiny))
-    prompts = [[1, 5, 9, 200, 31, 7] * 5, [3, 8, 40, 41, 42] * 7]
-    ref = eng.generate(prompts, method="ar", max_new_tokens=24, ignore_eos=True)
-    core = eng.core("sparsespec-l", {"k": 3}, max_num_seqs=1)
-    params = sparsespec.SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    _, prompts, ref, core, params = _capped_core(tiny, 1)
     core.add_request("late", prompts[0], params, max_k=0)
     core.add_request("queued", prompts[1], params, max_k=3)
     assert core.round_rows() == [] and core.prefill_pending()
