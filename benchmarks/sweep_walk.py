@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import builtins
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -192,10 +193,30 @@ class Walker:
             if owner in fn.bindings or owner in self.mods[fn.module].bindings:  # imported: never by method name
                 mod = self._module_of(fn, owner)
                 return self._attr_of_module(mod, func.attr) if mod is not None else None
+        if isinstance(func.value, ast.Name) and self._foreign_local(fn, func.value.id):
+            return None
         target = self.unique_methods.get(func.attr)
         if target is not None and target.module in self.imports[fn.module]:
             return target
         return None
+
+    def _foreign_local(self, fn: Func, name: str) -> bool:
+        """``name`` is a local of ``fn`` whose every assignment is a call of a builtin or of a
+        library outside ``cluster/`` (``plan = getattr(model, "kernel_plan")``, ``t = torch.zeros(..)``):
+        its methods are that library's, never resolved by method name into ``cluster/``."""
+        values = [n.value for n in ast.walk(fn.node) if isinstance(n, ast.Assign)
+                  and any(isinstance(t, ast.Name) and t.id == name for t in n.targets)]
+        return bool(values) and all(isinstance(v, ast.Call) and self._library_callable(fn, v.func) for v in values)
+
+    def _library_callable(self, fn: Func, func: ast.AST) -> bool:
+        root = func.value if isinstance(func, ast.Attribute) else func  # f(...) or module.f(...)
+        if not isinstance(root, ast.Name):
+            return False
+        b = fn.bindings.get(root.id) or self.mods[fn.module].bindings.get(root.id)
+        if b is not None:  # imported: a library's when its module is not ours
+            return not b[0].startswith("cluster")
+        return (isinstance(func, ast.Name) and hasattr(builtins, root.id)
+                and root.id not in self.mods[fn.module].funcs and root.id not in self.mods[fn.module].classes)
 
     # ---------------------------------------------------------------- the walk
     def enter(self, fn: Func) -> None:

@@ -17,14 +17,15 @@ import pytest
 import cluster.peers as peers
 from cluster.results.aggregate import engine_ar, engine_of, engines_table
 from cluster.peers import engine as ve
+from cluster.peers import methods as vmethods
 from cluster.sweep.coordinator import lossless_check
 from sparsespec.stats import derive, pool
 
 
 # ------------------------------------------------------------------ options
 def test_vllm_options_are_its_defaults_overlaid_and_validated():
-    assert ve.resolve_vllm_options("vllm:ar", None) == {}
-    assert ve.resolve_vllm_options("vllm:ngram", {"num_speculative_tokens": 2}) == {
+    assert vmethods.resolve_vllm_options("vllm:ar", None) == {}
+    assert vmethods.resolve_vllm_options("vllm:ngram", {"num_speculative_tokens": 2}) == {
         "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
     for method, opts, match in [
         ("vllm:ar", {"num_speculative_tokens": 2}, "takes no options"),
@@ -35,12 +36,12 @@ def test_vllm_options_are_its_defaults_overlaid_and_validated():
         ("vllm:medusa", {}, "unknown vLLM method"),
     ]:
         with pytest.raises(ValueError, match=match):
-            ve.resolve_vllm_options(method, opts)
+            vmethods.resolve_vllm_options(method, opts)
 
 
 def test_speculative_config_names_vllms_method_and_resolves_a_preset(tmp_path):
     assert ve.speculative_config("vllm:ar", {}) is None
-    assert ve.speculative_config("vllm:ngram", ve.resolve_vllm_options("vllm:ngram", None)) == {
+    assert ve.speculative_config("vllm:ngram", vmethods.resolve_vllm_options("vllm:ngram", None)) == {
         "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
     spec = ve.speculative_config("vllm:draft-model", {"model": "tiny", "num_speculative_tokens": 3},
                                  lambda name: tmp_path / name)
@@ -307,7 +308,7 @@ def test_worker_runs_vllm_methods_on_the_same_batch_with_our_row_fields(tmp_path
     samples = tuple(Sample(benchmark="speed", task="t", sample_id=str(i), prompt_ids=tuple(range(10 + i, 40 + i)),
                            references=(), max_new_tokens=6, num_input_tokens_raw=30, num_input_tokens=30,
                            meta={"ignore_eos": True}) for i in range(2))
-    opts = {"vllm:ngram": ve.resolve_vllm_options("vllm:ngram", None), "vllm:ar": {}, "ar": {}}
+    opts = {"vllm:ngram": vmethods.resolve_vllm_options("vllm:ngram", None), "vllm:ar": {}, "ar": {}}
     for batch_index, first in ((0, "ar"), (1, "vllm:")):
         shard = Shard(run_id="r", key=f"r/{batch_index}", benchmark="speed", model=str(folder), task="t",
                       samples=samples, methods=("ar", "vllm:ar", "vllm:ngram"), method_options=opts,
@@ -394,7 +395,7 @@ def test_vllm_methods_warm_each_engine_and_batch_size_once_and_restart_only_when
 
     monkeypatch.setattr(ve, "VllmPeer", Recording)
     vm = ve.VllmMethods(folder, "float32", 2, 1024, lambda ids: "x", warmup_tokens=3, warmup_prompt_tokens=5)
-    opts = ve.resolve_vllm_options("vllm:ngram", None)
+    opts = vmethods.resolve_vllm_options("vllm:ngram", None)
     prompts = [list(range(20, 40)), list(range(50, 60))]
     params = [{"max_tokens": 6, "min_tokens": 6, "ignore_eos": True}] * 2
     for _ in range(2):

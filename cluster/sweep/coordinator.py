@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.peers.engine import VLLM_PREFIX
+from cluster.peers.methods import VLLM_PREFIX
 from cluster.results.events import ShardDone, ShardEvent, ShardFailed, ShardStarted, WorkersReady
 from cluster.sweep.plan import AR, Shard
 from cluster.sweep.worker import EngineFactory, summarize_workers
@@ -250,12 +250,12 @@ def result_rows(shard: Shard, outs: Sequence[Mapping[str, Any]], scorer: Scorer,
     method is unknown to the shard or the scorer fails."""
     skipped = set(unavailable)
     if AR in skipped or not skipped <= set(shard.methods):
-        raise ValueError(f"{shard.describe()}: the worker reported methods {sorted(skipped)} as unavailable "
+        raise ValueError(f"{shard.label}: the worker reported methods {sorted(skipped)} as unavailable "
                          f"(the shard runs {list(shard.methods)}; ar must run)")
     expected = {(s.sample_id, m) for s in shard.samples for m in shard.methods if m not in skipped}
     got = {(o["sample_id"], o["method"]) for o in outs}
     if got != expected or len(outs) != len(expected):
-        raise ValueError(f"{shard.describe()}: the worker returned {len(outs)} rows, expected {len(expected)} "
+        raise ValueError(f"{shard.label}: the worker returned {len(outs)} rows, expected {len(expected)} "
                          f"(missing {sorted(expected - got)[:4]})")
     by_id = {s.sample_id: s for s in shard.samples}
     ar = {o["sample_id"]: o["token_ids"] for o in outs if o["method"] == AR}

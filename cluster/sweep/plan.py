@@ -46,11 +46,13 @@ class Shard:
     sampling: Mapping[str, Any] = field(default_factory=dict)  # temperature, top_p, top_k, seed
     batch_index: int = 0  # index of this batch within (run, task): sets the method rotation
     sample_offset: int = 0  # index of samples[0] within its task: sets the sampling seeds
+    #: how errors name the shard: ``shard <key> (<model>, <n> sample(s): <first ids>)``
+    label: str = field(init=False, repr=False, compare=False)
 
-    def describe(self) -> str:
+    def __post_init__(self) -> None:
         ids = [s.sample_id for s in self.samples]
         shown = ", ".join(ids[:4]) + (f", ... (+{len(ids) - 4})" if len(ids) > 4 else "")
-        return f"shard {self.key} ({self.model}, {len(ids)} sample(s): {shown})"
+        object.__setattr__(self, "label", f"shard {self.key} ({self.model}, {len(ids)} sample(s): {shown})")
 
 
 @dataclass(frozen=True)

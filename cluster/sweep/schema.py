@@ -14,7 +14,7 @@ Schema (every key except ``name``, ``models`` and ``benchmarks`` is optional; se
       magicdec-snapkv: [{k: 2}, {k: 4}]   # a list: variants; the first runs with the other methods,
                                           # each further one in a run of its own beside ar
       vllm:ngram: {num_speculative_tokens: 4}   # vLLM's own method on the same batches (its
-                                          # speculative_config keys; cluster.peers.engine; make peers)
+                                          # speculative_config keys; cluster.peers.methods; make peers)
     batch_sizes: [1, 4]               # samples decoded together in one engine batch
     context_lengths: [4096]           # tokens (prompt + generation budget); null = the benchmark's default
     benchmarks:
@@ -284,7 +284,7 @@ def check_method_sets(spec: SweepSpec) -> list[dict[str, dict[str, Any]]]:
     for each further variant (``method_variants``). Raises SpecError (an unknown method, bad
     options, a variant that resolves to options already listed)."""
     import sparsespec
-    from cluster.peers.engine import is_vllm_method, resolve_vllm_options
+    from cluster.peers.methods import is_vllm_method, resolve_vllm_options
 
     base = check_methods(spec)
     sets = [base]
@@ -308,7 +308,7 @@ def check_methods(spec: SweepSpec) -> dict[str, dict[str, Any]]:
     own options (``sparsespec.resolve_method_options``: defaults included, so a changed default
     changes the run id; another method's options never do). Raises SpecError."""
     import sparsespec
-    from cluster.peers.engine import VLLM_METHODS, VLLM_PREFIX, is_vllm_method, resolve_vllm_options
+    from cluster.peers.methods import VLLM_METHODS, VLLM_PREFIX, is_vllm_method, resolve_vllm_options
 
     known = list(getattr(sparsespec, "METHODS", ())) + [VLLM_PREFIX + m for m in VLLM_METHODS]
     unknown = [m for m in spec.methods if m not in known]

@@ -41,7 +41,8 @@ from typing import Any
 
 import ray
 
-from cluster.peers.engine import PeerError, VllmMethods, is_vllm_method
+from cluster.peers.engine import PeerError, VllmMethods
+from cluster.peers.methods import is_vllm_method
 from cluster.sweep.plan import Shard
 from sparsespec.provision import ModelNotAvailableError
 from sparsespec.registry import AR, MethodUnavailable
@@ -277,7 +278,7 @@ class EngineWorker:
         t_shard = time.perf_counter()
         for s in shard.samples:
             if s.task != shard.task:
-                raise ValueError(f"{shard.describe()}: sample {s.sample_id} has task {s.task!r}")
+                raise ValueError(f"{shard.label}: sample {s.sample_id} has task {s.task!r}")
         methods, unavailable = self.available(shard)
         order = method_order([m for m in methods if not is_vllm_method(m)], shard.batch_index)
         vllm_order = method_order([m for m in methods if is_vllm_method(m)], shard.batch_index)
