@@ -63,11 +63,15 @@ demo: provision
 	mkdir -p results
 	$(BIN)/python -m cluster.sweep configs/demo.yaml --db $(DB)
 
+# The fast tests (tiny models, no Ray) run in parallel, one pytest-xdist worker per core (at
+# most TEST_JOBS); the slow ones (the real model, one Ray, one Serve app) after them in one process.
+TEST_JOBS ?= 4
 test: provision
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not slow" -n auto --maxprocesses $(TEST_JOBS)
+	$(BIN)/python -m pytest -q -m slow
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" -n auto --maxprocesses $(TEST_JOBS)
 
 report: $(STAMP)
 	$(BIN)/python -m cluster.results.report --db $(DB)

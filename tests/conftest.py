@@ -2,6 +2,13 @@ import os
 
 import pytest
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test-fast` runs the fast tests in parallel (pytest-xdist)
+    import torch
+
+    # each worker takes its share of the cores: two workers of two OpenMP threads each on two
+    # cores would spin against each other
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
 
 @pytest.fixture(scope="session")
 def ray_session():
