@@ -254,10 +254,13 @@ def test_the_policy_keeps_a_variants_options_and_its_arm_runs_them():
         PolicyEntry.model_validate(_e(64, 1, "sparsespec-l", 2, options={"budget_fraction": 0.3}))
 
 
-def test_policy_arm_decides_each_round_for_its_whole_batch(tiny, tmp_path):
-    """A short request admitted alone (its bucket: off) joins a long one: their mean context falls
-    in the long bucket, so the short row drafts too (capped at 0 for its life before); every round
-    is counted on the row by its cap, and outputs stay ar's tokens."""
+SHORT, LONG = [1, 5, 9, 200, 31, 7] * 4, [3, 8, 40, 41, 42] * 40  # 24 and 200 prompt tokens
+
+
+def _one_joins_another(tiny, tmp_path, first, second):
+    """A policy arm (contexts up to 64: off; 256: sparsespec-l k=2; batch 1-2) decodes ``first``
+    (``(id, prompt, max_tokens)``) alone until its first token, then ``second`` joins. Asserts
+    both outputs are ar's tokens; returns the stored rows by request id."""
     import sparsespec
     from cluster.results.store import open_store
     from cluster.serve.endpoint import ArmServer
@@ -269,15 +272,14 @@ def test_policy_arm_decides_each_round_for_its_whole_batch(tiny, tmp_path):
     args = {"model": str(tiny), "arms": [{"method": "policy", "options": {"path": str(pol), "model": "tiny"}}],
             "threads": 1, "max_num_seqs": 2, "db": db, "device": "cpu"}
     arm = ArmServer(args, "policy")
-    short, long_ = [1, 5, 9, 200, 31, 7] * 4, [3, 8, 40, 41, 42] * 40  # contexts 24 + 96 (-> 64), 200 + 32
 
     async def both():
-        gen, evs = arm.generate(_payload("short", short, 96)), []
-        async for ev in gen:  # the short one decodes alone first ...
+        gen, evs = arm.generate(_payload(*first)), []
+        async for ev in gen:  # the first one decodes alone ...
             evs.append(ev)
             if ev.get("token_ids"):
                 break
-        other = asyncio.ensure_future(_collect(arm, _payload("long", long_, 32)))  # ... then the long one joins
+        other = asyncio.ensure_future(_collect(arm, _payload(*second)))  # ... then the second joins
         evs += [ev async for ev in gen]
         return [evs, await other]
     try:
@@ -285,10 +287,17 @@ def test_policy_arm_decides_each_round_for_its_whole_batch(tiny, tmp_path):
     finally:
         arm.shutdown()
     eng = sparsespec.Engine.from_pretrained(str(tiny))
-    ref = [eng.generate([short], method="ar", max_new_tokens=96, ignore_eos=True)[0],
-           eng.generate([long_], method="ar", max_new_tokens=32, ignore_eos=True)[0]]
+    ref = [eng.generate([prompt], method="ar", max_new_tokens=n, ignore_eos=True)[0]
+           for _, prompt, n in (first, second)]
     assert [r[-1]["all_token_ids"] for r in res] == [ref[0].token_ids, ref[1].token_ids]
-    rows = {r["request_id"]: r for r in open_store(db).serve_requests()}
+    return {r["request_id"]: r for r in open_store(db).serve_requests()}
+
+
+def test_policy_arm_decides_each_round_for_its_whole_batch(tiny, tmp_path):
+    """A short request admitted alone (its bucket: off) joins a long one: their mean context falls
+    in the long bucket, so the short row drafts too (capped at 0 for its life before); every round
+    is counted on the row by its cap, and outputs stay ar's tokens."""
+    rows = _one_joins_another(tiny, tmp_path, ("short", SHORT, 96), ("long", LONG, 32))  # contexts 120 (-> 64), 232
     sp = rows["short"]["stats"]
     assert sp["policy"]["k"] == 0 and sp["policy"]["method"] == "ar"  # admitted alone: off
     caps = sp["policy"]["round_caps"]
@@ -302,37 +311,8 @@ def test_a_request_joining_running_rows_drafts_from_its_first_round(tiny, tmp_pa
     decodes in carries its prefill's last chunk, which ``_decide_round`` (running rows only) does
     not see, so it is admitted at the prefill rule's k, not at its entry's 0 (measured: one round
     more per request and 1.17x always-on sparsespec-l's TPOT at concurrency 4)."""
-    import sparsespec
-    from cluster.results.store import open_store
-    from cluster.serve.endpoint import ArmServer
-
-    pol = tmp_path / "policy.json"
-    pol.write_text(json.dumps({"version": 1, "models": {"tiny": [
-        _e(64, 1), _e(64, 2), _e(256, 1, "sparsespec-l", 2), _e(256, 2, "sparsespec-l", 2)]}}))
-    db = f"sqlite:///{tmp_path}/r.db"
-    args = {"model": str(tiny), "arms": [{"method": "policy", "options": {"path": str(pol), "model": "tiny"}}],
-            "threads": 1, "max_num_seqs": 2, "db": db, "device": "cpu"}
-    arm = ArmServer(args, "policy")
-    short, long_ = [1, 5, 9, 200, 31, 7] * 4, [3, 8, 40, 41, 42] * 40  # contexts 24 + 16 (-> 64), 200 + 48
-
-    async def both():
-        gen, evs = arm.generate(_payload("long", long_, 48)), []
-        async for ev in gen:  # the long one decodes first ...
-            evs.append(ev)
-            if ev.get("token_ids"):
-                break
-        other = asyncio.ensure_future(_collect(arm, _payload("short", short, 16)))  # ... the short one joins
-        evs += [ev async for ev in gen]
-        return [evs, await other]
-    try:
-        res = asyncio.run(both())
-    finally:
-        arm.shutdown()
-    eng = sparsespec.Engine.from_pretrained(str(tiny))
-    ref = [eng.generate([long_], method="ar", max_new_tokens=48, ignore_eos=True)[0],
-           eng.generate([short], method="ar", max_new_tokens=16, ignore_eos=True)[0]]
-    assert [r[-1]["all_token_ids"] for r in res] == [ref[0].token_ids, ref[1].token_ids]
-    sp = {r["request_id"]: r for r in open_store(db).serve_requests()}["short"]["stats"]
+    rows = _one_joins_another(tiny, tmp_path, ("long", LONG, 48), ("short", SHORT, 16))  # contexts 248, 40 (-> 64)
+    sp = rows["short"]["stats"]
     assert (sp["policy"]["method"], sp["policy"]["k"], sp["policy"]["batch"]) == ("ar", 0, 2)  # its entry: off
     assert sp["policy"]["first_round_cap"] == 2 == sp["k"]
     assert sp["policy"]["round_caps"].get("2", 0) >= 1 and sp["num_drafted"] > 0
