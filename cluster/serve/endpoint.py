@@ -554,10 +554,11 @@ class ArmServer:
         decode, it takes the prefill rule's k (``round_cap(prefill=True)``), as they do (admitted
         at its own entry's 0 it decoded one token in a round where the others drafted: measured,
         1K requests among 8K ones at concurrency 4 took one round more than always-on
-        ``sparsespec-l`` and 1.17x its TPOT); admitted alone, its own entry (no other row rides
-        on that round). Recorded in ``choice["first_round_cap"]``."""
+        ``sparsespec-l`` and 1.17x its TPOT); admitted alone in its core, its own entry (no other
+        row rides on that round; a policy arm's cores step in turn, never in one round).
+        Recorded in ``choice["first_round_cap"]``."""
         cap = choice["max_k"]
-        if choice["batch"] > 1:
+        if self.cores[choice["core"]].has_unfinished_requests():
             cap, _, _ = self.policy.round_cap(self.policy_model, choice["core"], [choice["context_tokens"]],
                                               prefill=True)
         choice["first_round_cap"] = cap
