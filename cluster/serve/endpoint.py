@@ -394,6 +394,11 @@ class _Stream:
         self.max_batch = 0
         self.round_caps: dict[str, int] = {}  # a policy arm: rounds of this request per decided cap
 
+    def count_round(self, cap: int | None) -> None:
+        """A policy arm: one more round of this request at ``cap`` (None: ``auto``)."""
+        key = "auto" if cap is None else str(cap)
+        self.round_caps[key] = self.round_caps.get(key, 0) + 1
+
     def push(self, event: dict) -> None:
         self.loop.call_soon_threadsafe(self.q.put_nowait, event)
 
@@ -515,8 +520,7 @@ class ArmServer:
                     else:
                         max_k = self._first_round_cap(choice)
                         core.add_request(rid, prompt, params, max_k=max_k)
-                        key = "auto" if max_k is None else str(max_k)
-                        st.round_caps[key] = st.round_caps.get(key, 0) + 1
+                        st.count_round(max_k)
                     self._core_of[rid] = core
                     st.push({"type": "started", "t": time.perf_counter(), "choice": choice})
                 except ValueError as e:
@@ -540,12 +544,11 @@ class ArmServer:
             return
         cap, _, _ = self.policy.round_cap(self.policy_model, name, [c for _, c in rows],
                                           prefill=core.prefill_pending())
-        key = "auto" if cap is None else str(cap)
         for rid, _ in rows:
             core.set_max_k(rid, cap)
             st = self._streams.get(rid)
             if st is not None:
-                st.round_caps[key] = st.round_caps.get(key, 0) + 1
+                st.count_round(cap)
 
     def _first_round_cap(self, choice: dict[str, Any]) -> int | None:
         """A policy arm: the cap a new request is admitted with, for the round it first decodes
