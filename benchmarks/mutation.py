@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FAST_TESTS = ["tests/test_engine_core.py", "tests/test_rejection.py", "tests/test_sampling.py",
               "tests/test_adaptive.py", "tests/test_engine_units.py", "tests/test_baselines.py",
               "tests/test_draft_model.py", "tests/test_engine_min_tokens.py", "tests/test_sampling_engine.py",
-              "tests/test_kernels.py", "tests/test_perf_paths.py", "tests/test_cpu_kernels.py"]
+              "tests/test_kernels.py", "tests/test_perf_paths.py", "tests/test_cpu_kernels.py",
+              "tests/test_engine_spec_tiny.py"]
 
 
 @dataclass(frozen=True)
