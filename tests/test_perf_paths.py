@@ -370,6 +370,25 @@ def test_controller_explores_new_rows_and_probes_after_skipping():
     assert later.alphas([RowAcceptance(8)]) == [0.25]
 
 
+def test_controller_explores_until_every_row_has_explore_labels():
+    """One exploring round gives a row one or two labels; the controller drafts explore_k until
+    every row has explore_labels of them (a declined round measures none, so a low first
+    estimate would decide the whole decode), then the costs decide (here: drafting never pays)."""
+    ctl = _controller([10e-3, 0.0, 0.0, 0.0], draft_ratio=5.0, probe_every=100, explore_k=2, explore_labels=4)
+    rows = [ctl.policy(), ctl.policy()]
+    ks = []
+    for _ in range(6):
+        k = ctl.plan(rows, [8, 8], [100, 100], [100, 100])
+        ks.append(k)
+        rows[0].update([0.0] * k[0], k[0])  # accepts every draft: two labels a round
+        rows[1].update([0.0] * k[1], 0)  # rejects the first: one label a round
+    assert ks == [[2, 2]] * 4 + [[0, 0]] * 2
+    assert [p.num_labels for p in rows] == [8, 4]
+    assert not ctl.exploring(rows)
+    with pytest.raises(ValueError, match="explore_labels"):
+        CostAwareController(8, explore_labels=0)
+
+
 def test_controller_best_k_equals_the_argmax_of_the_scalar_step_cost():
     """best_k (every k at once) against the plain formula: sum_b E(alpha_b, min(k, limit_b)) /
     step_cost(k), the shorter k on ties, at mixed alphas and per-row limits."""
