@@ -473,6 +473,24 @@ def test_stream_deltas_concatenate_to_the_final_text(engine, stop):
         assert all("aa" not in t for t in finals.values())
 
 
+def test_entropy_controller_rows_read_the_rounds_measured_costs(engine):
+    """k="auto" with the entropy controller: each round's measured draft and verify seconds go
+    into the core's shared ``StepCosts`` (C_d, C_v per verify width), the costs every row's
+    policy weighs; before any round it holds only its unitless prior."""
+    core = engine.core("sparsespec-l", {**FULL, "k": "auto", "controller": "entropy", "max_k": 4},
+                       max_num_seqs=2, max_model_len=200)
+    assert not core.costs.measured and core.costs.draft() == core.costs.init_cost_ratio
+    for i in range(2):
+        core.add_request(str(i), _prompt(60, 30 + i), SamplingParams(max_new_tokens=12, ignore_eos=True))
+    outs = _drain(core)
+    stats = [o[-1].output.stats for o in outs.values()]
+    assert sum(s["num_drafted"] for s in stats) > 0  # a run that drafted nothing measures no draft
+    st = core.costs.state()
+    assert core.costs.measured and 0.0 < st["cost_draft_s"] < max(s["draft_s"] for s in stats)
+    widths = {int(w) for w in st["cost_verify_s"]}
+    assert widths and widths <= set(range(1, 6)) and all(c > 0.0 for c in st["cost_verify_s"].values())
+
+
 def test_draft_entropies_are_the_draft_distributions_entropy(engine):
     """Full index: the first draft of a step is predicted from the target's own distribution
     at the pending token, so its entropy equals that of a fresh dense forward."""
