@@ -852,8 +852,8 @@ class CostAwareController:
         tokens (a request's first few decode steps), so alpha is measured before the prior, or
         one round's one or two labels, decide for it. Measured on ``make demo``'s batch 4 x 6K
         cell (SmolLM2, 2 CPU cores): after one exploring round of two labels per row the rows'
-        alphas read 0.42-0.83 against the 0.92 the run accepted at fixed k, every later round
-        declined (it measures no acceptance) and ``k="auto"`` ran 0.96x ``ar`` where k = 2 ran
+        alphas read 0.42-0.83 against the 0.92 the run accepted at fixed k, the later rounds
+        declined but for one-token probes (a declined round measures no acceptance) and ``k="auto"`` ran 0.96x ``ar`` where k = 2 ran
         1.06x."""
         return self.learned_prior is None and any(p.num_labels < self.explore_labels for p in policies)
 
