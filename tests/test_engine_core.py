@@ -178,6 +178,37 @@ def test_window_and_index_equal_a_fresh_dense_forward(engine, chunk):
     assert core.running and core.running[0].stats.num_drafted > 0
 
 
+def test_verified_rows_commit_alike_through_the_ring_and_as_an_argument(engine):
+    """The sparse drafter takes a verify's importance rows two ways, and both commit only each
+    row's first ``counts[b]`` queries (pending + accepted): written into its window's ring by
+    the forward (``importance_target``, the engine's path) or handed to ``commit``. Oracle: the
+    sum of those rows of a plain forward."""
+    from sparsespec.drafters.sparse_self import SparseSelfDrafter, SparseSpecLOptions
+
+    model = engine.model
+    spec = SparseSpecLOptions(**SPARSE)
+    B, P, T = 2, 40, 4
+    counts = [2, 4]  # row 0 keeps the pending token and one accepted draft; row 1 all four
+    prompt = torch.tensor([_prompt(P, 7), _prompt(P, 8)])
+    inp = torch.tensor([_prompt(T, 9), _prompt(T, 10)])
+    got = {}
+    for via in ("ring", "argument"):
+        drafter = SparseSelfDrafter(model, spec, P + T + 1, B, spec.k)
+        cache = KVCache(model.cfg, B, P + T + 1, model.dtype, model.device)
+        model.prefill(prompt, cache)
+        if via == "ring":
+            target = drafter.importance_target(B, T, P + T)
+            model.forward_dense_features(inp, cache, (), want_rows=T, rows_into=target)
+            drafter.commit(cache, None, counts)
+        else:
+            _, rows = model.forward_dense(inp, cache, want_rows=T)  # [L, B, H_kv, T, S]
+            drafter.commit(cache, rows, counts)
+            want = torch.stack([rows[:, b, :, : counts[b]].sum(dim=2) for b in range(B)], dim=1)  # [L, B, H_kv, S]
+        got[via] = torch.cat([drafter.window.scores(P + T, b) for b in range(B)], dim=1)
+    torch.testing.assert_close(got["ring"], got["argument"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got["argument"], want.to(got["argument"].dtype), rtol=1e-5, atol=1e-6)
+
+
 def test_prefill_rows_cover_the_last_w_queries_whatever_the_chunks(engine):
     model = engine.model
     prompt = torch.tensor([_prompt(513, 4)])
