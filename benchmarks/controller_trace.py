@@ -5,7 +5,8 @@ Runs the shards of one benchmark of a sweep spec through ``cluster.sweep.worker.
 TPOT (``sparsespec.stats.batch_tpot``), the speedup over ``ar``, the draft length of every round
 and, for the rounds over long contexts, what ``k="auto"``'s ``CostAwareController`` decided
 from: the rows' alphas and reach, the predicted verify cost per width, the draft forward, the
-rest of the round and the predicted tokens per second at k = 0..5. Repetitions reuse the
+rest of the round and the predicted tokens per second at each k it may choose
+(``CostAwareController.rates``). Repetitions reuse the
 engine, so from the second on a core starts from the first one's measurements (as a sweep
 worker's later shards do).
 
@@ -48,20 +49,17 @@ def _trace(min_context: float, rounds: list[int]):
         if S >= min_context:  # the shard's own rounds, not its short warm-up's
             rounds.append(max(ks, default=0))
         N = sum(index_sizes) / max(1, B) if index_sizes else S
-        kk = np.arange(6.0)
-        verify = self.verify_cost.predict_many(B, kk + 1, S)
-        d1 = self.verify_cost.predict_many(B, 1.0, N + kk / 2)
-        if verify is None or S < min_context:
+        if S < min_context or self.verify_cost.predict(B, 1, S) is None:
             return ks
         alphas = self.alphas(policies)
         reach = [min(int(lim), p.reach) for p, lim in zip(policies, limits)]
-        cost = kk * self.draft_ratio * d1 + verify + (self.other_s or 0.0)
-        tokens = sum(np.where(a >= 1.0, np.minimum(kk, r) + 1.0, (1.0 - a ** (np.minimum(kk, r) + 1.0)) / (1.0 - a))
-                     for a, r in zip(np.clip(alphas, 0.0, 1.0), reach))
+        verify = self.verify_cost.predict_many(B, np.arange(1.0, 7.0), S)  # widths 1..6
+        draft_ms = self.draft_ratio * float(self.verify_cost.predict(B, 1, N)) * 1e3
+        rates = self.rates(alphas, reach, B, S, N)
         print(f"  round S={S:.0f} N={N:.0f} k={max(ks, default=0)} alphas={[round(a, 3) for a in alphas]} "
               f"reach={reach} exploring={self.exploring(policies)} verify_ms(w=1..6)={np.round(verify * 1e3, 1).tolist()} "
-              f"draft_ms={self.draft_ratio * float(d1[0]) * 1e3:.1f} other_ms={(self.other_s or 0.0) * 1e3:.2f} "
-              f"tokens_per_s(k=0..5)={np.round(tokens / cost, 1).tolist()}", flush=True)
+              f"draft_ms={draft_ms:.1f} other_ms={(self.other_s or 0.0) * 1e3:.2f} "
+              f"tokens_per_s(k=0..)={np.round(rates, 1).tolist()}", flush=True)
         return ks
 
     adaptive.CostAwareController.plan = traced
@@ -84,7 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"the spec needs exactly one method besides ar, it has {methods}")
     method = methods[0]
     if args.options is not None:
-        spec = load_spec(args.spec, {**overrides, "methods": {method: json.loads(args.options)}})
+        try:
+            options = json.loads(args.options)
+        except json.JSONDecodeError as e:
+            ap.error(f"--options is not JSON: {e}")
+        spec = load_spec(args.spec, {**overrides, "methods": {method: options}})
     cells = [c for c in sweep.plan(spec)[0] if c.benchmark == args.benchmark]
     if not cells:
         ap.error(f"no cell of benchmark {args.benchmark!r} in {args.spec}")

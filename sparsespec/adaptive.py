@@ -882,16 +882,15 @@ class CostAwareController:
             self._alpha_sum += policy.alpha
             self._alpha_n += 1
 
-    def best_k(self, alphas: Sequence[float], limits: Sequence[int], B: int, S: float, N: float) -> tuple[int, float | None]:
-        """``(k*, predicted tokens/s)``; k* = the most any row may draft (``max(limits)``) capped
-        at ``max_k`` when costs are unknown (the first rounds measure them)."""
-        k_cap = min(self.max_k, max(limits, default=0))
-        if k_cap <= 0:
-            return 0, None
+    def rates(self, alphas: Sequence[float], limits: Sequence[int], B: int, S: float, N: float) -> np.ndarray | None:
+        """Predicted tokens per second of the step at k = 0 .. ``min(max_k, max(limits))``:
+        ``sum_b E(alpha_b, min(k, limit_b)) / step_cost(k)`` for every k at once (None until the
+        verify cost model has enough points)."""
+        k_cap = max(0, min(self.max_k, max(limits, default=0)))
         ks = np.arange(k_cap + 1, dtype=float)
         verify = self.verify_cost.predict_many(B, ks + 1, S)  # step_cost for every k at once
         if verify is None:
-            return min(k_cap, 2), None  # nothing measured yet: a short draft measures every cost
+            return None
         d1 = self.verify_cost.predict_many(B, 1.0, N + ks / 2)
         cost = ks * self.draft_ratio * d1 + verify + (self.other_s or 0.0)
         tokens = np.zeros_like(ks)
@@ -899,7 +898,18 @@ class CostAwareController:
             a = min(max(float(a), 0.0), 1.0)
             kk = np.minimum(ks, lim)
             tokens += kk + 1.0 if a >= 1.0 else (1.0 - a ** (kk + 1.0)) / (1.0 - a)
-        rates = tokens / cost
+        return tokens / cost
+
+    def best_k(self, alphas: Sequence[float], limits: Sequence[int], B: int, S: float, N: float) -> tuple[int, float | None]:
+        """``(k*, predicted tokens/s)``: the argmax of ``rates`` (ties: the shorter k); the most any
+        row may draft (``max(limits)``) capped at ``min(max_k, 2)`` when costs are unknown (the
+        first rounds measure them)."""
+        k_cap = min(self.max_k, max(limits, default=0))
+        if k_cap <= 0:
+            return 0, None
+        rates = self.rates(alphas, limits, B, S, N)
+        if rates is None:
+            return min(k_cap, 2), None  # nothing measured yet: a short draft measures every cost
         best_k, best_rate = 0, float(rates[0])
         for k in range(1, k_cap + 1):
             if rates[k] > best_rate * (1.0 + 1e-9):
