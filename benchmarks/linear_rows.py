@@ -1,0 +1,75 @@
+"""Our packed linear per row count M, the AVX-512 tile against the AVX2 tiles, side by side.
+
+A decode step's linears read every weight once per step whatever M (the batch's query rows: B for
+AR, B (k + 1) for a verify), so at small M they should run at the machine's read bandwidth. This
+times one model shape's linears (every layer's q|k|v, o, gate|up and down projections, random
+values, packed as the engine packs them) at each M, with the AVX-512 tile on and off in turn in
+one process (the order alternating every repetition), checks that both give the same bits, and
+prints ms and GB/s per M. The kernel plan (``sparsespec.kernels.plan``) makes this choice at load
+from its own trial; this is the per-M view of it. CPU only, needs our kernels::
+
+    python benchmarks/linear_rows.py --shape smollm2-135m --rows 1,2,3,4,8 --threads 2
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="smollm2-135m")
+    ap.add_argument("--rows", default="1,2,3,4,5,8")
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from sparsespec.kernels import cpu
+    from sparsespec.shapes import get_shape
+
+    if not cpu.available():
+        print(f"linear_rows: our CPU kernels are unavailable: {cpu.unavailable_reason()}", file=sys.stderr)
+        return 1
+    tiles = ("avx512", "avx2") if cpu.set_linear_avx512(True) == "avx512" else ("avx2",)
+    cfg = get_shape(args.shape)
+    E, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    shapes = [((cfg.num_heads + 2 * cfg.num_kv_heads) * D, E), (E, cfg.num_heads * D), (2 * I, E), (E, I)]
+    g = torch.Generator().manual_seed(0)
+    weights = [(N, cpu.pack_weight(torch.randn(N, K, generator=g))) for _ in range(cfg.num_layers) for N, K in shapes]
+    nbytes = sum(wp.numel() * wp.element_size() for _, wp in weights)
+    print(f"{cpu.cpu_model()} [{cpu.isa_summary()}] · {torch.get_num_threads()} threads · {args.shape}: "
+          f"{len(weights)} linears, {nbytes / 1e6:.0f} MB packed")
+    print("| M | " + " | ".join(f"{t} ms | {t} GB/s" for t in tiles) + " | same bits |")
+    print("|---|" + "---|---|" * len(tiles) + "---|")
+    try:
+        for M in (int(m) for m in args.rows.split(",")):
+            xs = {K: torch.randn(M, K, generator=g) for K in {E, cfg.num_heads * D, I}}
+            times: dict[str, list[float]] = {t: [] for t in tiles}
+            outs: dict[str, list[torch.Tensor]] = {}
+            for rep in range(args.reps):
+                for t in (tiles if rep % 2 == 0 else tiles[::-1]):
+                    cpu.set_linear_avx512(t == "avx512")
+                    ys = []
+                    t0 = time.perf_counter()
+                    for N, wp in weights:
+                        ys.append(cpu.linear_packed(xs[wp.shape[1]], wp, N))
+                    times[t].append(time.perf_counter() - t0)
+                    outs[t] = ys
+            same = all(torch.equal(a, b) for a, b in zip(outs[tiles[0]], outs[tiles[-1]]))
+            cells = []
+            for t in tiles:
+                s = statistics.median(times[t][1:])
+                cells.append(f"{s * 1e3:.2f} | {nbytes / s / 1e9:.0f}")
+            print(f"| {M} | " + " | ".join(cells) + f" | {same} |", flush=True)
+    finally:
+        cpu.set_linear_avx512(True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
