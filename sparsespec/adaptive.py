@@ -28,6 +28,7 @@ Everything here is host-side Python/NumPy; entropies may be floats, NumPy scalar
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -603,18 +604,26 @@ class VerifyCostModel:
     key: the attention FLOPs; per row and key: the KV read), non-negative least squares of the
     relative error over the calibration points (kept) and the last ``history`` observations. Until ``min_points``
     distinct points exist, ``predict`` returns None. The fit is redone when a calibration point
-    arrives, while there is none, and after every ``refit_every`` new observations (a round
-    observes one: refitting each time cost 0.6 ms of a 26 ms step at batch 1 x 1K).
+    arrives, while there is none, after ``refit_every`` new observations whose median relative
+    error against the fit exceeds ``refit_tol`` (the costs moved: a host that slows down by a
+    third moves every point; one slow round, a spike, does not), and after ``history`` new
+    observations in any case. (A round observes one. Refitting each time cost 0.6 ms of a 26 ms
+    step at batch 1 x 1K; every 8 rounds, 0.4 ms a fit on a cache a forward has just flushed:
+    0.4 % of every 12 ms declined step at batch 1 x 4K, while those rounds' points, all at
+    width 1 and one position apart, moved no prediction.)
     """
 
-    def __init__(self, history: int = 64, min_points: int = 3, refit_every: int = 8):
+    def __init__(self, history: int = 64, min_points: int = 3, refit_every: int = 8, refit_tol: float = 0.05):
         from collections import deque
 
         self.calibration: list[tuple[float, float, float, float]] = []  # (B, w, S, seconds)
         self.recent = deque(maxlen=history)
         self.min_points = min_points
         self.refit_every = int(refit_every)
+        self.refit_tol = float(refit_tol)
+        self._errors: list[float] = []  # relative errors of the observations since the last fit
         self.coef: np.ndarray | None = None
+        self._coef_floats: tuple[float, float, float, float] | None = None
         self._dirty = False
         self._new = 0  # observations since the last fit
 
@@ -629,7 +638,11 @@ class VerifyCostModel:
             return
         (self.calibration if calibration else self.recent).append((float(B), float(w), float(S), seconds))
         self._new += 1
-        if calibration or self.coef is None or self._new >= self.refit_every:
+        c = self._coef_floats
+        if c is not None:
+            self._errors.append((c[0] + c[1] * B * w + c[2] * B * w * S + c[3] * B * S) / seconds - 1.0)
+        if (calibration or self.coef is None or self._new >= self.recent.maxlen
+                or (self._new >= self.refit_every and abs(statistics.median(self._errors)) > self.refit_tol)):
             self._dirty = True
 
     def _fit(self) -> None:
@@ -640,8 +653,16 @@ class VerifyCostModel:
             X = np.array([self.features(*p[:3]) for p in pts])
             y = np.array([p[3] for p in pts])
             self.coef = _nnls(X / y[:, None], np.ones_like(y))  # relative errors: the short steps count as much as the long
+        self._coef_floats = None if self.coef is None else tuple(float(c) for c in self.coef)
         self._dirty = False
+        self._errors = []
         self._new = 0
+
+    def coefficients(self) -> tuple[float, float, float, float] | None:
+        """``(c0, c1, c2, c3)`` as plain floats (refitted first if due), or None."""
+        if self._dirty:
+            self._fit()
+        return self._coef_floats
 
     def predict(self, B: float, w: float, S: float) -> float | None:
         if self._dirty:
@@ -752,7 +773,10 @@ class CostAwareController:
     the batch's (``alphas``); a row with fewer than ``explore_labels`` acceptance labels makes the
     step draft at least ``explore_k`` (``exploring``): one round's one or two labels per row do
     not decide a request's whole decode (a declined round measures no acceptance, so a low first
-    estimate would stick); no row drafts past its ``RowAcceptance.reach`` (the geometric
+    estimate would stick), unless the step is ``hopeless``: not even the rows'
+    ``optimistic_alphas`` (each row's next label a 1) would pay at the measured costs, so the
+    rows' own labels already say the exploring rounds lose (batch 1 at 1K-4K on a CPU, where a
+    k = 2 round costs about 2.7 AR steps); no row drafts past its ``RowAcceptance.reach`` (the geometric
     model is not trusted beyond twice the run the row was last seen to accept). Every ``probe_every``-th consecutive
     ``k = 0`` step drafts ``probe_k`` tokens, so acceptance keeps being measured, unless the step
     is ``futile``: with the draft cost measured, not even alpha = 1 would pay (then it neither
@@ -882,47 +906,106 @@ class CostAwareController:
             self._alpha_sum += policy.alpha
             self._alpha_n += 1
 
-    def rates(self, alphas: Sequence[float], limits: Sequence[int], B: int, S: float, N: float) -> np.ndarray | None:
+    def step_costs(self, k_cap: int, B: int, S: float, N: float) -> list[float] | None:
+        """``step_cost(k)`` for k = 0 .. ``k_cap`` at once, seconds (None until the verify cost
+        model has enough points). Plain floats: this runs before every step, after a forward has
+        flushed the caches, where each numpy call costs microseconds (the controller's share of a
+        declined batch-1 step was 0.2-0.3 ms of 12.5 with numpy here)."""
+        coef = self.verify_cost.coefficients()
+        if coef is None:
+            return None
+        c0, c1, c2, c3 = coef
+        other = self.other_s or 0.0
+        r = self.draft_ratio
+        out = []
+        for k in range(max(0, k_cap) + 1):
+            verify = c0 + B * (k + 1) * (c1 + c2 * S) + c3 * B * S  # C_v(B, k + 1, S)
+            d1 = c0 + B * c1 + (c2 + c3) * B * (N + k / 2)  # C_v(B, 1, N + k / 2)
+            out.append(k * r * d1 + verify + other)
+        return out
+
+    @staticmethod
+    def _tokens(alphas: Sequence[float], limits: Sequence[int], k_cap: int) -> list[float]:
+        """``sum_b E(alpha_b, min(k, limit_b))`` for k = 0 .. ``k_cap`` (expected_tokens_geometric,
+        as running sums: E(a, k) = E(a, k - 1) + a^k)."""
+        k_cap = max(0, k_cap)
+        tokens = [0.0] * (k_cap + 1)
+        for a, lim in zip(alphas, limits):
+            a = min(max(float(a), 0.0), 1.0)
+            e, term = 0.0, 1.0
+            for k in range(k_cap + 1):
+                if k <= lim:
+                    e += term
+                    term *= a
+                tokens[k] += e
+        return tokens
+
+    @staticmethod
+    def _argmax(rates: Sequence[float]) -> tuple[int, float]:
+        """The first k whose rate beats every shorter k's by more than rounding (ties: the shorter)."""
+        best_k, best_rate = 0, float(rates[0])
+        for k in range(1, len(rates)):
+            if rates[k] > best_rate * (1.0 + 1e-9):
+                best_k, best_rate = k, float(rates[k])
+        return best_k, best_rate
+
+    def _rate_list(self, alphas: Sequence[float], limits: Sequence[int], B: int, S: float, N: float,
+                   costs: Sequence[float] | None = None) -> list[float] | None:
+        k_cap = max(0, min(self.max_k, max(limits, default=0)))
+        cost = self.step_costs(k_cap, B, S, N) if costs is None else costs[: k_cap + 1]
+        if cost is None:
+            return None
+        return [t / c for t, c in zip(self._tokens(alphas, limits, k_cap), cost)]
+
+    def rates(self, alphas: Sequence[float], limits: Sequence[int], B: int, S: float, N: float,
+              costs: Sequence[float] | None = None) -> np.ndarray | None:
         """Predicted tokens per second of the step at k = 0 .. ``min(max_k, max(limits))``:
         ``sum_b E(alpha_b, min(k, limit_b)) / step_cost(k)`` for every k at once (None until the
-        verify cost model has enough points)."""
-        k_cap = max(0, min(self.max_k, max(limits, default=0)))
-        ks = np.arange(k_cap + 1, dtype=float)
-        verify = self.verify_cost.predict_many(B, ks + 1, S)  # step_cost for every k at once
-        if verify is None:
-            return None
-        d1 = self.verify_cost.predict_many(B, 1.0, N + ks / 2)
-        cost = ks * self.draft_ratio * d1 + verify + (self.other_s or 0.0)
-        tokens = np.zeros_like(ks)
-        for a, lim in zip(alphas, limits):  # sum_b E(alpha_b, min(k, limit_b)), expected_tokens_geometric
-            a = min(max(float(a), 0.0), 1.0)
-            kk = np.minimum(ks, lim)
-            tokens += kk + 1.0 if a >= 1.0 else (1.0 - a ** (kk + 1.0)) / (1.0 - a)
-        return tokens / cost
+        verify cost model has enough points). ``costs``: ``step_costs`` already computed for at
+        least these k (one step asks at several alphas)."""
+        out = self._rate_list(alphas, limits, B, S, N, costs)
+        return None if out is None else np.asarray(out)
 
-    def best_k(self, alphas: Sequence[float], limits: Sequence[int], B: int, S: float, N: float) -> tuple[int, float | None]:
+    def best_k(self, alphas: Sequence[float], limits: Sequence[int], B: int, S: float, N: float,
+               costs: Sequence[float] | None = None) -> tuple[int, float | None]:
         """``(k*, predicted tokens/s)``: the argmax of ``rates`` (ties: the shorter k); the most any
         row may draft (``max(limits)``) capped at ``min(max_k, 2)`` when costs are unknown (the
         first rounds measure them)."""
         k_cap = min(self.max_k, max(limits, default=0))
         if k_cap <= 0:
             return 0, None
-        rates = self.rates(alphas, limits, B, S, N)
+        rates = self._rate_list(alphas, limits, B, S, N, costs)
         if rates is None:
             return min(k_cap, 2), None  # nothing measured yet: a short draft measures every cost
-        best_k, best_rate = 0, float(rates[0])
-        for k in range(1, k_cap + 1):
-            if rates[k] > best_rate * (1.0 + 1e-9):
-                best_k, best_rate = k, float(rates[k])
-        return best_k, best_rate
+        return self._argmax(rates)
 
-    def futile(self, limits: Sequence[int], B: int, S: float, N: float) -> bool:
+    def futile(self, limits: Sequence[int], B: int, S: float, N: float, costs: Sequence[float] | None = None) -> bool:
         """True when drafting cannot pay at this step's costs even if every draft were accepted
         (``best_k`` at alpha = 1 is 0), with the draft cost measured (``draft_measured``: a prior
         alone never rules drafting out, or a pessimistic prior would never be corrected)."""
         if not self.draft_measured or max(limits, default=0) <= 0:
             return False
-        return self.best_k([1.0] * len(limits), limits, B, S, N)[0] == 0
+        return self.best_k([1.0] * len(limits), limits, B, S, N, costs)[0] == 0
+
+    @staticmethod
+    def optimistic_alphas(policies: Sequence[RowAcceptance]) -> list[float]:
+        """Each row's acceptance if its next label were a 1: ``(n alpha_b + 1) / (n + 1)`` over its
+        own ``n`` labels (at most ``1 / ema``, the EMA's memory; 1.0 with none). The most a row's
+        evidence lets one hope for: exploring stops when not even these alphas would pay."""
+        out = []
+        for p in policies:
+            n = 0.0 if p.alpha is None else min(float(p.num_labels), 1.0 / p.ema)
+            out.append((n * (p.alpha or 0.0) + 1.0) / (n + 1.0))
+        return out
+
+    def hopeless(self, policies: Sequence[RowAcceptance], limits: Sequence[int], B: int, S: float, N: float,
+                 costs: Sequence[float] | None = None) -> bool:
+        """True when, with the draft cost measured, drafting would not pay even at every row's
+        ``optimistic_alphas``: more exploring rounds would cost rounds that the rows' own labels
+        already say lose. (With no labels yet this is ``futile``.)"""
+        if not self.draft_measured or max(limits, default=0) <= 0:
+            return False
+        return self.best_k(self.optimistic_alphas(policies), limits, B, S, N, costs)[0] == 0
 
     def plan(self, policies: Sequence[RowAcceptance], limits: Sequence[int], lengths: Sequence[int],
              index_sizes: Sequence[int]) -> list[int]:
@@ -933,12 +1016,15 @@ class CostAwareController:
         B = len(limits)
         S = sum(lengths) / max(1, B)
         N = sum(index_sizes) / max(1, B) if index_sizes else S
-        k, _ = self.best_k(self.alphas(policies), limits, B, S, N)
+        costs = self.step_costs(min(self.max_k, max(budgets, default=0)), B, S, N)  # once per step
+        k, _ = self.best_k(self.alphas(policies), limits, B, S, N, costs)
         # where not even alpha = 1 would pay at the measured costs, acceptance decides nothing:
         # no exploring, no probing (each costs a round for evidence that cannot change k = 0)
-        futile = k == 0 and self.futile(budgets, B, S, N)  # reach aside: the draft it may grow to
-        if self.exploring(policies) and not futile:
-            k = max(k, min(self.explore_k, max(limits, default=0)))
+        futile = k == 0 and self.futile(budgets, B, S, N, costs)  # reach aside: the draft it may grow to
+        explore = min(self.explore_k, max(limits, default=0))
+        if (k < explore and not futile and self.exploring(policies)
+                and not self.hopeless(policies, budgets, B, S, N, costs)):
+            k = explore
         if futile:
             self.num_skipped += 1
         elif k == 0 and max(limits, default=0) > 0:

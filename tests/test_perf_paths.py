@@ -389,6 +389,30 @@ def test_controller_explores_until_every_row_has_explore_labels():
         CostAwareController(8, explore_labels=0)
 
 
+def test_controller_stops_exploring_when_the_rows_own_labels_say_drafting_loses():
+    """Exploring stops once not even each row's optimistic alpha (its next label a 1) would pay at
+    the measured costs. Flat verify 10 ms, a measured draft forward of 0.8x: a round of k drafts
+    costs 10 + 8 k ms, so k = 1 pays above alpha 0.8 (2 tokens / 18 ms at alpha 1: not futile).
+    A row that accepted one of two drafts (alpha 0.5) hopes for (2 * 0.5 + 1) / 3 = 0.67 at best:
+    1.67 tokens / 18 ms < 1 / 10 ms, and longer drafts do worse, so it stops; one that accepted
+    both goes on exploring."""
+    ctl = _controller([10e-3, 0.0, 0.0, 0.0], draft_ratio=1.0, probe_every=100, explore_k=2, explore_labels=6)
+    d1 = ctl.verify_cost.predict(1, 1, 100 + 1)
+    ctl.observe_round(1, 100, 100, 2, 2 * 0.8 * d1, 10e-3, 0.0)
+    assert ctl.draft_measured and ctl.draft_ratio == pytest.approx(0.8) and not ctl.futile([8], 1, 100, 100)
+    half, whole = ctl.policy(), ctl.policy()
+    assert ctl.plan([half], [8], [100], [100]) == [2]  # no label yet: explore
+    half.update([0.0, 0.0], 1)
+    whole.update([0.0, 0.0], 2)
+    assert half.alpha == pytest.approx(0.5) and half.num_labels == 2 < ctl.explore_labels
+    assert ctl.optimistic_alphas([half, whole, ctl.policy()]) == [pytest.approx(2 / 3), 1.0, 1.0]
+    assert ctl.hopeless([half], [8], 1, 100, 100) and ctl.plan([half], [8], [100], [100]) == [0]
+    assert not ctl.hopeless([whole], [8], 1, 100, 100) and ctl.plan([whole], [8], [100], [100]) == [2]
+    # a draft cost that is only a prior decides nothing: explore as before
+    prior = _controller([10e-3, 0.0, 0.0, 0.0], draft_ratio=0.8, probe_every=100, explore_k=2)
+    assert not prior.hopeless([half], [8], 1, 100, 100) and prior.plan([half], [8], [100], [100]) == [2]
+
+
 def test_controller_best_k_equals_the_argmax_of_the_scalar_step_cost():
     """best_k (every k at once) against the plain formula: sum_b E(alpha_b, min(k, limit_b)) /
     step_cost(k), the shorter k on ties, at mixed alphas and per-row limits."""
