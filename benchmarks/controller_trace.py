@@ -42,8 +42,8 @@ def _trace(min_context: float, rounds: list[int]):
     tokens (the worker's warm-up batch is shorter) and print its inputs."""
     plan = adaptive.CostAwareController.plan
 
-    def traced(self, policies, limits, lengths, index_sizes):
-        ks = plan(self, policies, limits, lengths, index_sizes)
+    def traced(self, policies, limits, lengths, index_sizes, remaining=None):
+        ks = plan(self, policies, limits, lengths, index_sizes, remaining)
         B = len(limits)
         S = sum(lengths) / max(1, B)
         if S >= min_context:  # the shard's own rounds, not its short warm-up's

@@ -604,8 +604,8 @@ class VerifyCostModel:
     key: the attention FLOPs; per row and key: the KV read), non-negative least squares of the
     relative error over the calibration points (kept) and the last ``history`` observations. Until ``min_points``
     distinct points exist, ``predict`` returns None. The fit is redone when a calibration point
-    arrives, while there is none, after ``refit_every`` new observations whose median relative
-    error against the fit exceeds ``refit_tol`` (the costs moved: a host that slows down by a
+    arrives, while there is none, when the median relative error of the last ``refit_every``
+    new observations against the fit exceeds ``refit_tol`` (the costs moved: a host that slows down by a
     third moves every point; one slow round, a spike, does not), and after ``history`` new
     observations in any case. (A round observes one. Refitting each time cost 0.6 ms of a 26 ms
     step at batch 1 x 1K; every 8 rounds, 0.4 ms a fit on a cache a forward has just flushed:
@@ -622,6 +622,7 @@ class VerifyCostModel:
         self.refit_every = int(refit_every)
         self.refit_tol = float(refit_tol)
         self._errors: list[float] = []  # relative errors of the observations since the last fit
+        # (the last refit_every decide; the list is emptied at every fit, at most history long)
         self.coef: np.ndarray | None = None
         self._coef_floats: tuple[float, float, float, float] | None = None
         self._dirty = False
@@ -642,7 +643,7 @@ class VerifyCostModel:
         if c is not None:
             self._errors.append((c[0] + c[1] * B * w + c[2] * B * w * S + c[3] * B * S) / seconds - 1.0)
         if (calibration or self.coef is None or self._new >= self.recent.maxlen
-                or (self._new >= self.refit_every and abs(statistics.median(self._errors)) > self.refit_tol)):
+                or (self._new >= self.refit_every and abs(statistics.median(self._errors[-self.refit_every:])) > self.refit_tol)):
             self._dirty = True
 
     def _fit(self) -> None:
@@ -774,8 +775,8 @@ class CostAwareController:
     step draft at least ``explore_k`` (``exploring``): one round's one or two labels per row do
     not decide a request's whole decode (a declined round measures no acceptance, so a low first
     estimate would stick), unless the step is ``hopeless``: not even the rows'
-    ``optimistic_alphas`` (each row's next label a 1) would pay at the measured costs, so the
-    rows' own labels already say the exploring rounds lose (batch 1 at 1K-4K on a CPU, where a
+    ``optimistic_alphas`` (the upper 90 % bound of what each row's labels allow) would pay at the
+    measured costs, so the rows' own labels already say the exploring rounds lose (batch 1 at 1K-4K on a CPU, where a
     k = 2 round costs about 2.7 AR steps); no row drafts past its ``RowAcceptance.reach`` (the geometric
     model is not trusted beyond twice the run the row was last seen to accept). Every ``probe_every``-th consecutive
     ``k = 0`` step drafts ``probe_k`` tokens, so acceptance keeps being measured, unless the step
@@ -806,7 +807,7 @@ class CostAwareController:
         self.prior_alpha = float(prior_alpha)
         self.prior_weight = float(prior_weight)
         self.learned_prior: float | None = None  # mean alpha measured by earlier cores (``load``)
-        self._alpha_sum, self._alpha_n = 0.0, 0
+        self._alpha_sum, self._alpha_n = 0.0, 0.0  # labels of finished rows: sum of n alpha, sum of n
         self._probe_interval = int(probe_every)
         self.probe_every, self.probe_k = int(probe_every), int(probe_k)
         if not _is_int(explore_k) or explore_k < 1:
@@ -883,9 +884,15 @@ class CostAwareController:
 
     def export(self) -> dict[str, Any]:
         """What a later core of the same engine and method may start from (``load``): the
-        measured draft ratio and round overhead, the recent verify timings and the mean alpha of
-        the rows seen (None if none has a label)."""
-        seen = self._alpha_sum / self._alpha_n if self._alpha_n else self.learned_prior
+        measured draft ratio and round overhead, the recent verify timings and the alpha of the
+        rows seen: their labels pooled (each row's at most ``1 / ema``, its EMA's memory) and
+        shrunk towards ``prior_alpha`` by ``prior_weight`` pseudo-labels, as ``alphas`` shrinks a
+        row (None if none has a label). Unshrunk, one SmolLM2 row at 1K that accepted its 7 drafts
+        handed on alpha 1.0, and the next core drafted up to k = 8 where drafting loses (0.92x ar;
+        shrunk: 0.95, which declines there)."""
+        m = self.prior_weight
+        seen = ((self._alpha_sum + m * self.prior_alpha) / (self._alpha_n + m) if self._alpha_n
+                else self.learned_prior)
         return {"draft_ratio": self.draft_ratio if self.draft_measured else None, "other_s": self.other_s,
                 "recent": list(self.verify_cost.recent), "alpha": seen}
 
@@ -901,10 +908,11 @@ class CostAwareController:
             self.learned_prior = float(state["alpha"])
 
     def row_finished(self, policy: RowAcceptance) -> None:
-        """Fold a finished row's measured alpha into the mean ``export`` hands on."""
+        """Fold a finished row's labels into the alpha ``export`` hands on."""
         if policy.alpha is not None and policy.num_labels:
-            self._alpha_sum += policy.alpha
-            self._alpha_n += 1
+            n = min(float(policy.num_labels), 1.0 / policy.ema)
+            self._alpha_sum += n * policy.alpha
+            self._alpha_n += n
 
     def step_costs(self, k_cap: int, B: int, S: float, N: float) -> list[float] | None:
         """``step_cost(k)`` for k = 0 .. ``k_cap`` at once, seconds (None until the verify cost
@@ -987,15 +995,25 @@ class CostAwareController:
             return False
         return self.best_k([1.0] * len(limits), limits, B, S, N, costs)[0] == 0
 
+    #: one-sided 90 % normal quantile of ``optimistic_alphas``' Wilson bound
+    OPTIMISM_Z = 1.2816
+
     @staticmethod
     def optimistic_alphas(policies: Sequence[RowAcceptance]) -> list[float]:
-        """Each row's acceptance if its next label were a 1: ``(n alpha_b + 1) / (n + 1)`` over its
-        own ``n`` labels (at most ``1 / ema``, the EMA's memory; 1.0 with none). The most a row's
-        evidence lets one hope for: exploring stops when not even these alphas would pay."""
+        """Each row's acceptance at the upper end of what its own labels allow: the one-sided 90 %
+        Wilson score bound of ``alpha_b`` over its ``n`` labels (at most ``1 / ema``, the EMA's
+        memory; 1.0 with none). One accepted and one rejected draft allow up to 0.835, two of two
+        1.0, 12 of 20 0.727. Exploring stops when not even these alphas would pay."""
+        z2 = CostAwareController.OPTIMISM_Z ** 2
         out = []
         for p in policies:
             n = 0.0 if p.alpha is None else min(float(p.num_labels), 1.0 / p.ema)
-            out.append((n * (p.alpha or 0.0) + 1.0) / (n + 1.0))
+            if n <= 0.0:
+                out.append(1.0)
+                continue
+            a = min(max(float(p.alpha), 0.0), 1.0)
+            half = CostAwareController.OPTIMISM_Z * math.sqrt(a * (1.0 - a) / n + z2 / (4.0 * n * n))
+            out.append(min(1.0, (a + z2 / (2.0 * n) + half) / (1.0 + z2 / n)))
         return out
 
     def hopeless(self, policies: Sequence[RowAcceptance], limits: Sequence[int], B: int, S: float, N: float,
@@ -1008,8 +1026,12 @@ class CostAwareController:
         return self.best_k(self.optimistic_alphas(policies), limits, B, S, N, costs)[0] == 0
 
     def plan(self, policies: Sequence[RowAcceptance], limits: Sequence[int], lengths: Sequence[int],
-             index_sizes: Sequence[int]) -> list[int]:
-        """Each row's draft length for this step (``<= limits[b]``)."""
+             index_sizes: Sequence[int], remaining: Sequence[int] | None = None) -> list[int]:
+        """Each row's draft length for this step (``<= limits[b]``). ``remaining``: the most tokens
+        each row may still emit after this step (None: unknown); a probe is skipped when no row
+        has as many left as the declined rounds it waited (what it could find would be used for
+        fewer rounds than it took to look: the last of a 64-token request's three probes at batch
+        1, each ~2 AR steps)."""
         t0 = time.perf_counter()
         budgets = [int(lim) for lim in limits]
         limits = [min(lim, p.reach) for p, lim in zip(policies, budgets)]  # what each row's evidence supports
@@ -1029,7 +1051,8 @@ class CostAwareController:
             self.num_skipped += 1
         elif k == 0 and max(limits, default=0) > 0:
             self._zero_run += 1
-            if self._zero_run >= self._probe_interval:  # probe: keep measuring acceptance and draft cost
+            if self._zero_run >= self._probe_interval and (
+                    remaining is None or max(remaining, default=0) >= self._probe_interval):  # probe: keep measuring
                 self._zero_run, k = 0, min(self.probe_k, max(limits))
                 self._probe_interval = min(8 * self.probe_every, 2 * self._probe_interval)  # back off
             else:

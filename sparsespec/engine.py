@@ -497,7 +497,7 @@ class EngineCore:
         cache = self.cache.head(B)
         if self.controller is not None:  # one decision for the batch (k = 0 included), no sync
             c0 = self.controller.overhead_s
-            limits = self.controller.plan([r.policy for r in rows], limits, cache.lengths, index_sizes)
+            limits = self.controller.plan([r.policy for r in rows], limits, cache.lengths, index_sizes, budgets)
             for r in rows:
                 r.controller_s += self.controller.overhead_s - c0
         limits = [lim if r.max_k is None else min(lim, r.max_k) for lim, r in zip(limits, rows)]  # per-row caps

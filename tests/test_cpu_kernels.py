@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from sparsespec.kernels import cpu
-from sparsespec.kernels.plan import LINEAR_RANGES, TIE_MARGIN, KernelPlan, choose, ours_plan, range_worst, torch_plan, tune_plan
+from sparsespec.kernels.plan import LINEAR_RANGES, TIE_MARGIN, KernelPlan, choose, ours_plan, range_worst, tune_plan
 from sparsespec.kernels.reference import sparse_attention_ref, verify_attention_ref
 from sparsespec.kv.cache import KVCache
 from sparsespec.shapes import random_transformer

@@ -296,6 +296,31 @@ def test_verify_cost_model_refits_every_few_rounds_and_predicts_many_at_once():
     assert VerifyCostModel().predict_many(1, ws, 10.0) is None  # nothing measured
 
 
+def test_verify_cost_model_refits_when_rounds_drift_not_for_a_spike():
+    """Rounds the fit predicts (within refit_tol) never refit it; one slow round among them does
+    not either (the median error of the last refit_every decides); a host that slows every round
+    by a third does, within refit_every rounds; and after history rounds it refits whatever they
+    were."""
+    c = [2e-3, 1e-4, 3e-8, 5e-7]
+    m = VerifyCostModel(history=40, refit_every=4)
+    for B, w, S in [(1, 1, 64), (4, 1, 64), (4, 9, 64), (4, 1, 1024), (4, 9, 1024)]:
+        m.observe(B, w, S, sum(ci * f for ci, f in zip(c, VerifyCostModel.features(B, w, S))), calibration=True)
+    coef = m.coefficients()
+    t = m.predict(4, 3, 2048)
+    for i in range(22):  # on the fit, +-1 %, and a 3x spike every seventh round
+        m.observe(4, 3, 2048, t * (3.0 if i % 7 == 3 else 1.0 + 0.01 * (-1) ** i))
+        assert m.coefficients() is coef
+    m.observe(4, 3, 2048, 1.33 * t)  # every round a third slower: not after the first
+    assert m.coefficients() is coef
+    for _ in range(3):  # within refit_every rounds (the median of the last four moves)
+        m.observe(4, 3, 2048, 1.33 * t)
+    assert m.coefficients() is not coef and m.predict(4, 3, 2048) > 1.05 * t
+    coef = m.coefficients()
+    for i in range(40):  # history (40) rounds on the new fit: one refit at the 40th
+        m.observe(4, 3, 2048, m.predict(4, 3, 2048))
+        assert (m.coefficients() is coef) == (i < 39), i
+
+
 def test_expected_tokens_geometric():
     assert expected_tokens_geometric(1.0, 5) == 6.0
     assert expected_tokens_geometric(0.0, 5) == 1.0
@@ -365,9 +390,29 @@ def test_controller_explores_new_rows_and_probes_after_skipping():
     ctl.observe_round(1, 100, 100, 2, 2 * 3.0 * d1, 10e-3, 0.0)  # a measured draft forward: 3x C_v(1, 1, N)
     later = CostAwareController(8)
     later.load(ctl.export())
-    assert later.learned_prior == 0.25 and later.draft_ratio == pytest.approx(3.0)
+    # the finished row's labels (100, of which its EMA remembers 20) shrunk towards prior_alpha
+    # (0.6) by one pseudo-label
+    want = (20 * 0.25 + 1 * 0.6) / 21
+    assert later.learned_prior == pytest.approx(want) and later.draft_ratio == pytest.approx(3.0)
     assert not later.exploring(_rows(0.9, 1, labels=0))
-    assert later.alphas([RowAcceptance(8)]) == [0.25]
+    assert later.alphas([RowAcceptance(8)]) == [pytest.approx(want)]
+    # one row that accepted its 2 drafts hands on (2 * 1.0 + 0.6) / 3, not 1.0
+    few = _controller([10e-3, 0.0, 0.0, 0.0])
+    few.row_finished(_rows(1.0, 1, labels=2)[0])
+    assert few.export()["alpha"] == pytest.approx(2.6 / 3)
+
+
+def test_controller_skips_a_probe_whose_finding_the_rows_could_not_use():
+    """A probe is due after probe_every declined rounds (then 2x, 4x, ...); it is skipped while no
+    row has as many tokens left as the declined rounds it waited."""
+    ctl = _controller([10e-3, 0.0, 0.0, 0.0], draft_ratio=5.0, probe_every=2, probe_k=2)
+    rows = _rows(0.9, 2)
+    ks = [ctl.plan(rows, [8, 8], [100, 100], [100, 100], remaining=[20 - i, 3])[0] for i in range(16)]
+    # probes after 2, then 4 declined rounds (20 - 2 and 20 - 7 tokens left); after 8 more only
+    # 20 - 15 = 5 < 8 are left: no probe, and none later
+    assert ks == [0, 2, 0, 0, 0, 2] + [0] * 10
+    # remaining unknown: the overdue probe runs at once
+    assert [ctl.plan(rows, [8, 8], [100, 100], [100, 100])[0] for _ in range(2)] == [2, 0]
 
 
 def test_controller_explores_until_every_row_has_explore_labels():
@@ -390,26 +435,31 @@ def test_controller_explores_until_every_row_has_explore_labels():
 
 
 def test_controller_stops_exploring_when_the_rows_own_labels_say_drafting_loses():
-    """Exploring stops once not even each row's optimistic alpha (its next label a 1) would pay at
-    the measured costs. Flat verify 10 ms, a measured draft forward of 0.8x: a round of k drafts
-    costs 10 + 8 k ms, so k = 1 pays above alpha 0.8 (2 tokens / 18 ms at alpha 1: not futile).
-    A row that accepted one of two drafts (alpha 0.5) hopes for (2 * 0.5 + 1) / 3 = 0.67 at best:
-    1.67 tokens / 18 ms < 1 / 10 ms, and longer drafts do worse, so it stops; one that accepted
-    both goes on exploring."""
+    """Exploring stops once not even each row's optimistic alpha (the one-sided 90 % Wilson bound
+    of its labels) would pay at the measured costs. Flat verify 10 ms, a measured draft forward of
+    0.9x: a round of k drafts costs 10 + 9 k ms, so k = 8 pays at alpha 1 (9 tokens / 82 ms: not
+    futile). A row that accepted one of two drafts allows alpha 0.835 at most: k = 1 gives 1.835
+    tokens / 19 ms, k = 8 4.87 / 82 ms, all below 1 / 10 ms, so it stops; one that accepted both
+    goes on exploring."""
     ctl = _controller([10e-3, 0.0, 0.0, 0.0], draft_ratio=1.0, probe_every=100, explore_k=2, explore_labels=6)
     d1 = ctl.verify_cost.predict(1, 1, 100 + 1)
-    ctl.observe_round(1, 100, 100, 2, 2 * 0.8 * d1, 10e-3, 0.0)
-    assert ctl.draft_measured and ctl.draft_ratio == pytest.approx(0.8) and not ctl.futile([8], 1, 100, 100)
+    ctl.observe_round(1, 100, 100, 2, 2 * 0.9 * d1, 10e-3, 0.0)
+    assert ctl.draft_measured and ctl.draft_ratio == pytest.approx(0.9) and not ctl.futile([8], 1, 100, 100)
     half, whole = ctl.policy(), ctl.policy()
     assert ctl.plan([half], [8], [100], [100]) == [2]  # no label yet: explore
     half.update([0.0, 0.0], 1)
     whole.update([0.0, 0.0], 2)
     assert half.alpha == pytest.approx(0.5) and half.num_labels == 2 < ctl.explore_labels
-    assert ctl.optimistic_alphas([half, whole, ctl.policy()]) == [pytest.approx(2 / 3), 1.0, 1.0]
+    z = 1.2816  # Wilson's bound by hand: (a + z^2/2n + z sqrt(a(1-a)/n + z^2/4n^2)) / (1 + z^2/n)
+    want = (0.5 + z * z / 4 + z * (0.125 + z * z / 16) ** 0.5) / (1 + z * z / 2)
+    assert want == pytest.approx(0.835, abs=1e-3)
+    assert ctl.optimistic_alphas([half, whole, ctl.policy()]) == [pytest.approx(want, rel=1e-4), 1.0, 1.0]
     assert ctl.hopeless([half], [8], 1, 100, 100) and ctl.plan([half], [8], [100], [100]) == [0]
     assert not ctl.hopeless([whole], [8], 1, 100, 100) and ctl.plan([whole], [8], [100], [100]) == [2]
+    # the batch decides together: with a row that accepted everything beside it, exploring goes on
+    assert not ctl.hopeless([half, whole], [8, 8], 2, 100, 100)
     # a draft cost that is only a prior decides nothing: explore as before
-    prior = _controller([10e-3, 0.0, 0.0, 0.0], draft_ratio=0.8, probe_every=100, explore_k=2)
+    prior = _controller([10e-3, 0.0, 0.0, 0.0], draft_ratio=0.9, probe_every=100, explore_k=2)
     assert not prior.hopeless([half], [8], 1, 100, 100) and prior.plan([half], [8], [100], [100]) == [2]
 
 
