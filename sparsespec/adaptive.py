@@ -614,7 +614,15 @@ class VerifyCostModel:
     """
 
     def __init__(self, history: int = 64, min_points: int = 3, refit_every: int = 8, refit_tol: float = 0.05):
+        """Raises ValueError: ``history``, ``min_points`` or ``refit_every`` not an integer >= 1, or
+        ``refit_tol`` not a finite number >= 0."""
         from collections import deque
+
+        for name, v in (("history", history), ("min_points", min_points), ("refit_every", refit_every)):
+            if not _is_int(v) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if not (isinstance(refit_tol, (int, float)) and math.isfinite(refit_tol) and refit_tol >= 0.0):
+            raise ValueError(f"refit_tol must be a finite number >= 0, got {refit_tol!r}")
 
         self.calibration: list[tuple[float, float, float, float]] = []  # (B, w, S, seconds)
         self.recent = deque(maxlen=history)

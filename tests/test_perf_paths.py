@@ -319,6 +319,9 @@ def test_verify_cost_model_refits_when_rounds_drift_not_for_a_spike():
     for i in range(40):  # history (40) rounds on the new fit: one refit at the 40th
         m.observe(4, 3, 2048, m.predict(4, 3, 2048))
         assert (m.coefficients() is coef) == (i < 39), i
+    for kw in ({"refit_tol": -0.1}, {"refit_tol": float("nan")}, {"refit_every": 0}, {"history": 2.5}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            VerifyCostModel(**kw)
 
 
 def test_expected_tokens_geometric():
