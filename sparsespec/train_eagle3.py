@@ -56,7 +56,8 @@ PROMPT_TEMPLATES = (
 @dataclass(frozen=True)
 class TrainConfig:
     """Training knobs (validated). ``steps``: optimiser steps; ``minutes``: wall-clock cap of the
-    optimisation phase (the schedule is planned for ``steps``; a cap ends it early)."""
+    optimisation phase (the cosine schedule follows whichever of the two ends first, so a capped
+    run still anneals; it then depends on the machine's speed)."""
 
     seq_len: int = 256
     batch_size: int = 8
@@ -223,12 +224,18 @@ def train(head: Eagle3Head, feats: torch.Tensor, finals: torch.Tensor, ids: torc
 
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    t0 = time.perf_counter()
+
+    def progress_at(s: int) -> float:
+        # the cosine follows whichever ends first, the steps or the time cap, so a capped run
+        # still anneals to zero instead of stopping at a high learning rate
+        return min(1.0, max(s / cfg.steps, (time.perf_counter() - t0) / (60 * cfg.minutes)))
+
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))
+        opt, lambda s: min(1.0, (s + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * progress_at(s))))
     rng = random.Random(cfg.seed)
     N = ids.shape[0]
     order: list[int] = []
-    t0 = time.perf_counter()
     bar = tqdm(range(cfg.steps), desc="train eagle3", disable=not progress, unit="step")
     loss_ema = None
     done = 0
@@ -307,6 +314,63 @@ def chat_prompts(tokenizer, texts: Sequence[str], n: int, seed: int, passage_tok
     return out
 
 
+def chat_acceptance(engine, head_folder: Path, prompts: Sequence[Sequence[int]], k: int = 4,
+                    max_new_tokens: int = 64) -> dict:
+    """Greedy ``eagle3`` at fixed ``k`` with the head in ``head_folder`` over ``prompts`` (token
+    ids), ``max_new_tokens`` each, EOS ignored: ``{"alpha", "tau", "drafted", "accepted", "rounds"}``
+    (alpha = accepted / drafted; tau = tokens committed per drafting verify step)."""
+    outs = engine.generate([list(p) for p in prompts], method="eagle3",
+                           method_options={"draft_model": str(head_folder), "k": k},
+                           max_new_tokens=max_new_tokens, ignore_eos=True)
+    drafted = sum(o.stats["num_drafted"] for o in outs)
+    accepted = sum(o.stats["num_accepted"] for o in outs)
+    steps = sum(o.stats["num_drafting_steps"] for o in outs)
+    return {"alpha": round(accepted / drafted, 4) if drafted else 0.0,
+            "tau": round((accepted + steps) / steps, 3) if steps else 0.0,
+            "drafted": drafted, "accepted": accepted, "rounds": steps}
+
+
+def export_head(src: str | Path, dst: str | Path, target_folder: str | Path, dtype=torch.bfloat16,
+                extra: dict | None = None) -> dict:
+    """Write the head in ``src`` to ``dst`` for shipping: its floating tensors in ``dtype`` (the
+    token maps unchanged), its ``config.json`` (``sparsespec`` meta plus ``extra``) and a
+    ``manifest.json`` recording the weights' size and sha256 and the target it was trained on
+    (the preset and GGUF sha256 from ``target_folder``'s ``sparsespec_provenance.json``), which
+    ``sparsespec.drafters.eagle3.verify_shipped`` checks at load. Returns the manifest.
+
+    Raises:
+        ValueError: ``src`` is not a head folder, or the target folder has no provisioning record.
+    """
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from sparsespec.eagle3_head import WEIGHTS_FILE
+    from sparsespec.provision import sha256_file
+
+    src, dst = Path(src), Path(dst)
+    if not (src / "config.json").is_file() or not (src / WEIGHTS_FILE).is_file():
+        raise ValueError(f"{src}: not an EAGLE-3 head folder (config.json and {WEIGHTS_FILE} expected)")
+    try:
+        prov = json.loads((Path(target_folder) / "sparsespec_provenance.json").read_text())
+        target = {"preset": prov["preset"], "hf_id": prov.get("hf_id"), "sha256": prov["sha256"]}
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{target_folder}: no provisioning record of the target ({type(e).__name__}: {e}); "
+                         "only a provisioned preset's head can ship") from None
+    tensors = {n: (t.to(dtype) if t.is_floating_point() else t) for n, t in load_file(str(src / WEIGHTS_FILE)).items()}
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    cfg["sparsespec"] = cfg.get("sparsespec", {}) | {"exported_from": str(src), "exported_dtype": cfg["torch_dtype"]} \
+        | (extra or {})
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(dst / WEIGHTS_FILE), metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    manifest = {"weights_file": WEIGHTS_FILE, "weights_bytes": (dst / WEIGHTS_FILE).stat().st_size,
+                "weights_sha256": sha256_file(dst / WEIGHTS_FILE), "dtype": cfg["torch_dtype"], "target": target}
+    (dst / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sparsespec.train_eagle3", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -324,13 +388,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--draft-vocab", type=int, default=TrainConfig.draft_vocab)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--export", default=None, metavar="HEAD",
+                    help="no training: write the trained head folder HEAD to --out in bf16 with a manifest "
+                         "(size, sha256, target) for shipping, then measure the exported head")
+    ap.add_argument("--eval-chats", type=int, default=6, help="held-out chat prompts the acceptance is measured on")
     args = ap.parse_args(argv)
     try:
         cfg = TrainConfig(seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, minutes=args.minutes,
                           lr=args.lr, ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab, seed=args.seed)
     except ValueError as e:
         ap.error(str(e))
-    for name in ("book_tokens", "chats", "chat_tokens"):
+    for name in ("book_tokens", "chats", "chat_tokens", "eval_chats"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     import os
@@ -352,15 +420,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = Path(model.source_folder).name if model.source_folder else str(args.model)
     out = Path(args.out) if args.out else trained_head_dir(name)
     print(f"target {name}: {model.cfg.num_layers} layers, hidden {model.cfg.hidden_size}; head -> {out}")
+    held_text = _strip_gutenberg(book_texts(held_out=True)[0][1])
+    held_ids = tok(held_text, add_special_tokens=False).input_ids
+    held = pack([held_ids[5000 : 5000 + 16 * cfg.seq_len]], cfg.seq_len)
+    aux = Eagle3Config.for_target(model.cfg, 1).aux_layers
+    eval_prompts = chat_prompts(tok, [held_text], args.eval_chats, args.seed + 1)
+
+    if args.export:  # ship a trained head: bf16 + manifest, then the same held-out figures for it
+        if args.out is None:
+            ap.error("--export needs --out (the shipped head's folder)")
+        try:
+            manifest = export_head(args.export, out, model.source_folder or "")
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        from sparsespec.drafters.eagle3 import load_head
+
+        h_feats, h_finals, _ = teacher_pass(model, held, aux)
+        agree = held_out_agreement(load_head(model, out), h_feats, h_finals, held, cfg.ttt_steps)
+        acc = chat_acceptance(engine, out, eval_prompts)
+        figures = {"held_out_top1_per_step": agree, "held_out_alpha_k4": acc["alpha"], "held_out_tau_k4": acc["tau"],
+                   "held_out_chats": args.eval_chats}
+        manifest = export_head(args.export, out, model.source_folder or "", extra={"exported_figures": figures})
+        print(f"exported {args.export} -> {out}: {manifest['weights_bytes']} bytes, sha256 "
+              f"{manifest['weights_sha256']}; held-out top-1 per step {agree}; {args.eval_chats} held-out chat "
+              f"prompts, greedy, k=4: alpha {acc['alpha']:.3f}, tau {acc['tau']:.2f}")
+        return 0
 
     # 1. chat conversations answered by the target (greedy) + book windows
     books = book_texts()
     texts = [_strip_gutenberg(t) for _, t in books]
     prompts = chat_prompts(tok, texts, args.chats, args.seed)
     chats = []
-    for s in range(0, len(prompts), 8):
-        outs = engine.generate(prompts[s : s + 8], method="ar", max_new_tokens=args.chat_tokens)
-        chats += [p + o.token_ids for p, o in zip(prompts[s : s + 8], outs)]
+    for s in range(0, len(prompts), 16):
+        outs = engine.generate(prompts[s : s + 16], method="ar", max_new_tokens=args.chat_tokens)
+        chats += [p + o.token_ids for p, o in zip(prompts[s : s + 16], outs)]
     print(f"generated {len(chats)} chat answers ({sum(len(c) for c in chats)} tokens) "
           f"in {time.perf_counter() - t_start:.0f} s")
     per_book = args.book_tokens // max(1, len(texts))
@@ -372,12 +466,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         streams.append(ids[s : s + per_book])
     rng.shuffle(streams)
     windows = pack(streams, cfg.seq_len)
-    held_text = _strip_gutenberg(book_texts(held_out=True)[0][1])
-    held_ids = tok(held_text, add_special_tokens=False).input_ids
-    held = pack([held_ids[5000 : 5000 + 16 * cfg.seq_len]], cfg.seq_len)
 
     # 2. teacher pass
-    aux = Eagle3Config.for_target(model.cfg, 1).aux_layers
     feats, finals, argmax = teacher_pass(model, windows, aux, progress=True)
     h_feats, h_finals, _ = teacher_pass(model, held, aux)
     draft_ids = choose_draft_vocab(argmax, cfg.draft_vocab, model.cfg.vocab_size, model.cfg.eos_token_ids)
@@ -399,18 +489,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     head.save(out, meta)
 
     # 4. acceptance measured by the engine on held-out chat prompts (greedy, k = 4)
-    eval_prompts = chat_prompts(tok, [held_text], 6, args.seed + 1)
-    outs = engine.generate(eval_prompts, method="eagle3", method_options={"draft_model": str(out), "k": 4},
-                           max_new_tokens=64, ignore_eos=True)
-    drafted = sum(o.stats["num_drafted"] for o in outs)
-    accepted = sum(o.stats["num_accepted"] for o in outs)
-    steps = sum(o.stats["num_drafting_steps"] for o in outs)
-    alpha = accepted / drafted if drafted else 0.0
-    tau = (accepted + steps) / steps if steps else 0.0
-    meta |= {"held_out_alpha_k4": round(alpha, 4), "held_out_tau_k4": round(tau, 3),
+    acc = chat_acceptance(engine, out, eval_prompts)
+    meta |= {"held_out_alpha_k4": acc["alpha"], "held_out_tau_k4": acc["tau"], "held_out_chats": args.eval_chats,
              "total_seconds": round(time.perf_counter() - t_start, 1)}
     head.save(out, meta)
-    print(f"held-out chat prompts, greedy, k=4: alpha {alpha:.3f}, tau {tau:.2f} tokens per verify step")
+    print(f"held-out chat prompts, greedy, k=4: alpha {acc['alpha']:.3f}, tau {acc['tau']:.2f} tokens per verify step")
     print(f"saved {out} ({meta['total_seconds']:.0f} s in all)")
     return 0
 

@@ -441,3 +441,105 @@ def test_one_pair_forward_matches_the_published_layer_written_out(head, norm_bef
     want = rms(y, t["norm.weight"]) @ t["lm_head.weight"].T
     got = h.draft_logits(h.forward_cached(ids, hidden, KVCache(h.lcfg, 3, 4, h.dtype, "cpu")))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------ the shipped head (bf16 + manifest)
+def _provisioned(folder, preset="tiny-preset", sha="ab" * 32):
+    """Write the provisioning record a preset's folder carries (``sparsespec.provision``)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sparsespec_provenance.json").write_text(json.dumps({"preset": preset, "sha256": sha}))
+    return folder
+
+
+def test_an_exported_head_ships_in_bf16_and_its_manifest_catches_corruption(engine, head_dir, tmp_path):
+    """``export_head``: every floating tensor is the bf16 rounding of the trained one, the maps
+    are unchanged, the manifest's sha256 is the file's (an independent hashlib pass) and names the
+    target; ``shipped_head`` applies it only to that preset's exact weights and refuses a file
+    whose size or bytes changed."""
+    import hashlib
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from sparsespec.drafters.eagle3 import shipped_head
+    from sparsespec.train_eagle3 import export_head
+
+    target = _provisioned(tmp_path / "target")
+    with pytest.raises(ValueError, match="no provisioning record"):
+        export_head(head_dir, tmp_path / "x", tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="not an EAGLE-3 head folder"):
+        export_head(tmp_path, tmp_path / "x", target)
+    root = tmp_path / "heads"
+    manifest = export_head(head_dir, root / "tiny-preset", target)
+    f = root / "tiny-preset" / "model.safetensors"
+    assert manifest["target"] == {"preset": "tiny-preset", "hf_id": None, "sha256": "ab" * 32}
+    assert manifest["weights_sha256"] == hashlib.sha256(f.read_bytes()).hexdigest()
+    assert manifest["weights_bytes"] == f.stat().st_size
+    src, dst = load_file(str(Path(head_dir) / "model.safetensors")), load_file(str(f))
+    assert set(src) == set(dst)
+    for name, t in src.items():
+        if t.is_floating_point():
+            assert dst[name].dtype == torch.bfloat16 and torch.equal(dst[name], t.to(torch.bfloat16)), name
+        else:
+            assert dst[name].dtype == t.dtype and torch.equal(dst[name], t), name
+    m = engine.model
+    m.source_folder = target
+    try:
+        assert shipped_head(m, root) == root / "tiny-preset"
+        _provisioned(target, sha="cd" * 32)  # other weights under the same preset name
+        assert shipped_head(m, root) is None
+        _provisioned(target, preset="other-preset")
+        assert shipped_head(m, root) is None
+        shutil.copytree(root / "tiny-preset", root / "other-preset")  # a manifest made for another preset
+        _provisioned(target, preset="other-preset", sha="ab" * 32)
+        assert shipped_head(m, root) is None
+        _provisioned(target)
+        (target / "sparsespec_provenance.json").unlink()  # a plain local folder, not a preset
+        assert shipped_head(m, root) is None
+        _provisioned(target)
+        good = f.read_bytes()
+        bad = bytearray(good)
+        bad[len(bad) // 2] ^= 1
+        f.write_bytes(bytes(bad))
+        with pytest.raises(ValueError, match="sha256 .* corrupt or was modified; restore it"):
+            shipped_head(m, root)
+        f.write_bytes(good[:-8])
+        with pytest.raises(ValueError, match="bytes, the manifest says"):
+            shipped_head(m, root)
+        f.unlink()
+        with pytest.raises(ValueError, match="weights are missing"):
+            shipped_head(m, root)
+        f.write_bytes(good)
+        (root / "tiny-preset" / "manifest.json").write_text("{")
+        with pytest.raises(ValueError, match="unreadable EAGLE-3 head manifest"):
+            shipped_head(m, root)
+    finally:
+        m.source_folder = None
+
+
+def test_the_default_head_is_this_machines_trained_one_else_the_shipped_one(engine, head_dir, tmp_path, monkeypatch):
+    """``resolve_head(model, None)``: the head trained here (``$SPARSESPEC_CACHE/eagle3/<name>``)
+    first, else the shipped head of the model's preset; the bf16 head drafts losslessly."""
+    import sparsespec.drafters.eagle3 as e3
+    from sparsespec.train_eagle3 import export_head
+
+    target = _provisioned(tmp_path / "tiny-preset")
+    root = tmp_path / "heads"
+    export_head(head_dir, root / "tiny-preset", target)
+    monkeypatch.setattr(e3, "SHIPPED_HEADS", root)
+    monkeypatch.setenv("SPARSESPEC_CACHE", str(tmp_path / "cache"))
+    m = engine.model
+    m.source_folder = target
+    try:
+        assert resolve_head(m, None) == root / "tiny-preset"
+        trained = tmp_path / "cache" / "eagle3" / "tiny-preset"
+        shutil.copytree(head_dir, trained)
+        assert resolve_head(m, None) == trained
+    finally:
+        m.source_folder = None
+    prompts = [_prompt(30, 5), _prompt(21, 6)]
+    ar = engine.generate(prompts, method="ar", max_new_tokens=16, ignore_eos=True)
+    got = engine.generate(prompts, method="eagle3", method_options=_opts(str(root / "tiny-preset"), k=4),
+                          max_new_tokens=16, ignore_eos=True)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ar]
+    assert sum(o.stats["num_accepted"] for o in got) > 0  # drafted and accepted: not inconclusive

@@ -2,9 +2,12 @@
 states, chain drafting up to K tokens, verified by the same lossless verifier as every method.
 
 Option: ``method_options={"draft_model": <head folder or hub id>}``; default: the head trained
-here for the target (``python -m sparsespec.train_eagle3``), under
-``$SPARSESPEC_CACHE/eagle3/<target folder name>``. A hub id is downloaded only where the hub is
-reachable (``huggingface_hub.snapshot_download``); offline it must be a local folder.
+on this machine for the target (``python -m sparsespec.train_eagle3``), under
+``$SPARSESPEC_CACHE/eagle3/<target folder name>``, else the head shipped in the package for the
+target's preset (``sparsespec/heads/<preset>/``: bf16 weights whose sha256 its ``manifest.json``
+records and ``shipped_head`` checks, used only for the exact weights it was trained on). A hub id
+is downloaded only where the hub is reachable (``huggingface_hub.snapshot_download``); offline it
+must be a local folder.
 
 State per slot. The head keeps its own one-layer KV cache over *pairs*: position ``t`` holds (the
 target's fused features at ``t``, token ``x_{t+1}``). The engine hands the drafter the target's
@@ -25,6 +28,7 @@ the acceptance measured at long context are what this baseline is here to show.
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,23 +56,95 @@ def trained_head_dir(target_name: str) -> Path:
     return cache_dir() / "eagle3" / target_name
 
 
-def resolve_head(model: Transformer, draft_model: str | None) -> Path:
-    """The folder of the EAGLE-3 head for ``model``: ``draft_model`` as a local folder, else as a
-    hub id (downloaded when the hub is reachable), else (None) the trained head of this target.
+#: Heads shipped in the package, one folder per model preset (``sparsespec/heads/<preset>/``).
+SHIPPED_HEADS = Path(__file__).resolve().parents[1] / "heads"
+MANIFEST = "manifest.json"
+_VERIFIED: dict[tuple, str] = {}  # (weights path, size, mtime) -> sha256 checked against its manifest
+
+
+def verify_shipped(folder: Path) -> dict:
+    """Check a shipped head's weights against its ``manifest.json``; returns the manifest.
+
+    The manifest records ``weights_file``, its ``weights_sha256`` and ``weights_bytes``, and the
+    ``target`` (preset name and the sha256 of the GGUF the target's weights come from).
 
     Raises:
-        ValueError: no such folder, no trained head, or a hub id that cannot be fetched.
+        ValueError: a missing or malformed manifest, a missing weights file, or a size or sha256
+            other than the manifest's (a corrupt or modified file), naming how to restore it.
+    """
+    from sparsespec.provision import sha256_file
+
+    folder = Path(folder)
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        name, want, size = manifest["weights_file"], manifest["weights_sha256"], int(manifest["weights_bytes"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{folder / MANIFEST}: unreadable EAGLE-3 head manifest ({type(e).__name__}: {e})") from None
+    path = folder / name
+    restore = f"restore it with `git checkout -- {folder}` (or reinstall sparsespec)"
+    if not path.is_file():
+        raise ValueError(f"{path}: the shipped EAGLE-3 head's weights are missing; {restore}")
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if key not in _VERIFIED:
+        if st.st_size != size:
+            raise ValueError(f"{path}: {st.st_size} bytes, the manifest says {size}: the shipped EAGLE-3 head is "
+                             f"corrupt or was modified; {restore}")
+        got = sha256_file(path)
+        if got != want:
+            raise ValueError(f"{path}: sha256 {got} != {want} in its manifest: the shipped EAGLE-3 head is "
+                             f"corrupt or was modified; {restore}")
+        _VERIFIED[key] = got
+    return manifest
+
+
+def shipped_head(model: Transformer, root: Path | None = None) -> Path | None:
+    """The head shipped for ``model``'s preset (under ``root``, default ``SHIPPED_HEADS``), or None.
+
+    A head ships for exact target weights: the model's folder must carry the provisioning record
+    (``sparsespec_provenance.json``) naming the manifest's preset and GGUF sha256. Its weights are
+    then checked (``verify_shipped``: raises ValueError when corrupt).
+    """
+    if model.source_folder is None:
+        return None
+    try:
+        prov = json.loads((Path(model.source_folder) / "sparsespec_provenance.json").read_text())
+        preset, digest = str(prov["preset"]), prov["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # not a provisioned preset: no shipped head applies
+    folder = Path(root or SHIPPED_HEADS) / preset
+    if not (folder / MANIFEST).is_file():
+        return None
+    manifest = verify_shipped(folder)
+    target = manifest.get("target") or {}
+    if target.get("preset") != preset or target.get("sha256") != digest:
+        return None
+    return folder
+
+
+def resolve_head(model: Transformer, draft_model: str | None) -> Path:
+    """The folder of the EAGLE-3 head for ``model``: ``draft_model`` as a local folder, else as a
+    hub id (downloaded when the hub is reachable), else (None) the head trained on this machine
+    for this target, else the head shipped for its preset (``shipped_head``).
+
+    Raises:
+        ValueError: no such folder, no head for the target, a shipped head that fails its
+            checksum, or a hub id that cannot be fetched.
     """
     if draft_model is None:
         if model.source_folder is None:
             raise ValueError("eagle3 needs method_options={'draft_model': <EAGLE-3 head folder>} for a model "
                              "built in memory")
         folder = trained_head_dir(Path(model.source_folder).name)
-        if not (folder / "config.json").is_file():
-            raise MethodUnavailable(f"no EAGLE-3 head for {Path(model.source_folder).name} at {folder}; train one with "
-                             f"`python -m sparsespec.train_eagle3 --model {Path(model.source_folder).name}` or pass "
-                             f"method_options={{'draft_model': <head folder or hub id>}}")
-        return folder
+        if (folder / "config.json").is_file():
+            return folder
+        shipped = shipped_head(model)
+        if shipped is not None:
+            return shipped
+        raise MethodUnavailable(f"no EAGLE-3 head for {Path(model.source_folder).name} at {folder} (and none ships "
+                                f"for it); train one with `python -m sparsespec.train_eagle3 --model "
+                                f"{Path(model.source_folder).name}` or pass method_options={{'draft_model': "
+                                f"<head folder or hub id>}}")
     path = Path(os.path.expanduser(draft_model))
     if path.is_dir():
         return path
