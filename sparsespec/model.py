@@ -324,9 +324,10 @@ class Transformer(torch.nn.Module):
     def _fused_layers(self, rows: int, weights: DraftWeights | None, hidden_layers: tuple[int, ...]):
         """The per-layer pointers of ``cpu.forward_layers`` when a forward of ``rows`` tokens can run
         every layer in one call of our kernels (our attention and linear for that width, panels for
-        every projection, no int8 weights, no hidden-state features), else None."""
+        every projection, no int8 weights; hidden-state features are copied out by the same call),
+        else None."""
         plan = self.kernel_plan
-        if (weights is not None or hidden_layers or not plan.fused or plan.linear_backend(rows) != "ss"
+        if (weights is not None or not plan.fused or plan.linear_backend(rows) != "ss"
                 or self.attention_backend() != "ss" or self.quantize != "none"):
             return None
         ptrs = self.__dict__.get("_layer_ptrs")
@@ -565,7 +566,13 @@ class Transformer(torch.nn.Module):
             rows_arg = None
             if want_rows:
                 rows_arg = (rows_into.ring, rows_into.slots) if direct else (rows_buf, None)
-            cpu.forward_layers(self, ptrs, h, cos, sin, k=cache.k, v=cache.v, starts=starts, rows=rows_arg)
+            fbuf = None
+            if hidden_layers:  # [B, T, n E], filled by the same call
+                fbuf = torch.empty(B, T, len(hidden_layers) * self.cfg.hidden_size, dtype=h.dtype)
+            cpu.forward_layers(self, ptrs, h, cos, sin, k=cache.k, v=cache.v, starts=starts, rows=rows_arg,
+                               features=(fbuf, hidden_layers) if hidden_layers else None)
+            if hidden_layers:
+                feats = [fbuf]
             logits = self._head(h, logits_for)
         else:
             logits = self._run(input_ids, positions, attend, logits_for, hidden_layers=hidden_layers, features=feats)

@@ -509,6 +509,19 @@ def test_one_call_layers_equal_the_per_op_path_bit_for_bit(monkeypatch):
         dkv.k[:, :, :, 0].normal_(generator=_gen(14))
         dkv.v[:, :, :, 0].normal_(generator=_gen(15))
         draft = model.forward_draft(ids[:, :1], torch.tensor([P + T, P + T - 9]), dkv)
-        results[fused] = (logits, win.rows.clone(), cache.k.clone(), draft, dkv.k.clone())
+        # hidden-state features (what EAGLE-3 reads), layers out of order and repeated, T = 1 and T
+        hl = (cfg.num_layers - 1, 0, 0)
+        feats = []
+        for width in (1, T):
+            c2 = KVCache(cfg, B, P + T + 1, model.dtype, "cpu")
+            _fill(c2, P, _gen(16))
+            c2.lengths = [P, P - 5]
+            lg, _, f = model.forward_dense_features(ids[:, :width], c2, hl)
+            assert f.shape == (B, width, 3 * cfg.hidden_size)
+            feats += [lg, f]
+        results[fused] = (logits, win.rows.clone(), cache.k.clone(), draft, dkv.k.clone(), *feats)
     for a, b in zip(results[True], results[False]):
         assert torch.equal(a, b)
+    E = cfg.hidden_size
+    assert torch.equal(results[True][-1][..., E : 2 * E], results[True][-1][..., 2 * E :])  # the repeated layer
+    assert not torch.equal(results[True][-1][..., :E], results[True][-1][..., E : 2 * E])

@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu") / "sparsespec_cpu.c"
-ABI_VERSION = 9
+ABI_VERSION = 10
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
 #: keys per attention chunk in the C kernels (SS_CHUNK)
 CHUNK = 256
@@ -544,7 +544,8 @@ class ForwardArgs(ctypes.Structure):
         (n, ctypes.c_int64) for n in ("i_sl", "i_sb", "i_sh")] + [
         ("n_valid", _PTR), ("kt", _PTR), ("vt", _PTR)] + [
         (n, ctypes.c_int64) for n in ("t_sl", "t_sb", "t_sh", "E_tail")] + [
-        (n, _PTR) for n in ("x", "qkv", "q", "att", "gu", "act", "ws")] + [("n_max", ctypes.c_int64)]
+        (n, _PTR) for n in ("x", "qkv", "q", "att", "gu", "act", "ws")] + [("n_max", ctypes.c_int64)] + [
+        ("feat", _PTR), ("feat_ld", ctypes.c_int64), ("n_feat", ctypes.c_int64), ("feat_layers", _PTR)]
 
 
 class LayerPointers:
@@ -588,7 +589,7 @@ def _addr(arr) -> int | None:
 @_profiled("forward_layers")
 def forward_layers(model, ptrs: LayerPointers, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
                    k: torch.Tensor, v: torch.Tensor, starts: list[int] | None = None, rows=None,
-                   draft=None) -> torch.Tensor:
+                   draft=None, features: tuple[torch.Tensor, tuple[int, ...]] | None = None) -> torch.Tensor:
     """Every decoder layer of one forward in one call; ``h`` ``[B, T, E]`` (the embeddings) is
     updated in place into the last layer's output and returned.
 
@@ -598,6 +599,8 @@ def forward_layers(model, ptrs: LayerPointers, h: torch.Tensor, cos: torch.Tenso
     Draft (``draft=(index [L, B, H_kv, N] int32, n_valid [B] int64, e)``, T = 1): ``k``, ``v`` the
     dense cache read through the index, the new token's k, v going to tail slot ``e`` of
     ``draft_kv=(kt, vt)`` ``[L, B, H_kv, E_max, D]``... passed as ``draft[3]``, ``draft[4]``.
+    ``features=(out [B, T, n * E] float32 contiguous, layer ids (n))``: slot j of ``out`` gets
+    the output hidden state of layer ``ids[j]`` (bitwise the per-layer path's).
     """
     cfg = model.cfg
     B, T, E = h.shape
@@ -646,6 +649,13 @@ def forward_layers(model, ptrs: LayerPointers, h: torch.Tensor, cos: torch.Tenso
         f.t_sl, f.t_sb, f.t_sh, f.E_tail = kt.stride(0), kt.stride(1), kt.stride(2), e + 1
         f.n_max = index.shape[-1] + e + 1
         ws_n = lib.ss_attention_workspace(B, Hkv, H // Hkv, T, D, f.n_max, 1)
+    if features is not None:
+        out, ids = features
+        if out.dtype != torch.float32 or not out.is_contiguous() or tuple(out.shape) != (B, T, len(ids) * E):
+            raise ValueError(f"features: a contiguous float32 [{B}, {T}, {len(ids) * E}] buffer expected")
+        lay = torch.tensor(ids, dtype=torch.int64)
+        keep.append(lay)
+        f.feat, f.feat_ld, f.n_feat, f.feat_layers = out.data_ptr(), len(ids) * E, len(ids), lay.data_ptr()
     f.ws = workspace(ws_n).data_ptr()
     lib.ss_forward_layers(ctypes.byref(f))
     return h

@@ -51,7 +51,7 @@
 #error "sparsespec_cpu.c needs AVX2 and FMA (the loader falls back to torch without them)"
 #endif
 
-SS_API int ss_abi_version(void) { return 9; }
+SS_API int ss_abi_version(void) { return 10; }
 
 
 /* ------------------------------------------------------------------ vector helpers (AVX2) */
@@ -1214,6 +1214,9 @@ typedef struct {
     int64_t t_sl, t_sb, t_sh, E_tail;           /* tail slots 0 .. E_tail - 1 attended; the new token at E_tail - 1 */
     float *x, *qkv, *q, *att, *gu, *act, *ws;   /* scratch: [BT, E], [BT, (H+2Hkv)D], [B,H,T,D], [BT, HD], [BT, 2I], [BT, I], attention */
     int64_t n_max;                              /* keys of the longest row */
+    float *feat;                                /* hidden-state features or NULL: [B*T, n_feat * E], row stride feat_ld */
+    int64_t feat_ld, n_feat;
+    const int64_t *feat_layers;                 /* [n_feat] layer ids (may repeat): slot j = h after layer feat_layers[j] */
 } fwd_t;
 
 SS_API int64_t ss_forward_struct_size(void) { return (int64_t)sizeof(fwd_t); }
@@ -1254,6 +1257,14 @@ SS_API void ss_forward_layers(const fwd_t *f) {
             lin_packed_body(BT, 2 * I, E, f->x, E, f->wgu[l], NULL, f->gu, 2 * I, 0);
             silu_body(BT, I, f->gu, 2 * I, f->act, I);
             lin_packed_body(BT, E, I, f->act, I, f->wdown[l], NULL, f->h, E, 1);
+            if (f->feat) {  /* copies of this layer's output where asked (what an EAGLE-3 head reads) */
+                for (int64_t j = 0; j < f->n_feat; ++j) {
+                    if (f->feat_layers[j] != l) continue;
+#pragma omp for schedule(static)
+                    for (int64_t r = 0; r < BT; ++r)
+                        memcpy(f->feat + r * f->feat_ld + j * E, f->h + r * E, (size_t)E * sizeof(float));
+                }
+            }
         }
     }
 }
