@@ -360,8 +360,10 @@ def export_head(src: str | Path, dst: str | Path, target_folder: str | Path, dty
     tensors = {n: (t.to(dtype) if t.is_floating_point() else t) for n, t in load_file(str(src / WEIGHTS_FILE)).items()}
     cfg = json.loads((src / "config.json").read_text())
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
-    cfg["sparsespec"] = cfg.get("sparsespec", {}) | {"exported_from": str(src), "exported_dtype": cfg["torch_dtype"]} \
-        | (extra or {})
+    meta = dict(cfg.get("sparsespec", {}))
+    if isinstance(meta.get("train"), dict):  # this machine's output folder means nothing where the head ships
+        meta["train"] = {k: v for k, v in meta["train"].items() if k != "out"}
+    cfg["sparsespec"] = meta | {"exported_dtype": cfg["torch_dtype"]} | (extra or {})
     dst.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(dst / WEIGHTS_FILE), metadata={"format": "pt"})
     (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

@@ -543,3 +543,28 @@ def test_the_default_head_is_this_machines_trained_one_else_the_shipped_one(engi
                           max_new_tokens=16, ignore_eos=True)
     assert [o.token_ids for o in got] == [o.token_ids for o in ar]
     assert sum(o.stats["num_accepted"] for o in got) > 0  # drafted and accepted: not inconclusive
+
+
+def test_the_shipped_smollm2_head_is_intact_and_drafts_losslessly_on_a_fresh_cache(tmp_path, monkeypatch):
+    """The head in ``sparsespec/heads/smollm2-135m`` (a fresh clone has it): at most 20 MB, its
+    manifest's sha256 is the file's, it is the default for the provisioned preset when nothing was
+    trained on the machine, and the real target's greedy output with it is AR's, with drafts
+    accepted (the independent oracle: ``ar`` on the same engine)."""
+    import hashlib
+
+    from sparsespec.drafters.eagle3 import SHIPPED_HEADS, verify_shipped
+    from tests.helpers import chat_prompt, real_engine
+
+    folder = SHIPPED_HEADS / "smollm2-135m"
+    manifest = verify_shipped(folder)
+    weights = folder / manifest["weights_file"]
+    assert weights.stat().st_size <= 20 * 2**20
+    assert hashlib.sha256(weights.read_bytes()).hexdigest() == manifest["weights_sha256"]
+    engine = real_engine()
+    monkeypatch.setenv("SPARSESPEC_CACHE", str(tmp_path))  # nothing trained on this machine
+    assert resolve_head(engine.model, None) == folder
+    prompt = chat_prompt(engine.tokenizer, "Write two sentences about the sea.")
+    ar = engine.generate([prompt], method="ar", max_new_tokens=24, ignore_eos=True)[0]
+    got = engine.generate([prompt], method="eagle3", method_options={"k": 3}, max_new_tokens=24, ignore_eos=True)[0]
+    assert got.token_ids == ar.token_ids
+    assert got.stats["num_accepted"] > 0
