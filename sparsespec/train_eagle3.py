@@ -403,6 +403,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in ("book_tokens", "chats", "chat_tokens", "eval_chats"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.export and args.out is None:
+        ap.error("--export needs --out (the shipped head's folder)")
     import os
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
@@ -429,8 +431,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     eval_prompts = chat_prompts(tok, [held_text], args.eval_chats, args.seed + 1)
 
     if args.export:  # ship a trained head: bf16 + manifest, then the same held-out figures for it
-        if args.out is None:
-            ap.error("--export needs --out (the shipped head's folder)")
         try:
             manifest = export_head(args.export, out, model.source_folder or "")
         except ValueError as e:

@@ -403,6 +403,19 @@ def test_the_trainer_cli_saves_a_head_the_drafter_loads(tmp_path):
     got = engine.generate([prompt], method="eagle3", method_options={"draft_model": str(out), "k": 3},
                           max_new_tokens=12, ignore_eos=True)[0]
     assert got.token_ids == ar.token_ids and got.stats["num_drafted"] > 0
+    # --export: the shipped form of that head, measured again, with a manifest the loader accepts
+    from sparsespec.drafters.eagle3 import verify_shipped
+
+    shipped = tmp_path / "shipped"
+    assert main(["--export", str(out), "--out", str(shipped), "--eval-chats", "1", "--seq-len", "64",
+                 "--threads", "2"]) == 0
+    manifest = verify_shipped(shipped)
+    assert manifest["dtype"] == "bfloat16" and manifest["target"]["preset"] == "smollm2-135m"
+    figures = json.loads((shipped / "config.json").read_text())["sparsespec"]["exported_figures"]
+    assert len(figures["held_out_top1_per_step"]) == 3 and figures["held_out_chats"] == 1
+    assert "out" not in json.loads((shipped / "config.json").read_text())["sparsespec"]["train"]
+    with pytest.raises(SystemExit):  # --export needs --out: an argparse error, nothing written
+        main(["--export", str(out), "--threads", "2"])
 
 
 @pytest.mark.parametrize("norm_before_residual", [False, True])
