@@ -221,6 +221,15 @@ MUTANTS = [
     M("plan_panels_stale", "sparsespec/kernels/plan.py", "the panel copy is made once and never refreshed",
       ("        if plan.uses_panels and cpu.supports(w) and w.dim() == 2 and cpu.available():",
        "        if plan.uses_panels and cpu.supports(w) and w.dim() == 2 and cpu.available() and not hasattr(w, PANELS_ATTR):")),
+    M("kernel_features_wrong_layer", "sparsespec/kernels/cpu/sparsespec_cpu.c",
+      "the one-call layers copy the next layer's output as an EAGLE-3 feature",
+      ("if (f->feat_layers[j] != l) continue;", "if (f->feat_layers[j] != l + 1) continue;")),
+    M("kernel_features_one_slot", "sparsespec/kernels/cpu/sparsespec_cpu.c",
+      "every requested layer's features land in slot 0",
+      ("memcpy(f->feat + r * f->feat_ld + j * E,", "memcpy(f->feat + r * f->feat_ld,")),
+    M("kernel_features_repeat_dropped", "sparsespec/kernels/cpu/sparsespec_cpu.c",
+      "a layer requested twice fills only its first slot",
+      ("if (f->feat_layers[j] != l) continue;", "if (f->feat_layers[j] != l) continue; if (j > 1) break;")),
 ]
 
 
