@@ -321,7 +321,7 @@ class Transformer(torch.nn.Module):
             features[:] = [features[order.index(j)] for j in hidden_layers]
         return self._head(h, logits_for, weights)
 
-    def _fused_layers(self, rows: int, weights: DraftWeights | None, hidden_layers: tuple[int, ...]):
+    def _fused_layers(self, rows: int, weights: DraftWeights | None):
         """The per-layer pointers of ``cpu.forward_layers`` when a forward of ``rows`` tokens can run
         every layer in one call of our kernels (our attention and linear for that width, panels for
         every projection, no int8 weights; hidden-state features are copied out by the same call),
@@ -560,19 +560,16 @@ class Transformer(torch.nn.Module):
                                                rows_out=rows_buf[i] if want_rows else None)
             return out
 
-        ptrs = self._fused_layers(B * T, None, hidden_layers) if (ours and T <= 32) else None
+        ptrs = self._fused_layers(B * T, None) if (ours and T <= 32) else None
         if ptrs is not None:  # every layer in one call of our kernels (the same kernels, the same bits)
             h, cos, sin = self._embed_rope(input_ids, positions)
             rows_arg = None
             if want_rows:
                 rows_arg = (rows_into.ring, rows_into.slots) if direct else (rows_buf, None)
-            fbuf = None
             if hidden_layers:  # [B, T, n E], filled by the same call
-                fbuf = torch.empty(B, T, len(hidden_layers) * self.cfg.hidden_size, dtype=h.dtype)
+                feats = [torch.empty(B, T, len(hidden_layers) * self.cfg.hidden_size, dtype=h.dtype)]
             cpu.forward_layers(self, ptrs, h, cos, sin, k=cache.k, v=cache.v, starts=starts, rows=rows_arg,
-                               features=(fbuf, hidden_layers) if hidden_layers else None)
-            if hidden_layers:
-                feats = [fbuf]
+                               features=(feats[0], hidden_layers) if hidden_layers else None)
             logits = self._head(h, logits_for)
         else:
             logits = self._run(input_ids, positions, attend, logits_for, hidden_layers=hidden_layers, features=feats)
@@ -582,7 +579,7 @@ class Transformer(torch.nn.Module):
                 for b in range(B):
                     rows_into.ring[:, b, :, rows_into.slots[b], :S] = rows_buf[:, b]
             rows_buf = None
-        features = torch.cat(feats, dim=-1) if hidden_layers else None  # [B, T, n * E]
+        features = (feats[0] if len(feats) == 1 else torch.cat(feats, dim=-1)) if hidden_layers else None  # [B, T, n E]
         return logits, rows_buf, features
 
     def prefill(self, input_ids: torch.Tensor, cache: KVCache, chunk_size: int = 512, want_rows: int = 0):
@@ -642,7 +639,7 @@ class Transformer(torch.nn.Module):
                 return kernels.sparse_attention(q, src.k[i], src.v[i], dkv.index[i], dkv.n_valid,
                                                 dkv.k[i, :, :, : e + 1], dkv.v[i, :, :, : e + 1], self.scale, use=use)
 
-            ptrs = self._fused_layers(B, weights, ()) if ours else None
+            ptrs = self._fused_layers(B, weights) if ours else None
             if ptrs is not None:  # every layer in one call: k, v of the new token to tail slot e
                 h, cos, sin = self._embed_rope(input_ids, positions.view(B, 1))
                 cpu.forward_layers(self, ptrs, h, cos, sin, k=src.k, v=src.v,

@@ -26,6 +26,7 @@ reads, under ``$SPARSESPEC_CACHE/eagle3/<model>`` by default.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import random
@@ -330,10 +331,9 @@ def chat_acceptance(engine, head_folder: Path, prompts: Sequence[Sequence[int]],
             "drafted": drafted, "accepted": accepted, "rounds": steps}
 
 
-def export_head(src: str | Path, dst: str | Path, target_folder: str | Path, dtype=torch.bfloat16,
-                extra: dict | None = None) -> dict:
+def export_head(src: str | Path, dst: str | Path, target_folder: str | Path, dtype=torch.bfloat16) -> dict:
     """Write the head in ``src`` to ``dst`` for shipping: its floating tensors in ``dtype`` (the
-    token maps unchanged), its ``config.json`` (``sparsespec`` meta plus ``extra``) and a
+    token maps unchanged), its ``config.json`` (its ``sparsespec`` meta without this machine's paths) and a
     ``manifest.json`` recording the weights' size and sha256 and the target it was trained on
     (the preset and GGUF sha256 from ``target_folder``'s ``sparsespec_provenance.json``), which
     ``sparsespec.drafters.eagle3.verify_shipped`` checks at load. Returns the manifest.
@@ -341,8 +341,6 @@ def export_head(src: str | Path, dst: str | Path, target_folder: str | Path, dty
     Raises:
         ValueError: ``src`` is not a head folder, or the target folder has no provisioning record.
     """
-    import json
-
     from safetensors.torch import load_file, save_file
 
     from sparsespec.eagle3_head import WEIGHTS_FILE
@@ -363,7 +361,7 @@ def export_head(src: str | Path, dst: str | Path, target_folder: str | Path, dty
     meta = dict(cfg.get("sparsespec", {}))
     if isinstance(meta.get("train"), dict):  # this machine's output folder means nothing where the head ships
         meta["train"] = {k: v for k, v in meta["train"].items() if k != "out"}
-    cfg["sparsespec"] = meta | {"exported_dtype": cfg["torch_dtype"]} | (extra or {})
+    cfg["sparsespec"] = meta | {"exported_dtype": cfg["torch_dtype"]}
     dst.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(dst / WEIGHTS_FILE), metadata={"format": "pt"})
     (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
@@ -443,7 +441,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         acc = chat_acceptance(engine, out, eval_prompts)
         figures = {"held_out_top1_per_step": agree, "held_out_alpha_k4": acc["alpha"], "held_out_tau_k4": acc["tau"],
                    "held_out_chats": args.eval_chats}
-        manifest = export_head(args.export, out, model.source_folder or "", extra={"exported_figures": figures})
+        cfg_path = out / "config.json"  # the figures join the config; the weights and manifest stay as written
+        config = json.loads(cfg_path.read_text())
+        config["sparsespec"]["exported_figures"] = figures
+        cfg_path.write_text(json.dumps(config, indent=2) + "\n")
         print(f"exported {args.export} -> {out}: {manifest['weights_bytes']} bytes, sha256 "
               f"{manifest['weights_sha256']}; held-out top-1 per step {agree}; {args.eval_chats} held-out chat "
               f"prompts, greedy, k=4: alpha {acc['alpha']:.3f}, tau {acc['tau']:.2f}")
