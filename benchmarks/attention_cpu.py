@@ -79,7 +79,7 @@ def main(argv=None) -> int:
             f()
             times[key].append((time.perf_counter() - t0) / L)
     print(f"{kc.cpu_model()} [{kc.isa_summary()}], {torch.get_num_threads()} threads; read {bw / 1e9:.1f} GB/s, "
-          f"GEMM {gemm / 1e9:.0f} GFLOP/s; B={B} S={S} H={H} H_kv={Hkv} D={D}, {L} layer(s) per call, "
+          f"GEMM {gemm / 1e9:.0f} GFLOP/s ({machine['gemm_backend']}); B={B} S={S} H={H} H_kv={Hkv} D={D}, {L} layer(s) per call, "
           f"times per layer\n")
     print("| T | rows | ms | x roofline | GB/s (K+V) | GFLOP/s |")
     print("|---|---|---|---|---|---|")

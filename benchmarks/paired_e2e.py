@@ -217,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "warmup": warmup, **run_stamp(model, machine)}
     print(f"{meta['date']} · {name} ({a.dtype}, {a.device}) · {meta['cpu']} [{meta['isa']}] · torch {meta['torch']} · "
           f"{meta['threads']} threads · kernels: {meta['kernels']}")
-    print(f"read {meta['read_bytes_per_s'] / 1e9:.1f} GB/s, GEMM {meta['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s · "
+    print(f"read {meta['read_bytes_per_s'] / 1e9:.1f} GB/s, GEMM {meta['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s ({meta['gemm_backend']}) · "
           f"schedule {a.schedule}, {a.reps} rep(s), {a.gen_tokens} tokens, {warmup} warm-up cell(s) per batch size\n")
     print("| B | ctx | method | TPOT ms | speedup vs ar (per rep) | alpha | tau | mean k | gamma | k chosen | same tokens as ar |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

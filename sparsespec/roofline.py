@@ -10,7 +10,8 @@ Units: seconds, bytes, FLOPs; bandwidth in bytes/s, compute in FLOP/s. A step's 
 * memory floor  = (weights read once + the KV the step must read) / measured read bandwidth;
 * compute floor = matmul FLOPs of the step / measured GEMM throughput.
 
-``machine`` dicts (``measure_machine``) hold ``read_bytes_per_s`` and ``gemm_flops_per_s``.
+``machine`` dicts (``measure_machine``) hold ``read_bytes_per_s`` and ``gemm_flops_per_s`` (the fastest
+GEMM this process can run, named in ``gemm_backend``).
 """
 from __future__ import annotations
 
@@ -49,12 +50,23 @@ def time_call(fn: Callable[[], Any], device: Any, reps: int, warmup: int) -> flo
     return statistics.median(times)
 
 
-def measure_machine(device: str, dtype: Any, reps: int = 7) -> dict[str, float]:
+def measure_machine(device: str, dtype: Any, reps: int = 7) -> dict[str, Any]:
     """Memory read bandwidth (bytes/s) and GEMM throughput (FLOP/s) on ``device``, now.
 
     Bandwidth: ``x.sum()`` over a float32 buffer of 1 GiB (CPU) or 4 GiB (GPU), the best of
     ``reps`` (a reduction reads every byte once; the buffer is far larger than any cache).
-    GEMM: best of ``reps`` square matmuls in ``dtype`` (n = 2048 CPU, 8192 GPU).
+
+    GEMM: the best of ``reps`` square products in ``dtype`` (n = 2048 CPU, 8192 GPU), by every
+    GEMM this process can run, the fastest counting: on a CPU ``torch`` (``a @ b``: MKL, which
+    runs AVX2 code on AMD CPUs), oneDNN's prepacked linear (``onednn``, where
+    ``sparsespec.quant.prepack_available``) and our packed AVX-512/AVX2 linear (``ss``, where
+    ``sparsespec.kernels.cpu`` is built). A compute floor from a GEMM slower than the machine can
+    run would let a step read faster than its roofline (on the AMD EPYC of benchmarks/RESULTS.md
+    ``a @ b`` ran at 236 GFLOP/s and our packed linear at 510). A backend whose product differs
+    from ``a @ b`` by more than rounding is left out (a wrong fast kernel must not set the floor).
+
+    Returns ``{"read_bytes_per_s", "gemm_flops_per_s", "gemm_backend" (the fastest's name),
+    "gemm_rates" ({backend: FLOP/s})}``.
     """
     import torch
 
@@ -73,15 +85,54 @@ def measure_machine(device: str, dtype: Any, reps: int = 7) -> dict[str, float]:
     n = 8192 if cuda else 2048
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    times = []
-    for _ in range(reps + 1):
-        _sync(device)
-        t0 = time.perf_counter()
-        a @ b
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    flops = 2 * n**3 / min(times[1:])
-    return {"read_bytes_per_s": read_bw, "gemm_flops_per_s": flops}
+    rates: dict[str, float] = {}
+    with torch.inference_mode():
+        ref = a @ b
+        for name, fn in _gemm_backends(a, b, ref, cuda).items():
+            times = []
+            for _ in range(reps + 1):
+                _sync(device)
+                t0 = time.perf_counter()
+                fn()
+                _sync(device)
+                times.append(time.perf_counter() - t0)
+            rates[name] = 2 * n**3 / min(times[1:])
+    best = max(rates, key=rates.__getitem__)
+    return {"read_bytes_per_s": read_bw, "gemm_flops_per_s": rates[best], "gemm_backend": best, "gemm_rates": rates}
+
+
+def _gemm_backends(a: Any, b: Any, ref: Any, cuda: bool) -> dict[str, Callable[[], Any]]:
+    """``a @ b`` by each GEMM that runs here and gives ``ref``'s values to rounding: name -> call."""
+    import torch
+
+    fns: dict[str, Callable[[], Any]] = {"torch": lambda: a @ b}
+    if cuda or a.dtype not in (torch.float32, torch.bfloat16):
+        return fns
+    bt = b.t().contiguous()  # [N, K]: a linear's weight (y = a @ bt.T)
+    tol = 1e-3 if a.dtype == torch.float32 else 2e-2
+    scale = float(ref.abs().max()) or 1.0
+
+    def close(y: Any) -> bool:
+        return bool(torch.isfinite(y).all()) and float((y.float() - ref.float()).abs().max()) <= tol * scale
+
+    from sparsespec.quant import prepack_available
+
+    if prepack_available():
+        try:
+            packed = bt.to_mkldnn()
+            fn = lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")  # noqa: E731
+            if close(fn()):
+                fns["onednn"] = fn
+        except Exception:  # noqa: BLE001 - a build without this dtype's path: not a candidate
+            pass
+    from sparsespec.kernels import cpu
+
+    if cpu.available() and cpu.supports(a):
+        wp = cpu.pack_weight(bt)
+        fn = lambda: cpu.linear_packed(a, wp, bt.shape[0])  # noqa: E731
+        if close(fn()):
+            fns["ss"] = fn
+    return fns
 
 
 def machine_desc(device: str) -> str:

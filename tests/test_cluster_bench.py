@@ -84,10 +84,30 @@ def test_verify_floor_interpolates_at_a_fractional_mean_k():
     assert bench.expected_tokens(0.5, 2) == pytest.approx(1.75) and bench.expected_tokens(1.0, 3) == 4.0
 
 
+def test_the_gemm_rate_is_the_fastest_correct_gemm_here(monkeypatch):
+    """measure_machine's compute floor comes from the fastest GEMM this process runs (on an AMD
+    CPU MKL's ``a @ b`` runs AVX2 code at half our packed linear's rate), and a backend whose
+    product is wrong is no candidate, however fast."""
+    import sparsespec.roofline as rl
+    from sparsespec.kernels import cpu
+
+    m = rl.measure_machine("cpu", torch.float32, reps=1)
+    rates = m["gemm_rates"]
+    assert "torch" in rates and m["gemm_backend"] in rates
+    assert m["gemm_flops_per_s"] == max(rates.values()) == rates[m["gemm_backend"]]
+    if cpu.available():
+        assert "ss" in rates
+        monkeypatch.setattr(cpu, "linear_packed", lambda x, wp, n, *a, **k: torch.zeros(x.shape[0], n))
+        assert "ss" not in rl.measure_machine("cpu", torch.float32, reps=1)["gemm_rates"]
+    # bf16: our kernels are fp32 only
+    assert "ss" not in rl.measure_machine("cpu", torch.bfloat16, reps=1)["gemm_rates"]
+
+
 def test_rooflines_are_recomputed_at_the_best_rates_of_the_run():
     tiny = random_transformer("tiny")
-    samples = [{"read_bytes_per_s": 2e9, "gemm_flops_per_s": 5e11}, {"read_bytes_per_s": 1e9, "gemm_flops_per_s": 9e11}]
-    assert bench.best_rates(samples) == {"read_bytes_per_s": 2e9, "gemm_flops_per_s": 9e11}
+    samples = [{"read_bytes_per_s": 2e9, "gemm_flops_per_s": 5e11, "gemm_backend": "torch"},
+               {"read_bytes_per_s": 1e9, "gemm_flops_per_s": 9e11, "gemm_backend": "ss"}]
+    assert bench.best_rates(samples) == {"read_bytes_per_s": 2e9, "gemm_flops_per_s": 9e11, "gemm_backend": "ss"}
     row = {"batch_size": 2, "prompt_len": 1000, "k": 3, "n_index": 128, "prefill_s": 0.5, "ar_step_s": 0.01,
            "verify_importance_s": 0.03, "draft_step_s": 0.004, "draft_step_int8_s": 0.003, "gamma": 0.004 / 0.03,
            "_draft_int8_roofline_weight_bytes": 1000}

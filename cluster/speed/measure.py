@@ -555,7 +555,7 @@ def run_stamp(model, machine: Mapping[str, float]) -> dict[str, Any]:
     return {"cpu": cpu.cpu_model(), "isa": cpu.isa_summary(), "kernels": plan.summary(),
             "kernels_source": plan.source, "kernels_tune_s": plan.tune_s, "kernels_build_s": cpu.build_seconds(),
             "batch_invariant": plan.batch_invariant, "read_bytes_per_s": machine["read_bytes_per_s"],
-            "gemm_flops_per_s": machine["gemm_flops_per_s"]}
+            "gemm_flops_per_s": machine["gemm_flops_per_s"], "gemm_backend": machine.get("gemm_backend", "torch")}
 
 
 def time_prefill(model, prompt: list[int], cfg: BenchConfig) -> float:
@@ -588,10 +588,12 @@ def _check_window(cfg: BenchConfig, window: int) -> None:
                          f"tokens) exceed the model's window ({window}); the longest that fits is {longest}")
 
 
-def best_rates(samples: Sequence[Mapping[str, float]]) -> dict[str, float]:
-    """The best read bandwidth and the best GEMM rate among ``measure_machine`` samples."""
+def best_rates(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The best read bandwidth and the best GEMM rate among ``measure_machine`` samples (with the
+    GEMM backend that ran it)."""
+    fastest = max(samples, key=lambda m: m["gemm_flops_per_s"])
     return {"read_bytes_per_s": max(m["read_bytes_per_s"] for m in samples),
-            "gemm_flops_per_s": max(m["gemm_flops_per_s"] for m in samples)}
+            "gemm_flops_per_s": fastest["gemm_flops_per_s"], "gemm_backend": fastest.get("gemm_backend", "torch")}
 
 
 def measure_steps(cfg: BenchConfig, *, progress: Callable[[str], None] = log.info) -> dict[str, Any]:
@@ -615,7 +617,8 @@ def measure_steps(cfg: BenchConfig, *, progress: Callable[[str], None] = log.inf
     samples = [measure_machine(cfg.device, _DTYPES[cfg.dtype])]
     machine = best_rates(samples)
     progress(f"machine: read {machine['read_bytes_per_s'] / 1e9:.1f} GB/s, "
-             f"GEMM {machine['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s ({cfg.dtype})")
+             f"GEMM {machine['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s ({cfg.dtype}, {machine['gemm_backend']}; "
+             + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in samples[0].get("gemm_rates", {}).items()) + ")")
     rows: list[dict[str, Any]] = []
     cells: dict[tuple[int, int], list[list[int]]] = {}
     for L in cfg.context_lengths:
@@ -911,6 +914,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"{meta['date']} · {meta['machine_desc']} · torch {meta['torch']} · {meta['threads']} threads · "
         f"model {meta['model']} ({meta['config']['dtype']})",
         f"measured read bandwidth {m['read_bytes_per_s'] / 1e9:.1f} GB/s, GEMM {m['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s"
+        f" ({m.get('gemm_backend', 'torch')})"
         + (f" (the best of {len(m['samples'])} samples through the run: "
            f"{min(x['read_bytes_per_s'] for x in m['samples']) / 1e9:.1f}-{m['read_bytes_per_s'] / 1e9:.1f} GB/s, "
            f"{min(x['gemm_flops_per_s'] for x in m['samples']) / 1e9:.0f}-{m['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s)"
