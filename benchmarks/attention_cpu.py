@@ -17,7 +17,7 @@ call: on a CPU with a large last-level cache (480 MB on the Xeon of benchmarks/R
 times the kernel from cache, 1.3-3x faster than inside a step. Compare with
 ``python -m cluster.speed --steps-only`` (the attention phase of whole steps).
 
-    .venv/bin/python benchmarks/attention_cpu.py --batch 4 --context 6144 --widths 1,3,9
+    .venv/bin/python benchmarks/attention_cpu.py --batch 4 --context 6144 --widths 1,3,9 --tiles avx512-kt,avx512,avx2
 """
 from __future__ import annotations
 
@@ -39,6 +39,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=30, help="layers of K/V each call runs over (times: per layer)")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--tiles", default=None,
+                    help="comma-separated attention tiles to time side by side (avx512-kt, avx512, avx2; "
+                         "bitwise the same results); default: what the library runs now")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -58,18 +61,29 @@ def main(argv=None) -> int:
     k = torch.randn(L, B, Hkv, S + max(widths), D)  # every layer's own cache, as in a step
     v = torch.randn_like(k)
     starts = torch.full((B,), S, dtype=torch.int64)
+    tiles = a.tiles.split(",") if a.tiles else [kc.attention_isa()]
+    bad = [t for t in tiles if t not in ("avx512-kt", "avx512", "avx2")]
+    if bad:
+        ap.error(f"--tiles: unknown {bad} (avx512-kt, avx512, avx2)")
+
+    def use(tile):
+        kc.set_attention_avx512(tile != "avx2")
+        if kc.set_attention_kt(tile == "avx512-kt") != tile:
+            raise SystemExit(f"attention_cpu: tiles {tile!r} are not available in this build ({kc.attention_isa()})")
+
     calls = {}
     for T in widths:
         q = torch.randn(B, H, T, D)
+        for tile in tiles:
+            def run(q=q, rows=None, tile=tile):
+                use(tile)
+                for i in range(L):
+                    kc.attention(q, k[i], v[i], starts, S, D ** -0.5, rows_out=rows)
 
-        def run(q=q, rows=None):
-            for i in range(L):
-                kc.attention(q, k[i], v[i], starts, S, D ** -0.5, rows_out=rows)
-
-        calls[(T, False)] = run
-        if T > 1:
-            rows = torch.zeros(B, Hkv, T, S + T)
-            calls[(T, True)] = (lambda run=run, rows=rows: run(rows=rows))
+            calls[(T, False, tile)] = run
+            if T > 1:
+                rows = torch.zeros(B, Hkv, T, S + T)
+                calls[(T, True, tile)] = (lambda run=run, rows=rows: run(rows=rows))
     for f in calls.values():
         f()
     times: dict = {key: [] for key in calls}
@@ -81,14 +95,14 @@ def main(argv=None) -> int:
     print(f"{kc.cpu_model()} [{kc.isa_summary()}], {torch.get_num_threads()} threads; read {bw / 1e9:.1f} GB/s, "
           f"GEMM {gemm / 1e9:.0f} GFLOP/s ({machine['gemm_backend']}); B={B} S={S} H={H} H_kv={Hkv} D={D}, {L} layer(s) per call, "
           f"times per layer\n")
-    print("| T | rows | ms | x roofline | GB/s (K+V) | GFLOP/s |")
-    print("|---|---|---|---|---|---|")
+    print("| T | rows | tiles | ms | x roofline | GB/s (K+V) | GFLOP/s |")
+    print("|---|---|---|---|---|---|---|")
     kv_bytes = 2 * B * Hkv * S * D * 4
-    for (T, rows), ts in times.items():
+    for (T, rows, tile), ts in times.items():
         t = statistics.median(ts)
         flops = 4 * B * H * T * S * D
         roof = max(kv_bytes / bw, flops / gemm)
-        print(f"| {T} | {'yes' if rows else 'no'} | {t * 1e3:.3f} | {t / roof:.2f} | {kv_bytes / t / 1e9:.1f} | "
+        print(f"| {T} | {'yes' if rows else 'no'} | {tile} | {t * 1e3:.3f} | {t / roof:.2f} | {kv_bytes / t / 1e9:.1f} | "
               f"{flops / t / 1e9:.0f} |")
     return 0
 

@@ -230,6 +230,17 @@ MUTANTS = [
     M("kernel_features_repeat_dropped", "sparsespec/kernels/cpu/sparsespec_cpu.c",
       "a layer requested twice fills only its first slot",
       ("if (f->feat_layers[j] != l) continue;", "if (f->feat_layers[j] != l) continue; if (j > 1) break;")),
+    M("kernel_kt_tree_regrouped", "sparsespec/kernels/cpu/sparsespec_cpu.c",
+      "the keys-in-lanes tiles add the chain sums in another tree (other bits than a decode step's)",
+      ("_mm512_add_ps(_mm512_add_ps(KT_L(0), KT_L(1)), _mm512_add_ps(KT_L(2), KT_L(3)))",
+       "_mm512_add_ps(_mm512_add_ps(KT_L(0), KT_L(2)), _mm512_add_ps(KT_L(1), KT_L(3)))")),
+    M("kernel_kt_second_half_keys", "sparsespec/kernels/cpu/sparsespec_cpu.c",
+      "the transpose gives keys 16-31 of a block the first 16 keys' values",
+      ("rp[u] = kp[16 * h + u < nk ? 16 * h + u : 0];", "rp[u] = kp[u < nk ? u : 0];")),
+    M("kernel_kt_causal_tail", "sparsespec/kernels/cpu/sparsespec_cpu.c",
+      "a wide verify's query sees the next draft's key (keys-in-lanes path)",
+      ("                    for (int u = 0; u < nk; ++u)\n                        if (j + u > lim) S[rr * ld + j + u] = -INFINITY;\n                }\n        }\n    } else",
+       "                    for (int u = 0; u < nk; ++u)\n                        if (j + u > lim + 1) S[rr * ld + j + u] = -INFINITY;\n                }\n        }\n    } else")),
 ]
 
 

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from sparsespec.kernels import cpu
-from sparsespec.kernels.plan import LINEAR_RANGES, TIE_MARGIN, KernelPlan, choose, ours_plan, range_worst, tune_plan
+from sparsespec.kernels.plan import (LINEAR_RANGES, TIE_MARGIN, KernelPlan, choose, kt_rows_from_trial, ours_plan,
+                                    range_worst, tune_plan)
 from sparsespec.kernels.reference import sparse_attention_ref, verify_attention_ref
 from sparsespec.kv.cache import KVCache
 from sparsespec.shapes import random_transformer
@@ -189,32 +190,40 @@ def test_the_avx512_linear_tile_gives_the_avx2_tiles_results_bit_for_bit():
         cpu.set_linear_avx512(True)
 
 
-def test_the_avx512_tiles_give_the_avx2_tiles_results_bit_for_bit():
-    """Where the library has AVX-512 tiles (score row pairs, 16-lane exp and P.V), they run the same
-    operations as the AVX2 ones: dense (decode and verify widths, with rows) and sparse attention."""
-    if cpu.set_attention_avx512(True) != "avx512":
+@pytest.mark.parametrize("G,D", [(7, 64), (3, 64), (3, 32)])
+def test_the_avx512_tiles_give_the_avx2_tiles_results_bit_for_bit(G, D):
+    """Where the library has AVX-512 tiles (score row pairs, 16-lane exp and P.V; keys-in-lanes score
+    tiles from 6 query rows of a KV head), they run the same operations as the AVX2 ones: dense
+    (decode and verify widths, with rows) and sparse attention. Rows per KV head G * T: 3 .. 119
+    (keys-in-lanes tiles of 6 .. 12 rows), keys not a multiple of the 32-key block, causal tails
+    inside a block."""
+    if not (cpu.set_attention_avx512(True) or "").startswith("avx512"):
         pytest.skip("this CPU's build has no AVX-512 tiles")
     g = _gen(11)
-    B, Hkv, G, D = 3, 2, 7, 64
+    B, Hkv = 3, 2
     starts = [1000, 37, 255]  # 255 + 17: query 0 sees none of the second chunk's 16 keys (m_c = -inf)
     S_max = max(starts) + 17
     kc, vc = torch.randn(B, Hkv, S_max, D, generator=g), torch.randn(B, Hkv, S_max, D, generator=g)
     idx = torch.randint(0, S_max, (B, Hkv, 300), generator=g, dtype=torch.int32)
     nv, kt, vt = torch.tensor([300, 17, 260]), torch.randn(B, Hkv, 3, D, generator=g), torch.randn(B, Hkv, 3, D, generator=g)
+    modes = {"avx512-kt": (True, 1), "avx512": (True, 0), "avx2": (False, 0)}
     try:
         for T in (1, 2, 5, 9, 17):
             q = torch.randn(B, Hkv * G, T, D, generator=g)
             got = {}
-            for on in (True, False):
+            for mode, (on, kt_on) in modes.items():
                 cpu.set_attention_avx512(on)
+                assert cpu.set_attention_kt(kt_on) == mode
                 rows = torch.zeros(B, Hkv, T, S_max)
                 out = cpu.attention(q, kc, vc, torch.tensor(starts), max(starts), D ** -0.5, rows)
                 sp = cpu.sparse_attention(q, kc, vc, idx, nv, kt, vt, 0.3)
-                got[on] = (out, rows, sp)
-            for name, x, y in zip(("out", "rows", "sparse"), got[True], got[False]):
-                assert torch.equal(x, y), (T, name)
+                got[mode] = (out, rows, sp)
+            for mode in ("avx512", "avx2"):
+                for name, x, y in zip(("out", "rows", "sparse"), got["avx512-kt"], got[mode]):
+                    assert torch.equal(x, y), (T, mode, name)
     finally:
         cpu.set_attention_avx512(True)
+        cpu.set_attention_kt(0)
 
 
 # ------------------------------------------------------------------ the sparse index
@@ -322,10 +331,15 @@ def test_tune_measures_caches_and_reads_back(tmp_path, monkeypatch):
     files = list((tmp_path / "tuning").glob("plan-*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["cpu"] == cpu.cpu_model()
     att = plan.timings["attention"]
-    if cpu.set_attention_avx512(True) == "avx512":  # both tiles timed; the faster kept (a tie: AVX-512)
-        ss, avx2 = (sum(att[s][be] for s in att) for be in ("ss", "ss-avx2"))
+    if (cpu.set_attention_avx512(True) or "").startswith("avx512"):  # both tiles timed; the faster kept
+        base = [s for s in att if "torch" in att[s]]
+        assert sorted(base) == ["T1", "T9"] and sorted(att) == ["T1", "T17", "T3", "T5", "T9"]
+        ss, avx2 = (sum(att[s][be] for s in base) for be in ("ss", "ss-avx2"))
         want = "avx2" if avx2 < ss else "avx512"
+        rows = 0 if want == "avx2" else kt_rows_from_trial(att, model.cfg.num_heads // model.cfg.num_kv_heads)
+        want = "avx512-kt" if rows else want
         assert plan.attention_tiles == (want if plan.attention == "ss" else "")
+        assert plan.attention_kt_rows == (rows if plan.attention == "ss" else 0)
     else:
         assert plan.attention_tiles == "" and all("ss-avx2" not in v for v in att.values())
     again = tune_plan(model)
@@ -336,23 +350,28 @@ def test_tune_measures_caches_and_reads_back(tmp_path, monkeypatch):
 
 
 def test_choose_switches_the_attention_tiles_and_the_environment_keeps_them_off(monkeypatch):
-    if cpu.set_attention_avx512(True) != "avx512":
+    if not (cpu.set_attention_avx512(True) or "").startswith("avx512"):
         pytest.skip("this CPU's build has no AVX-512 tiles")
     model = random_transformer("tiny")
     monkeypatch.setenv("SPARSESPEC_KERNELS", "ss")
     try:
         plan = choose(model)  # the tiles are measured: whichever won here is applied (a busy core can flip it)
-        assert plan.attention_tiles in ("avx512", "avx2") and plan.linear_tiles in ("avx512", "avx2")
+        assert plan.attention_tiles in ("avx512-kt", "avx512", "avx2") and plan.linear_tiles in ("avx512", "avx2")
         assert plan.attention_tiles == cpu.attention_isa() and plan.linear_tiles == cpu.linear_isa()
         assert plan.describe()["attention_tiles"] == plan.attention_tiles
         assert plan.describe()["linear_tiles"] == plan.linear_tiles
-        plan = dataclasses.replace(plan, attention_tiles="avx512", linear_tiles="avx512")
+        plan = dataclasses.replace(plan, attention_tiles="avx512", linear_tiles="avx512",
+                                   attention_kt_rows=0)
         assert plan.summary().count("(avx512)") == 2
         cpu.set_attention_avx512(False)  # a plan that says avx512 switches them back on
         cpu.set_linear_avx512(False)
         assert cpu.attention_isa() == "avx2" == cpu.linear_isa()
         from sparsespec.kernels.plan import apply_tiles
         assert apply_tiles(plan) == plan and cpu.attention_isa() == "avx512" == cpu.linear_isa()
+        kt_plan = dataclasses.replace(plan, attention_tiles="avx512-kt", attention_kt_rows=6)  # and keys in lanes
+        assert apply_tiles(kt_plan) == kt_plan and cpu.attention_isa() == "avx512-kt" and cpu.attention_kt_rows() == 6
+        assert "(avx512-kt from 6 rows)" in kt_plan.summary() and kt_plan.describe()["attention_kt_rows"] == 6
+        assert apply_tiles(plan) == plan and cpu.attention_isa() == "avx512" and cpu.attention_kt_rows() == 0
         monkeypatch.setenv("SPARSESPEC_AVX512", "0")
         plan = choose(model)
         assert plan.attention_tiles == "avx2" == cpu.attention_isa() == plan.linear_tiles == cpu.linear_isa()
@@ -362,19 +381,36 @@ def test_choose_switches_the_attention_tiles_and_the_environment_keeps_them_off(
     finally:
         monkeypatch.delenv("SPARSESPEC_AVX512", raising=False)
         cpu.set_attention_avx512(True)
+        cpu.set_attention_kt(True)
         cpu.set_linear_avx512(True)
     try:  # use_kernels with a named or given plan applies its tiles too (not only choose)
         cpu.set_attention_avx512(False)
         cpu.set_linear_avx512(False)
         assert model.use_kernels("ss").kernel_plan.attention_tiles == "avx2" == cpu.attention_isa()  # kept
-        given = dataclasses.replace(model.kernel_plan, attention_tiles="avx512", linear_tiles="avx512")
+        given = dataclasses.replace(model.kernel_plan, attention_tiles="avx512", linear_tiles="avx512",
+                                   attention_kt_rows=0)
         assert model.use_kernels(given).kernel_plan == given and cpu.attention_isa() == "avx512" == cpu.linear_isa()
     finally:
         cpu.set_attention_avx512(True)
+        cpu.set_attention_kt(True)
         cpu.set_linear_avx512(True)
     for name in ("attention_tiles", "linear_tiles"):
         with pytest.raises(ValueError, match=name):
             KernelPlan(attention="ss", **{name: "sse"})
+    for tiles, rows in (("avx512", 6), ("avx512-kt", 0), ("avx512-kt", -1)):
+        with pytest.raises(ValueError, match="attention_kt_rows"):
+            KernelPlan(attention="ss", attention_tiles=tiles, attention_kt_rows=rows)
+
+
+def test_the_keys_in_lanes_rows_are_where_the_trial_measured_them_faster_at_every_wider_width():
+    t = {"T1": {"ss": 1.0, "ss-kt": 1.2}, "T3": {"ss": 2.0, "ss-kt": 1.9}, "T5": {"ss": 3.0, "ss-kt": 3.1},
+         "T9": {"ss": 5.0, "ss-kt": 4.0}, "T17": {"ss": 9.0, "ss-kt": 7.0}}
+    assert kt_rows_from_trial(t, 3) == 27  # T = 3 won, T = 5 lost: from T = 9 on
+    t["T5"]["ss-kt"] = 2.9
+    assert kt_rows_from_trial(t, 7) == 21  # from T = 3, 7 rows per KV head each
+    t["T17"]["ss-kt"] = 9.0  # a tie at the widest: never
+    assert kt_rows_from_trial(t, 3) == 0
+    assert kt_rows_from_trial({"T1": {"ss": 1.0, "torch": 2.0}}, 3) == 0  # not timed (no AVX-512)
 
 
 def test_a_library_keeps_a_range_only_where_whole_forwards_are_faster_at_every_width():

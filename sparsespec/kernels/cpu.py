@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu") / "sparsespec_cpu.c"
-ABI_VERSION = 10
+ABI_VERSION = 11
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
 #: keys per attention chunk in the C kernels (SS_CHUNK)
 CHUNK = 256
@@ -166,6 +166,7 @@ _SIGNATURES = {
     "ss_build_index": ([_I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, _INT], None),
     "ss_set_attention_avx512": ([_INT], _INT),
     "ss_set_linear_avx512": ([_INT], _INT),
+    "ss_set_attention_kt": ([_INT], _INT),
     "ss_sparse_attention": ([_I64] * 5 + [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR,
                                           _PTR, _I64, _I64, _I64, _F32, _PTR, _I64, _I64, _PTR, _I64, _INT], None),
 }
@@ -192,6 +193,7 @@ def library() -> ctypes.CDLL | None:
                     raise RuntimeError(f"{path}: ABI {lib.ss_abi_version()} != {ABI_VERSION}")
                 for key in _TILE_SWITCHES:
                     _switch_tiles(lib, key, True)
+                _state["attention_kt"] = int(lib.ss_set_attention_kt(0))  # the plan's trial switches it on
                 _state["path"] = str(path)
             except (RuntimeError, OSError, AttributeError) as e:
                 lib, reason = None, str(e)
@@ -241,7 +243,28 @@ def set_attention_avx512(on: bool) -> str | None:
     """Switch the attention's AVX-512 tiles on or off for this process (the results are bitwise
     the same either way: a speed choice). ``SPARSESPEC_AVX512=0`` keeps them off. Returns
     ``attention_isa()``."""
-    return _set_tiles("attention_isa", on)
+    _set_tiles("attention_isa", on)
+    return attention_isa()
+
+
+def set_attention_kt(min_rows: int) -> str | None:
+    """Run the attention's scores in keys-in-lanes tiles for every (batch row, KV head) with at
+    least ``min_rows`` query rows (G * T: a verify's width), 0: never. They run where the AVX-512
+    tiles do: a block of 32 keys transposed once, then GEMM-like tiles of up to 12 query rows without
+    horizontal sums (bitwise the same scores). The transpose pays only when enough rows share it, so
+    the kernel plan's trial measures ``min_rows`` at load. Returns ``attention_isa()``."""
+    lib = library()
+    if lib is None:
+        return None
+    with _lock:
+        _state["attention_kt"] = int(lib.ss_set_attention_kt(max(0, int(min_rows))))
+    return attention_isa()
+
+
+def attention_kt_rows() -> int:
+    """The fewest query rows per KV head that run the keys-in-lanes score tiles now (0: none)."""
+    library()
+    return int(_state.get("attention_kt") or 0) if _state.get("attention_isa") == "avx512" else 0
 
 
 def set_linear_avx512(on: bool) -> str | None:
@@ -257,11 +280,13 @@ def linear_isa() -> str | None:
 
 
 def attention_isa() -> str | None:
-    """Which attention path the loaded kernels run: ``"avx512"`` (query rows in 16 lanes, where the
-    build has AVX-512 and ``SPARSESPEC_AVX512`` is not ``0``) or ``"avx2"``; None when the
-    kernels are unavailable."""
+    """Which attention path the loaded kernels run: ``"avx512-kt"`` (the AVX-512 tiles with the
+    keys-in-lanes score tiles for wide rows: ``attention_kt_rows``), ``"avx512"`` (query rows in 16 lanes, where the build
+    has AVX-512 and ``SPARSESPEC_AVX512`` is not ``0``) or ``"avx2"``; None when the kernels are
+    unavailable. The three give bitwise the same results."""
     library()
-    return _state.get("attention_isa")  # type: ignore[return-value]
+    isa = _state.get("attention_isa")
+    return "avx512-kt" if isa == "avx512" and _state.get("attention_kt") else isa  # type: ignore[return-value]
 
 
 def library_path() -> str | None:

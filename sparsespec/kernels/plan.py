@@ -10,8 +10,10 @@ A ``KernelPlan`` names, for one model on one device:
   with the index gathered in the kernel), ``"torch"`` (``sparsespec.kernels.reference``) or
   ``"triton"`` (CUDA);
 * ``attention_tiles`` / ``linear_tiles``: which tiles our attention and our packed linear run where
-  the kernels were built with AVX-512: ``"avx512"`` (16 lanes) or ``"avx2"``; the two give bitwise
-  the same results, so this is a speed choice only (``""``: not applicable);
+  the kernels were built with AVX-512: ``"avx512"`` (16 lanes) or ``"avx2"``, and for the attention
+  also ``"avx512-kt"`` (the AVX-512 tiles, with a verify's score phase in keys-in-lanes tiles: 32
+  keys transposed once, then GEMM-like tiles of up to 12 query rows without horizontal sums); all
+  give bitwise the same results, so this is a speed choice only (``""``: not applicable);
 * ``fused``: RMSNorm, RoPE and SiLU-and-multiply through our kernels (one call each instead of
   four to eight PyTorch ops);
 * ``threads``: the torch threads it was measured with.
@@ -20,7 +22,8 @@ Where none of our kernels can run (a GPU, a dtype other than fp32, no compiler) 
 PyTorch one. On a CPU the default is decided by a short measured trial (``tune``): each linear
 backend over the model's own weights at two widths M per range of rows (``LINEAR_RANGES``), each
 attention backend at a decode and a verify shape, interleaved, the best of three (where built, our
-kernels' AVX-512 and AVX2 tiles are timed as two backends, and the faster over all widths is kept); a range goes to
+kernels' AVX-512 and AVX2 tiles, and the attention's keys-in-lanes score tiles, are timed as
+backends of their own, and the fastest over all widths is kept); a range goes to
 the backend whose worst width is fastest (ours kept within ``TIE_MARGIN`` for decode widths). A kernel choice that wins on one CPU can lose 25-30 % on another, so nothing is
 assumed: the trial's winner is the default, cached
 per CPU (model and ISA flags), torch version, threads, kernel build and model shape in
@@ -68,7 +71,7 @@ RANGE_UPPER = tuple(u for u, _ in LINEAR_RANGES)
 #: per-layer overhead that our fused forward saves is a small share, and the linear trial decides)
 FORWARD_TRIAL_K, FORWARD_TRIAL_CONTEXT, FORWARD_TRIAL_UPTO = 8, 256, 128
 _KERNELS_ENV, _LINEAR_ENV = "SPARSESPEC_KERNELS", "SPARSESPEC_LINEAR"
-TUNE_VERSION = 9
+TUNE_VERSION = 10
 #: another linear backend replaces ours for a range of rows only when the trial measured it faster
 #: by more than this (best-of-3 timings on a shared machine move by about this much between runs);
 #: one kernel for every decode width keeps a row's logits independent of its batch and k
@@ -93,9 +96,12 @@ class KernelPlan:
     #: what the trial measured: ``{"linear": {M: {backend: s}}, "attention": {shape: {backend: s}}}``
     timings: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
     note: str = ""
-    #: "avx512" or "avx2" where our attention / packed linear have both (see the module docstring)
+    #: "avx512" (attention also "avx512-kt") or "avx2" where our kernels have both (module docstring)
     attention_tiles: str = ""
     linear_tiles: str = ""
+    #: with ``attention_tiles="avx512-kt"``: the fewest query rows per KV head (G * T) whose scores
+    #: run in the keys-in-lanes tiles (measured by the trial; 0 otherwise)
+    attention_kt_rows: int = 0
 
     def __post_init__(self) -> None:
         uppers = [u for u, _ in self.linear]
@@ -107,9 +113,13 @@ class KernelPlan:
                 raise ValueError(f"linear backend must be one of {LINEAR_BACKENDS}, got {be!r}")
         if self.attention not in ("ss", "torch", "triton"):
             raise ValueError(f"attention must be ss, torch or triton, got {self.attention!r}")
-        for name in ("attention_tiles", "linear_tiles"):
-            if getattr(self, name) not in ("", "avx512", "avx2"):
-                raise ValueError(f"{name} must be avx512, avx2 or empty, got {getattr(self, name)!r}")
+        if self.attention_tiles not in ("", "avx512-kt", "avx512", "avx2"):
+            raise ValueError(f"attention_tiles must be avx512-kt, avx512, avx2 or empty, got {self.attention_tiles!r}")
+        if self.linear_tiles not in ("", "avx512", "avx2"):
+            raise ValueError(f"linear_tiles must be avx512, avx2 or empty, got {self.linear_tiles!r}")
+        if (self.attention_kt_rows > 0) != (self.attention_tiles == "avx512-kt") or self.attention_kt_rows < 0:
+            raise ValueError(f"attention_kt_rows must be > 0 exactly with attention_tiles='avx512-kt', got "
+                             f"{self.attention_kt_rows} with {self.attention_tiles!r}")
 
     # ------------------------------------------------------------------ queries
     def linear_backend(self, rows: int) -> str:
@@ -136,6 +146,7 @@ class KernelPlan:
         """The plan as plain data (provenance, bench rows): backends, where it came from, the CPU."""
         return {"linear": {("inf" if u is None else str(u)): be for u, be in self.linear},
                 "attention": self.attention, "attention_tiles": self.attention_tiles or None,
+                "attention_kt_rows": self.attention_kt_rows or None,
                 "linear_tiles": self.linear_tiles or None,
                 "fused": self.fused, "threads": self.threads,
                 "source": self.source, "tune_s": round(self.tune_s, 3), "batch_invariant": self.batch_invariant,
@@ -147,7 +158,8 @@ class KernelPlan:
         """One line: e.g. ``linear ss<=8 mkl>8, attention ss, fused (measured, 4.2 s)``."""
         lin = " ".join(f"{be}{'' if u is None else '<=' + str(u)}" for u, be in self.linear)
         lin += f" ({self.linear_tiles})" if self.linear_tiles and self.uses_panels else ""
-        tiles = f" ({self.attention_tiles})" if self.attention_tiles else ""
+        kt = f" from {self.attention_kt_rows} rows" if self.attention_kt_rows else ""
+        tiles = f" ({self.attention_tiles}{kt})" if self.attention_tiles else ""
         return (f"linear {lin}, attention {self.attention}{tiles}{', fused' if self.fused else ''}, "
                 f"{self.threads} threads ({self.source}{f', {self.tune_s:.1f} s' if self.tune_s else ''})")
 
@@ -239,13 +251,16 @@ def apply_tiles(plan: KernelPlan) -> KernelPlan:
     att = lin = ""
     if plan.attention == "ss":
         want = plan.attention_tiles or cpu.attention_isa() or ""
-        att = (cpu.set_attention_avx512(want == "avx512") or "") if want else ""
+        if want:  # a plan without a choice keeps the library's keys-in-lanes rows
+            cpu.set_attention_kt(plan.attention_kt_rows if plan.attention_tiles else cpu.attention_kt_rows())
+        att = (cpu.set_attention_avx512(want != "avx2") or "") if want else ""
     if plan.uses_panels:
         want = plan.linear_tiles or cpu.linear_isa() or ""
         lin = (cpu.set_linear_avx512(want == "avx512") or "") if want else ""
-    if (att, lin) == (plan.attention_tiles, plan.linear_tiles):
+    kt_rows = cpu.attention_kt_rows() if att == "avx512-kt" else 0
+    if (att, lin, kt_rows) == (plan.attention_tiles, plan.linear_tiles, plan.attention_kt_rows):
         return plan
-    return dataclasses.replace(plan, attention_tiles=att, linear_tiles=lin)
+    return dataclasses.replace(plan, attention_tiles=att, linear_tiles=lin, attention_kt_rows=kt_rows)
 
 
 # --------------------------------------------------------------------------- the trial
@@ -323,21 +338,30 @@ def _linear_trial(model, backends: list[str], reps: int) -> dict[int, dict[str, 
     return res
 
 
+#: verify widths T = k + 1 at which the trial also times the keys-in-lanes score tiles against the
+#: AVX-512 ones (they transpose 32 keys per block once, which pays only when enough rows share it)
+KT_TRIAL_T = (1, 3, 5, 9, 17)
+
+
 def _attention_trial(model, reps: int, context: int = 2048, k: int = 8) -> dict[str, dict[str, float]]:
     """Our attention against the PyTorch path at batch 1, a decode (T = 1) and a verify (T = k + 1,
-    with its importance rows), over every layer's cache of ``context`` keys."""
+    with its importance rows), over every layer's cache of ``context`` keys. Where built with
+    AVX-512, our AVX2 tiles (``ss-avx2``) at those two widths, and the keys-in-lanes score tiles
+    (``ss-kt``) against the AVX-512 ones (``ss``) at every width of ``KT_TRIAL_T``."""
     from sparsespec.kernels.reference import grouped_attention
 
     cfg = model.cfg
     L, Hkv, H, D = cfg.num_layers, cfg.num_kv_heads, cfg.num_heads, cfg.head_dim
     g = torch.Generator().manual_seed(0)
-    kc = torch.randn(L, 1, Hkv, context + k + 1, D, generator=g, dtype=model.dtype)
-    vc = torch.randn(L, 1, Hkv, context + k + 1, D, generator=g, dtype=model.dtype)
+    both_tiles = (cpu.set_attention_avx512(True) or "").startswith("avx512")
+    widths = sorted({1, k + 1} | (set(KT_TRIAL_T) if both_tiles else set()))
+    kc = torch.randn(L, 1, Hkv, context + max(widths), D, generator=g, dtype=model.dtype)
+    vc = torch.randn(L, 1, Hkv, context + max(widths), D, generator=g, dtype=model.dtype)
     starts = torch.tensor([context])
     res = {}
-    both_tiles = cpu.set_attention_avx512(True) == "avx512"
+    cpu.set_attention_kt(0)
     with torch.inference_mode():
-        for T in (1, k + 1):
+        for T in widths:
             q = torch.randn(1, H, T, D, generator=g, dtype=model.dtype)
             W = 0 if T == 1 else T
             rows = torch.empty(1, Hkv, W, context + T) if W else None
@@ -353,17 +377,39 @@ def _attention_trial(model, reps: int, context: int = 2048, k: int = 8) -> dict[
                                                model.scale, mask_from=context)
                     out.transpose(1, 2).reshape(1, T, -1)
 
-            fns: dict[str, Callable[[], Any]] = {"ss": ours, "torch": ref}
-            if both_tiles:  # our AVX2 tiles against the AVX-512 ones (the same results)
-                def ours_avx2(ours=ours):
-                    cpu.set_attention_avx512(False)
+            fns: dict[str, Callable[[], Any]] = {"ss": ours}
+            if T in (1, k + 1):
+                fns["torch"] = ref
+                if both_tiles:  # our AVX2 tiles against the AVX-512 ones (the same results)
+                    def ours_avx2(ours=ours):
+                        cpu.set_attention_avx512(False)
+                        try:
+                            ours()
+                        finally:
+                            cpu.set_attention_avx512(True)
+                    fns["ss-avx2"] = ours_avx2
+            if both_tiles:  # the keys-in-lanes score tiles for every row count (the same results)
+                def ours_kt(ours=ours):
+                    cpu.set_attention_kt(1)
                     try:
                         ours()
                     finally:
-                        cpu.set_attention_avx512(True)
-                fns["ss-avx2"] = ours_avx2
+                        cpu.set_attention_kt(0)
+                fns["ss-kt"] = ours_kt
             res[f"T{T}"] = _best_of(fns, reps)
     return res
+
+
+def kt_rows_from_trial(att: Mapping[str, Mapping[str, float]], group: int) -> int:
+    """The fewest query rows per KV head (``group`` x T) from which the keys-in-lanes tiles measured
+    faster than the AVX-512 ones at every wider trial width; 0 where they lost at the widest."""
+    widths = sorted(int(s[1:]) for s, v in att.items() if "ss-kt" in v and "ss" in v)
+    rows = 0
+    for T in reversed(widths):
+        if att[f"T{T}"]["ss-kt"] >= att[f"T{T}"]["ss"]:
+            break
+        rows = group * T
+    return rows
 
 
 def range_worst(lin: Mapping[int, Mapping[str, float]], widths: tuple[int, ...]) -> dict[str, float]:
@@ -443,7 +489,8 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
             data = json.loads(path.read_text())
             return KernelPlan(tuple((u, be) for u, be in data["linear"]), data["attention"], data["fused"],
                               threads, "cache", data.get("tune_s", 0.0), data.get("timings", {}), data.get("note", ""),
-                              data.get("attention_tiles", ""), data.get("linear_tiles", ""))
+                              data.get("attention_tiles", ""), data.get("linear_tiles", ""),
+                              int(data.get("attention_kt_rows", 0)))
         except (OSError, ValueError, KeyError, TypeError):
             pass  # a corrupt cache entry: measure again
     if progress:
@@ -470,14 +517,23 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
             be = "ss"  # a decode range within the trial's noise: keep ours (one kernel for every width:
             # batch-invariant); prefill (the open range) goes to the fastest
         choice.append((upper, be))
-    att_total = {be: sum(att[s][be] for s in att) for be in ("ss", "torch")}
+    base = [s for s in att if "torch" in att[s]]  # the decode and verify widths
+    att_total = {be: sum(att[s][be] for s in base) for be in ("ss", "torch")}
     attention = min(att_total, key=att_total.get)
-    tiles = ""
-    if all("ss-avx2" in att[s] for s in att):  # the AVX-512 tiles unless the AVX2 ones measured faster
-        tiles = "avx2" if sum(att[s]["ss-avx2"] for s in att) < att_total["ss"] else "avx512"
-        att_total["ss"] = min(att_total["ss"], sum(att[s]["ss-avx2"] for s in att))
+    tiles, kt_rows = "", 0
+    if all("ss-avx2" in att[s] for s in base):  # the AVX-512 tiles unless the AVX2 ones measured faster
+        tiles = "avx2" if sum(att[s]["ss-avx2"] for s in base) < att_total["ss"] else "avx512"
+        if tiles == "avx2":
+            att_total["ss"] = sum(att[s]["ss-avx2"] for s in base)
+        else:  # and the keys-in-lanes score tiles from the row count where they measured faster
+            group = model.cfg.num_heads // model.cfg.num_kv_heads
+            kt_rows = kt_rows_from_trial(att, group)
+            if kt_rows:
+                tiles = "avx512-kt"
+                att_total["ss"] = sum(att[s]["ss-kt" if group * int(s[1:]) >= kt_rows else "ss"] for s in base)
         attention = min(att_total, key=att_total.get)
-        cpu.set_attention_avx512(tiles == "avx512")  # before the whole forwards below
+        cpu.set_attention_avx512(tiles != "avx2")  # before the whole forwards below
+        cpu.set_attention_kt(kt_rows)
     fwd: dict[str, dict[str, float]] = {}
     if attention == "ss" and any(be != "ss" for _, be in choice):
         choice, fwd = _confirm_in_forward(model, choice, threads, reps)
@@ -494,12 +550,14 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
     tune_s = time.perf_counter() - t0
     plan = KernelPlan(tuple(ranges), attention, True, threads, "measured", tune_s, timings,
                       attention_tiles=tiles if attention == "ss" else "",
-                      linear_tiles=linear_tiles if any(be == "ss" for _, be in ranges) else "")
+                      linear_tiles=linear_tiles if any(be == "ss" for _, be in ranges) else "",
+                      attention_kt_rows=kt_rows if attention == "ss" else 0)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps({"linear": [list(r) for r in plan.linear], "attention": plan.attention,
                                    "attention_tiles": plan.attention_tiles, "linear_tiles": plan.linear_tiles,
+                                   "attention_kt_rows": plan.attention_kt_rows,
                                    "fused": plan.fused, "tune_s": tune_s, "timings": timings,
                                    "cpu": cpu.cpu_model(), "isa": cpu.isa_summary(), "threads": threads,
                                    "torch": torch.__version__}, indent=1))

@@ -51,7 +51,7 @@
 #error "sparsespec_cpu.c needs AVX2 and FMA (the loader falls back to torch without them)"
 #endif
 
-SS_API int ss_abi_version(void) { return 10; }
+SS_API int ss_abi_version(void) { return 11; }
 
 
 /* ------------------------------------------------------------------ vector helpers (AVX2) */
@@ -852,12 +852,140 @@ static void pv512_rows(int64_t R, int64_t kn, const float *P, int64_t ldp, const
         }
     }
 }
+
+/* Keys-in-lanes score tiles (a wide verify's rows): the same products and sums as sc512_tile /
+ * hsum8x8, so the same bits, without horizontal reductions. A block of up to 32 keys is transposed
+ * once (kt[d * 32 + u] = key u's element d); a score vector then holds 16 keys of one row. Chain
+ * lane i of every score (the FMA chain over d = i, i + 8, ..., from 0) runs for up to 12 rows x 32
+ * keys at once, 24 accumulators fed by broadcast(q[d]) * kt[d] as in a GEMM tile; the 8 chain sums
+ * are then added as hsum8's tree ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)) with vertical adds.
+ * Measured on the AMD EPYC of benchmarks/RESULTS.md (one core, keys in cache): 229 GFLOP/s for the
+ * tiles against 109 for sc512_tile's; the transpose costs 86 ns per block, so they pay only where
+ * enough rows share a block (ss_set_attention_kt: chosen at load by the kernel plan's trial). */
+
+/* kt [D, 32] from the keys kp[0..nk) (nk <= 32; missing keys read as key 0, their scores unused) */
+SS_INLINE void kt32_transpose(const float *const *kp, int nk, const int64_t D, float *kt) {
+    for (int h = 0; h < 2; ++h) {
+        const float *rp[16];
+        for (int u = 0; u < 16; ++u) rp[u] = kp[16 * h + u < nk ? 16 * h + u : 0];
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+            __m512 r0 = _mm512_loadu_ps(rp[0] + d0), r1 = _mm512_loadu_ps(rp[1] + d0), r2 = _mm512_loadu_ps(rp[2] + d0),
+                   r3 = _mm512_loadu_ps(rp[3] + d0), r4 = _mm512_loadu_ps(rp[4] + d0), r5 = _mm512_loadu_ps(rp[5] + d0),
+                   r6 = _mm512_loadu_ps(rp[6] + d0), r7 = _mm512_loadu_ps(rp[7] + d0), r8 = _mm512_loadu_ps(rp[8] + d0),
+                   r9 = _mm512_loadu_ps(rp[9] + d0), r10 = _mm512_loadu_ps(rp[10] + d0), r11 = _mm512_loadu_ps(rp[11] + d0),
+                   r12 = _mm512_loadu_ps(rp[12] + d0), r13 = _mm512_loadu_ps(rp[13] + d0),
+                   r14 = _mm512_loadu_ps(rp[14] + d0), r15 = _mm512_loadu_ps(rp[15] + d0);
+            __m512 t0 = _mm512_unpacklo_ps(r0, r1), t1 = _mm512_unpackhi_ps(r0, r1), t2 = _mm512_unpacklo_ps(r2, r3),
+                   t3 = _mm512_unpackhi_ps(r2, r3), t4 = _mm512_unpacklo_ps(r4, r5), t5 = _mm512_unpackhi_ps(r4, r5),
+                   t6 = _mm512_unpacklo_ps(r6, r7), t7 = _mm512_unpackhi_ps(r6, r7), t8 = _mm512_unpacklo_ps(r8, r9),
+                   t9 = _mm512_unpackhi_ps(r8, r9), t10 = _mm512_unpacklo_ps(r10, r11), t11 = _mm512_unpackhi_ps(r10, r11),
+                   t12 = _mm512_unpacklo_ps(r12, r13), t13 = _mm512_unpackhi_ps(r12, r13),
+                   t14 = _mm512_unpacklo_ps(r14, r15), t15 = _mm512_unpackhi_ps(r14, r15);
+            r0 = _mm512_shuffle_ps(t0, t2, 0x44); r1 = _mm512_shuffle_ps(t0, t2, 0xEE);
+            r2 = _mm512_shuffle_ps(t1, t3, 0x44); r3 = _mm512_shuffle_ps(t1, t3, 0xEE);
+            r4 = _mm512_shuffle_ps(t4, t6, 0x44); r5 = _mm512_shuffle_ps(t4, t6, 0xEE);
+            r6 = _mm512_shuffle_ps(t5, t7, 0x44); r7 = _mm512_shuffle_ps(t5, t7, 0xEE);
+            r8 = _mm512_shuffle_ps(t8, t10, 0x44); r9 = _mm512_shuffle_ps(t8, t10, 0xEE);
+            r10 = _mm512_shuffle_ps(t9, t11, 0x44); r11 = _mm512_shuffle_ps(t9, t11, 0xEE);
+            r12 = _mm512_shuffle_ps(t12, t14, 0x44); r13 = _mm512_shuffle_ps(t12, t14, 0xEE);
+            r14 = _mm512_shuffle_ps(t13, t15, 0x44); r15 = _mm512_shuffle_ps(t13, t15, 0xEE);
+            t0 = _mm512_shuffle_f32x4(r0, r4, 0x88); t1 = _mm512_shuffle_f32x4(r1, r5, 0x88);
+            t2 = _mm512_shuffle_f32x4(r2, r6, 0x88); t3 = _mm512_shuffle_f32x4(r3, r7, 0x88);
+            t4 = _mm512_shuffle_f32x4(r0, r4, 0xDD); t5 = _mm512_shuffle_f32x4(r1, r5, 0xDD);
+            t6 = _mm512_shuffle_f32x4(r2, r6, 0xDD); t7 = _mm512_shuffle_f32x4(r3, r7, 0xDD);
+            t8 = _mm512_shuffle_f32x4(r8, r12, 0x88); t9 = _mm512_shuffle_f32x4(r9, r13, 0x88);
+            t10 = _mm512_shuffle_f32x4(r10, r14, 0x88); t11 = _mm512_shuffle_f32x4(r11, r15, 0x88);
+            t12 = _mm512_shuffle_f32x4(r8, r12, 0xDD); t13 = _mm512_shuffle_f32x4(r9, r13, 0xDD);
+            t14 = _mm512_shuffle_f32x4(r10, r14, 0xDD); t15 = _mm512_shuffle_f32x4(r11, r15, 0xDD);
+            float *o = kt + d0 * 32 + 16 * h;
+            _mm512_storeu_ps(o + 0 * 32, _mm512_shuffle_f32x4(t0, t8, 0x88));
+            _mm512_storeu_ps(o + 1 * 32, _mm512_shuffle_f32x4(t1, t9, 0x88));
+            _mm512_storeu_ps(o + 2 * 32, _mm512_shuffle_f32x4(t2, t10, 0x88));
+            _mm512_storeu_ps(o + 3 * 32, _mm512_shuffle_f32x4(t3, t11, 0x88));
+            _mm512_storeu_ps(o + 4 * 32, _mm512_shuffle_f32x4(t4, t12, 0x88));
+            _mm512_storeu_ps(o + 5 * 32, _mm512_shuffle_f32x4(t5, t13, 0x88));
+            _mm512_storeu_ps(o + 6 * 32, _mm512_shuffle_f32x4(t6, t14, 0x88));
+            _mm512_storeu_ps(o + 7 * 32, _mm512_shuffle_f32x4(t7, t15, 0x88));
+            _mm512_storeu_ps(o + 8 * 32, _mm512_shuffle_f32x4(t0, t8, 0xDD));
+            _mm512_storeu_ps(o + 9 * 32, _mm512_shuffle_f32x4(t1, t9, 0xDD));
+            _mm512_storeu_ps(o + 10 * 32, _mm512_shuffle_f32x4(t2, t10, 0xDD));
+            _mm512_storeu_ps(o + 11 * 32, _mm512_shuffle_f32x4(t3, t11, 0xDD));
+            _mm512_storeu_ps(o + 12 * 32, _mm512_shuffle_f32x4(t4, t12, 0xDD));
+            _mm512_storeu_ps(o + 13 * 32, _mm512_shuffle_f32x4(t5, t13, 0xDD));
+            _mm512_storeu_ps(o + 14 * 32, _mm512_shuffle_f32x4(t6, t14, 0xDD));
+            _mm512_storeu_ps(o + 15 * 32, _mm512_shuffle_f32x4(t7, t15, 0xDD));
+        }
+    }
+}
+
+#define KT_RB 12
+#define KT_ACC(r) __m512 c##r##0 = _mm512_setzero_ps(), c##r##1 = c##r##0;
+#define KT_FMA(r)                                                                     \
+    if (RB > r) {                                                                     \
+        const __m512 x = _mm512_set1_ps(q[(r) * D + d]);                              \
+        c##r##0 = _mm512_fmadd_ps(x, k0, c##r##0);                                    \
+        if (KB > 1) c##r##1 = _mm512_fmadd_ps(x, k1, c##r##1);                        \
+    }
+#define KT_OUT(r)                                                                     \
+    if (RB > r) {                                                                     \
+        _mm512_store_ps(sp + ((i * KT_RB + (r)) * 2) * 16, c##r##0);                  \
+        if (KB > 1) _mm512_store_ps(sp + ((i * KT_RB + (r)) * 2 + 1) * 16, c##r##1);  \
+    }
+/* scores of RB (1..12) rows (scaled queries q, rows D apart) x nk (<= 16 KB) keys of kt into S
+ * (rows ld apart, columns j ..): chain lane i (d = i, i + 8, ...) of every (row, key) at a time,
+ * RB x KB accumulators as in a GEMM tile, then hsum8's tree over the 8 chain sums */
+SS_INLINE void kt_tile(const int RB, const int KB, const float *q, const float *kt, int nk, const int64_t D,
+                       float *S, int64_t ld, int64_t j) {
+    float sp[8 * KT_RB * 2 * 16] __attribute__((aligned(64)));
+    for (int i = 0; i < 8; ++i) {
+        KT_ACC(0) KT_ACC(1) KT_ACC(2) KT_ACC(3) KT_ACC(4) KT_ACC(5)
+        KT_ACC(6) KT_ACC(7) KT_ACC(8) KT_ACC(9) KT_ACC(10) KT_ACC(11)
+        for (int64_t d = i; d < D; d += 8) {
+            const __m512 k0 = _mm512_loadu_ps(kt + d * 32), k1 = KB > 1 ? _mm512_loadu_ps(kt + d * 32 + 16) : k0;
+            KT_FMA(0) KT_FMA(1) KT_FMA(2) KT_FMA(3) KT_FMA(4) KT_FMA(5)
+            KT_FMA(6) KT_FMA(7) KT_FMA(8) KT_FMA(9) KT_FMA(10) KT_FMA(11)
+        }
+        KT_OUT(0) KT_OUT(1) KT_OUT(2) KT_OUT(3) KT_OUT(4) KT_OUT(5)
+        KT_OUT(6) KT_OUT(7) KT_OUT(8) KT_OUT(9) KT_OUT(10) KT_OUT(11)
+    }
+    const __mmask16 m0 = (__mmask16)(nk >= 16 ? 0xFFFF : (1u << nk) - 1);
+    const __mmask16 m1 = (__mmask16)(nk >= 32 ? 0xFFFF : nk <= 16 ? 0 : (1u << (nk - 16)) - 1);
+    for (int r = 0; r < RB; ++r)
+        for (int h = 0; h < KB; ++h) {  /* ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)) */
+            const float *l = sp + (r * 2 + h) * 16;
+            const int64_t st = KT_RB * 32;
+#define KT_L(c) _mm512_load_ps(l + (c) * st)
+            const __m512 v = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(KT_L(0), KT_L(1)), _mm512_add_ps(KT_L(2), KT_L(3))),
+                                           _mm512_add_ps(_mm512_add_ps(KT_L(4), KT_L(5)), _mm512_add_ps(KT_L(6), KT_L(7))));
+#undef KT_L
+            _mm512_mask_storeu_ps(S + r * ld + j + 16 * h, h ? m1 : m0, v);
+        }
+}
+
+#define KT_CASE(n) case n: kt_tile(n, 2, q, kt, nk, D, S, ld, j); break;
+/* scores of h (1..12) rows from q x the nk keys of kt into S (rows ld apart, column j) */
+SS_INLINE void kt_group(int64_t h, const float *q, const float *kt, int nk, const int64_t D, float *S, int64_t ld,
+                        int64_t j) {
+    switch (h) { KT_CASE(12) KT_CASE(11) KT_CASE(10) KT_CASE(9) KT_CASE(8) KT_CASE(7) KT_CASE(6) KT_CASE(5)
+                 KT_CASE(4) KT_CASE(3) KT_CASE(2) default: KT_CASE(1) }
+}
 #else
 #define SS_HAVE512 0
 #endif
 
 /* 1 where this build has the AVX-512 tiles and they are on (the default where built) */
 static int ss_att512 = SS_HAVE512;
+/* the fewest query rows of a (b, kv) pair whose scores run in the keys-in-lanes tiles (kt_tile;
+ * with the AVX-512 tiles on; the same results either way); 0: none */
+static int ss_att_kt = 0;
+
+/* Set the fewest rows for the keys-in-lanes score tiles (0: off); returns what is now in use (0
+ * where the library was built without AVX-512). The kernel plan measures it at load: the tiles
+ * transpose 32 keys once per block, which pays only when enough rows share it. */
+SS_API int ss_set_attention_kt(int min_rows) {
+    ss_att_kt = SS_HAVE512 && min_rows > 0 ? min_rows : 0;
+    return ss_att_kt;
+}
 
 /* Switch the AVX-512 attention tiles on (1) or off (0: the AVX2 tiles, the same results); returns
  * what is now in use (0 where the library was built without AVX-512). Call between kernels only. */
@@ -947,12 +1075,49 @@ SS_INLINE void att_chunk_d(const attn_t *a, int64_t b, int64_t kv, int64_t c, co
 #if SS_HAVE512
     /* rows [0, R5) in the AVX-512 tiles (pairs of rows), from 4 rows up (a decode step's G = 3
      * rows stay on the AVX2 tiles) */
-    const int64_t R5 = (ss_att512 && R >= SS_R512_MIN) ? R / 2 * 2 : 0;
+    const int use_kt = ss_att512 && ss_att_kt && R >= ss_att_kt && D % 16 == 0;
+    const int64_t R5 = (ss_att512 && !use_kt && R >= SS_R512_MIN) ? R / 2 * 2 : 0;
     float *q2 = part + R * D + (a->sparse ? SS_CHUNK * D : 0);
     if (R5) sc512_pack_pairs(qs, R5, D, q2);
 #endif
     /* 1. scores: dot products, 2 rows x 4 keys per block (8 FMA chains over d in 8 lanes, then
      *    hsum8x8's tree), q pre-scaled */
+#if SS_HAVE512
+    if (use_kt) {
+        /* keys-in-lanes tiles: 32 keys transposed once, then every row (the same bits as below) */
+        float kt[32 * D] __attribute__((aligned(64)));
+        for (int64_t j = j0; j < j1; j += 32) {
+            const float *kp[32];
+            const int nk = (int)(j1 - j < 32 ? j1 - j : 32);
+            for (int u = 0; u < nk; ++u) kp[u] = att_key(a, b, kv, j + u, nv, idx);
+            kt32_transpose(kp, nk, D, kt);
+            /* the tiles, with this block's value rows (into L2, for P.V) and the next block's keys
+             * (into L1) fetched a share before each tile: the reads spread over the compute */
+            const int64_t groups = (R + KT_RB - 1) / KT_RB;
+            for (int64_t g = 0, r = 0; g < groups; ++g) {
+                for (int64_t u = g * 32 / groups; u < (g + 1) * 32 / groups; ++u) {
+                    if (u < nk) {
+                        const char *vp = (const char *)att_val(a, b, kv, j + u, nv, idx);
+                        for (int64_t o = 0; o < D * 4; o += SS_VPF_STEP) _mm_prefetch(vp + o, _MM_HINT_T1);
+                    }
+                    if (j + 32 + u < n) {
+                        const char *kq = (const char *)att_key(a, b, kv, j + 32 + u, nv, idx);
+                        for (int64_t o = 0; o < D * 4; o += 64) _mm_prefetch(kq + o, _MM_HINT_T0);
+                    }
+                }
+                const int64_t h = (R - r) / (groups - g) + ((R - r) % (groups - g) != 0);
+                kt_group(h, qs + r * D, kt, nk, D, S + r * ld, ld, j);
+                r += h;
+            }
+            if (j + nk - 1 > att_limit(a, b, 0, nv))  /* the causal tail */
+                for (int64_t rr = 0; rr < R; ++rr) {
+                    const int64_t lim = att_limit(a, b, rr % T, nv);
+                    for (int u = 0; u < nk; ++u)
+                        if (j + u > lim) S[rr * ld + j + u] = -INFINITY;
+                }
+        }
+    } else
+#endif
     for (int64_t j = j0; j < j1; j += 4) {
         const float *kp[4];
         const int nk = (int)(j1 - j < 4 ? j1 - j : 4);
