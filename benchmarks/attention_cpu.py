@@ -68,7 +68,7 @@ def main(argv=None) -> int:
 
     def use(tile):
         kc.set_attention_avx512(tile != "avx2")
-        if kc.set_attention_kt(tile == "avx512-kt") != tile:
+        if kc.set_attention_kt(1 if tile == "avx512-kt" else 0) != tile:
             raise SystemExit(f"attention_cpu: tiles {tile!r} are not available in this build ({kc.attention_isa()})")
 
     calls = {}
