@@ -372,6 +372,15 @@ def test_choose_switches_the_attention_tiles_and_the_environment_keeps_them_off(
         assert apply_tiles(kt_plan) == kt_plan and cpu.attention_isa() == "avx512-kt" and cpu.attention_kt_rows() == 6
         assert "(avx512-kt from 6 rows)" in kt_plan.summary() and kt_plan.describe()["attention_kt_rows"] == 6
         assert apply_tiles(plan) == plan and cpu.attention_isa() == "avx512" and cpu.attention_kt_rows() == 0
+        monkeypatch.setenv("SPARSESPEC_ATTENTION_KT", "9")  # the user's row count wins over the plan's
+        assert apply_tiles(plan) == dataclasses.replace(plan, attention_tiles="avx512-kt", attention_kt_rows=9)
+        assert cpu.attention_kt_rows() == 9
+        monkeypatch.setenv("SPARSESPEC_ATTENTION_KT", "0")
+        assert apply_tiles(kt_plan) == plan and cpu.attention_isa() == "avx512"
+        monkeypatch.setenv("SPARSESPEC_ATTENTION_KT", "some")
+        with pytest.raises(ValueError, match="SPARSESPEC_ATTENTION_KT='some'"):
+            apply_tiles(plan)
+        monkeypatch.delenv("SPARSESPEC_ATTENTION_KT")
         monkeypatch.setenv("SPARSESPEC_AVX512", "0")
         plan = choose(model)
         assert plan.attention_tiles == "avx2" == cpu.attention_isa() == plan.linear_tiles == cpu.linear_isa()

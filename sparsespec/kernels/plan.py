@@ -32,7 +32,8 @@ per CPU (model and ISA flags), torch version, threads, kernel build and model sh
 User overrides: ``SPARSESPEC_KERNELS=auto`` (default: measured), ``torch`` (PyTorch's ops
 only: the eager reference), ``ss`` (ours wherever they run); ``SPARSESPEC_LINEAR=ss|onednn|mkl``
 forces one linear backend for every M; ``SPARSESPEC_PREPACK=0`` leaves oneDNN out of the trial;
-``SPARSESPEC_AVX512=0`` keeps our kernels on their AVX2 tiles.
+``SPARSESPEC_AVX512=0`` keeps our kernels on their AVX2 tiles; ``SPARSESPEC_ATTENTION_KT=N`` runs
+the keys-in-lanes score tiles from N query rows per KV head (0: never) whatever the trial measured.
 The chosen plan goes into every run's provenance and every bench row (``KernelPlan.describe``).
 """
 from __future__ import annotations
@@ -70,7 +71,7 @@ RANGE_UPPER = tuple(u for u, _ in LINEAR_RANGES)
 #: the ranges up to ``FORWARD_TRIAL_UPTO`` rows (decode and verify widths; in a prefill chunk the
 #: per-layer overhead that our fused forward saves is a small share, and the linear trial decides)
 FORWARD_TRIAL_K, FORWARD_TRIAL_CONTEXT, FORWARD_TRIAL_UPTO = 8, 256, 128
-_KERNELS_ENV, _LINEAR_ENV = "SPARSESPEC_KERNELS", "SPARSESPEC_LINEAR"
+_KERNELS_ENV, _LINEAR_ENV, _KT_ENV = "SPARSESPEC_KERNELS", "SPARSESPEC_LINEAR", "SPARSESPEC_ATTENTION_KT"
 TUNE_VERSION = 10
 #: another linear backend replaces ours for a range of rows only when the trial measured it faster
 #: by more than this (best-of-3 timings on a shared machine move by about this much between runs);
@@ -247,12 +248,24 @@ def apply_tiles(plan: KernelPlan) -> KernelPlan:
     """Switch our kernels to the plan's tiles (process-wide: the tiles give bitwise the same
     results, so models sharing the process are unaffected but for speed); a plan without a choice
     gets the library's current one; a plan that does not run our attention / packed linear gets
-    "". ``SPARSESPEC_AVX512=0`` wins over the plan."""
+    "". ``SPARSESPEC_AVX512=0`` and ``SPARSESPEC_ATTENTION_KT`` win over the plan.
+
+    Raises:
+        ValueError: ``SPARSESPEC_ATTENTION_KT`` is not a non-negative integer.
+    """
     att = lin = ""
     if plan.attention == "ss":
         want = plan.attention_tiles or cpu.attention_isa() or ""
         if want:  # a plan without a choice keeps the library's keys-in-lanes rows
-            cpu.set_attention_kt(plan.attention_kt_rows if plan.attention_tiles else cpu.attention_kt_rows())
+            rows = plan.attention_kt_rows if plan.attention_tiles else cpu.attention_kt_rows()
+            env = os.environ.get(_KT_ENV, "").strip()
+            if env:
+                if not env.isdigit():
+                    raise ValueError(f"{_KT_ENV}={env!r}: expected the fewest query rows per KV head "
+                                     f"for the keys-in-lanes score tiles (0: never)")
+                rows = int(env)
+                want = "avx2" if want == "avx2" else ("avx512-kt" if rows else "avx512")
+            cpu.set_attention_kt(rows)
         att = (cpu.set_attention_avx512(want != "avx2") or "") if want else ""
     if plan.uses_panels:
         want = plan.linear_tiles or cpu.linear_isa() or ""
