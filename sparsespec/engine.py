@@ -226,6 +226,8 @@ class EngineCore:
         self.cache = KVCache(m.cfg, max_num_seqs, capacity, m.dtype, m.device)  # [L, slots, H_kv, S_max, D]
         self.drafter = drafter_cls(m, spec, capacity, max_num_seqs, self.k_max)
         self.want_hidden = tuple(getattr(self.drafter, "want_hidden", ()))  # layer ids whose outputs it reads
+        describe = getattr(self.drafter, "provenance", None)  # what it drafts with, into every request's stats
+        self.drafter_provenance = describe() if callable(describe) else None
         self.costs = StepCosts()  # measured round costs, shared by the rows' controllers
         self.clock = engine.clock
         # k="auto" with the cost controller: one decision per step for the batch, from costs
@@ -340,7 +342,8 @@ class EngineCore:
         if max_k is not None and self.spec is not None and k != "auto":
             k = min(int(k), max_k)  # a fixed k capped is that fixed k; "auto" capped stays "auto" (+ max_k)
         stats = RunStats(method=self.method, k=k, num_prompt_tokens=len(ids),
-                         max_k=max_k if self.spec is not None and k == "auto" else None)
+                         max_k=max_k if self.spec is not None and k == "auto" else None,
+                         drafter=getattr(self, "drafter_provenance", None))
         policy = self.controller.policy() if self.controller is not None else policy_for(self.spec, self.costs)
         req = _Request(request_id, ids, params, self.clock(), stats, policy, make_generator(params.seed, self.model.device),
                        max_k=max_k)

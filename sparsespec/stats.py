@@ -120,6 +120,9 @@ class RunStats:
     kv_bytes: int = 0
     draft_weight_bytes: int = 0  # the draft's own weight copy (``draft_weights="int8"``), shared by all rows
     emit_times: list[float] = field(default_factory=list)
+    #: what the drafter drafted with (its ``provenance()``: e.g. the EAGLE-3 head's path, source and
+    #: weights sha256), None for a method without one
+    drafter: dict | None = None
 
     def to_dict(self, num_output_tokens: int, device: torch.device) -> dict:
         """The request's stats: counts, seconds and bytes only (no ratios; see ``derive``)."""
@@ -164,6 +167,7 @@ class RunStats:
             "kv_bytes": self.kv_bytes,
             "draft_weight_bytes": self.draft_weight_bytes,
             "peak_mem_bytes": peak,
+            **({"drafter": self.drafter} if self.drafter else {}),
         }
 
 

@@ -3,6 +3,7 @@ K in {1, 4, auto}) with the target as its own draft model (alpha = 1) and with a
 model (mostly rejections: rollback), the short-window fallback, tokenizer checks, sampling."""
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,6 +91,9 @@ def test_self_as_draft_is_lossless_with_alpha_one(engine, prompts, ar_rows, k, b
         assert s["num_drafted"] > 0
         assert s["num_accepted"] == s["num_drafted"], "the target drafting for itself must have alpha == 1"
         assert derive(s)["budget_frac"] > 0.9  # the draft attends to (almost) the whole context
+        prov = json.loads((Path(target) / "sparsespec_provenance.json").read_text())
+        assert s["drafter"] == {"draft_model": {"path": str(Path(target).resolve()), "preset": prov["preset"],
+                                                "sha256": prov["sha256"]}}  # which draft ran, in every row
 
 
 @pytest.mark.parametrize("k", [1, 4])
@@ -100,6 +104,7 @@ def test_random_draft_rolls_back_and_stays_lossless(engine, prompts, ar_rows, fo
     drafted = sum(o.stats["num_drafted"] for o in outs)
     accepted = sum(o.stats["num_accepted"] for o in outs)
     assert drafted > 0 and accepted < drafted  # rejections happened: the draft cache was rolled back
+    assert outs[0].stats["drafter"] == {"draft_model": {"path": str(Path(folders["tiny"]).resolve())}}  # no record
 
 
 def test_short_window_falls_back_to_target_only(engine, prompts, ar_rows, folders):

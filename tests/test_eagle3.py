@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -264,6 +265,12 @@ def test_greedy_is_token_identical_to_ar(engine, head_dir, k):
     accepted = one.stats["num_accepted"] + sum(o.stats["num_accepted"] for o in ragged)
     assert 0 < accepted < drafted, "both the accepted and the rejected path must run"
     assert one.stats["draft_weight_bytes"] == 0  # no int8 copy of the target: the report's label stays plain
+    import hashlib
+
+    weights = sorted(Path(head_dir).glob("*.safetensors"))[0]
+    assert one.stats["drafter"]["eagle3_head"] == {  # a head given by folder: its file's own sha256
+        "path": str(Path(head_dir).resolve()), "source": "given",
+        "weights_sha256": hashlib.sha256(weights.read_bytes()).hexdigest()}
     from cluster.results.aggregate import run_draft_weights
 
     assert run_draft_weights({"method": "eagle3", "stats": one.stats}) == "target"
@@ -581,3 +588,7 @@ def test_the_shipped_smollm2_head_is_intact_and_drafts_losslessly_on_a_fresh_cac
     got = engine.generate([prompt], method="eagle3", method_options={"k": 3}, max_new_tokens=24, ignore_eos=True)[0]
     assert got.token_ids == ar.token_ids
     assert got.stats["num_accepted"] > 0
+    # every request records which head drafted it (the row's provenance in a store)
+    assert got.stats["drafter"] == {"eagle3_head": {"path": str(folder.resolve()), "source": "shipped",
+                                                    "weights_sha256": manifest["weights_sha256"]}}
+    assert "drafter" not in ar.stats

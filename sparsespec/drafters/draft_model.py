@@ -33,6 +33,8 @@ rows and is trivially lossless (the target verifies everything either way).
 """
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -137,6 +139,7 @@ class DraftModelDrafter:
                     f"{spec.draft_model!r} ({folder}): {why}"
                 )
         self.spec = spec
+        self.folder = Path(folder)
         self.window = dcfg.max_position_embeddings
         # positions written stay < window + max_k (see propose) and < the target's capacity
         cap = min(capacity, self.window + max_k + 1)
@@ -144,6 +147,17 @@ class DraftModelDrafter:
         self.retired = [False] * batch_size  # rows whose context no longer fits the draft window
 
     # ------------------------------------------------------------------ protocol
+    def provenance(self) -> dict:
+        """What every request's stats record about this drafter (``RunStats.drafter``): the draft
+        model's folder, and its provisioned preset and GGUF sha256 where it has a record."""
+        info = {"path": str(self.folder.resolve())}
+        try:
+            prov = json.loads((self.folder / "sparsespec_provenance.json").read_text())
+            info.update(preset=prov.get("preset"), sha256=prov.get("sha256"))
+        except (OSError, ValueError, AttributeError):
+            pass  # not a provisioned preset (a user's folder): its path only
+        return {"draft_model": info}
+
     def prefill_row(self, b: int, cache: KVCache, rows: torch.Tensor | None, prompt: Sequence[int] = ()) -> None:
         self.retired[b] = False  # a new request in this slot
         if len(prompt) >= self.window:  # the pending token (position len(prompt)) would not fit

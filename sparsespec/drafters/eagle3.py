@@ -159,6 +159,29 @@ def resolve_head(model: Transformer, draft_model: str | None) -> Path:
                          f"hub ({type(e).__name__}: {e})") from None
 
 
+def head_provenance(folder: Path) -> dict:
+    """Which head a run drafted with: ``{"path", "source", "weights_sha256"}``. ``source`` is
+    ``"shipped"`` (``SHIPPED_HEADS``: the manifest's sha256, checked at load), ``"trained"`` (this
+    machine's ``trained_head_dir``) or ``"given"`` (a folder or hub snapshot the caller named); the
+    sha256 of the weights files in load order otherwise (computed once per file version)."""
+    from sparsespec.provision import sha256_file
+
+    folder = Path(folder).resolve()
+    if folder.parent == SHIPPED_HEADS.resolve() and (folder / MANIFEST).is_file():
+        return {"path": str(folder), "source": "shipped", "weights_sha256": verify_shipped(folder)["weights_sha256"]}
+    source = "trained" if folder.parent == trained_head_dir("x").parent.resolve() else "given"
+    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
+    digests = []
+    for f in files:
+        st = f.stat()
+        key = (str(f), st.st_size, st.st_mtime_ns)
+        if key not in _VERIFIED:
+            _VERIFIED[key] = sha256_file(f)
+        digests.append(_VERIFIED[key])
+    return {"path": str(folder), "source": source,
+            "weights_sha256": digests[0] if len(digests) == 1 else (digests or None)}
+
+
 def load_head(model: Transformer, folder: Path) -> Eagle3Head:
     """The head in ``folder`` for ``model`` (sharing its embedding), loaded once per process."""
     key = (str(Path(folder).resolve()), str(model.source_folder or id(model)), model.dtype, str(model.device))
@@ -198,13 +221,19 @@ class Eagle3Drafter:
     def __init__(self, model: Transformer, spec: Eagle3Options, capacity: int, max_num_seqs: int, max_k: int,
                  head: Eagle3Head | None = None):
         self.model = model
-        self.head = head if head is not None else load_head(model, resolve_head(model, spec.draft_model))
+        folder = resolve_head(model, spec.draft_model) if head is None else None
+        self.head = head if head is not None else load_head(model, folder)
+        self.head_info = head_provenance(folder) if folder is not None else {"source": "in memory"}
         self.want_hidden = tuple(self.head.cfg.aux_layers)
         model.check_hidden_layers(self.want_hidden)
         self.spec = spec
         self.hcache = KVCache(self.head.lcfg, max_num_seqs, capacity, self.head.dtype, model.device)  # [1, slots, H_kv, S, D]
         self.valid = [0] * max_num_seqs  # pairs in hcache built from target features
         self.pending: list[list[torch.Tensor]] = [[] for _ in range(max_num_seqs)]  # [n, 3 E_t] chunks per slot
+
+    def provenance(self) -> dict:
+        """What every request's stats record about this drafter (``RunStats.drafter``)."""
+        return {"eagle3_head": self.head_info}
 
     def _npending(self, b: int) -> int:
         return sum(int(f.shape[0]) for f in self.pending[b])
