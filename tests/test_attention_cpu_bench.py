@@ -18,10 +18,28 @@ def test_prints_one_row_per_width_and_rows_variant(capsys):
     out = capsys.readouterr().out
     assert "3 layer(s) per call" in out
     rows = [line for line in out.splitlines() if line.startswith("| 1 |") or line.startswith("| 3 |")]
-    assert [r.split("|")[1:3] for r in rows] == [[" 1 ", " no "], [" 3 ", " no "], [" 3 ", " yes "]]
+    tile = kc.attention_isa()  # what the library runs now
+    assert [r.split("|")[1:4] for r in rows] == [[" 1 ", " no ", f" {tile} "], [" 3 ", " no ", f" {tile} "],
+                                                 [" 3 ", " yes ", f" {tile} "]]
     for r in rows:  # ms and x roofline positive; GB/s and GFLOP/s numbers (0.0 when rounded on a loaded machine)
-        ms, roof, gbs, gflops = (float(c) for c in r.split("|")[3:7])
+        ms, roof, gbs, gflops = (float(c) for c in r.split("|")[4:8])
         assert ms > 0 and roof > 0 and gbs >= 0 and gflops >= 0
+
+
+@pytest.mark.skipif(not (kc.attention_isa() or "").startswith("avx512"), reason="no AVX-512 tiles in this build")
+def test_the_tiles_run_side_by_side_and_an_unknown_tile_is_refused(capsys):
+    before = (kc.attention_isa(), kc.attention_kt_rows())
+    try:
+        assert bench.main(["--batch", "1", "--context", "128", "--widths", "9", "--reps", "1", "--layers", "2",
+                           "--tiles", "avx512-kt,avx512,avx2"]) == 0
+    finally:
+        kc.set_attention_avx512(True)
+        kc.set_attention_kt(before[1])
+    rows = [line.split("|")[1:4] for line in capsys.readouterr().out.splitlines() if line.startswith("| 9 |")]
+    assert [(t.strip(), r.strip()) for _, r, t in rows] == [
+        (t, r) for t in ("avx512-kt", "avx512", "avx2") for r in ("no", "yes")]
+    with pytest.raises(SystemExit):
+        bench.main(["--tiles", "avx1024"])
 
 
 @pytest.mark.skipif(not kc.available(), reason="our CPU kernels are not built here")
