@@ -97,9 +97,25 @@ SHAPES = [(3, 3, 64), (2, 2, 16), (2, 7, 64), (1, 4, 128), (2, 3, 32)]  # (H_kv,
 BATCHES = [(1, [700], 0), (5, [300, 1000], 5), (9, [513, 255, 1], 4), (17, [256, 3], 17), (2, [0], 2)]  # (T, starts, W)
 
 
+@pytest.fixture(params=["tiles-as-loaded", "keys-in-lanes-for-verifies"])
+def kt_tiles(request):
+    """The library's tiles as loaded, then with the keys-in-lanes score tiles for every step wider
+    than one query per head (an AR step keeps the other tiles: the two paths must agree bitwise)."""
+    before = cpu.attention_kt_rows()
+    if request.param == "tiles-as-loaded":
+        yield None
+    else:
+        if not (cpu.set_attention_avx512(True) or "").startswith("avx512"):
+            pytest.skip("no AVX-512 tiles in this build")
+        yield "kt"
+    cpu.set_attention_kt(before)
+
+
 @pytest.mark.parametrize("Hkv,G,D", SHAPES)
 @pytest.mark.parametrize("T,starts,W", BATCHES)
-def test_attention_matches_the_reference_and_is_batch_and_width_invariant(Hkv, G, D, T, starts, W):
+def test_attention_matches_the_reference_and_is_batch_and_width_invariant(Hkv, G, D, T, starts, W, kt_tiles):
+    if kt_tiles:
+        cpu.set_attention_kt(G + 1)
     g = _gen(Hkv * 1000 + G * 100 + D + T)
     B, H = len(starts), Hkv * G
     S_max = max(starts) + T + 5
