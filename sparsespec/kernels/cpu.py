@@ -281,9 +281,9 @@ def linear_isa() -> str | None:
 
 def attention_isa() -> str | None:
     """Which attention path the loaded kernels run: ``"avx512-kt"`` (the AVX-512 tiles with the
-    keys-in-lanes score tiles for wide rows: ``attention_kt_rows``), ``"avx512"`` (query rows in 16 lanes, where the build
-    has AVX-512 and ``SPARSESPEC_AVX512`` is not ``0``) or ``"avx2"``; None when the kernels are
-    unavailable. The three give bitwise the same results."""
+    keys-in-lanes score tiles for wide rows: ``attention_kt_rows``), ``"avx512"`` (query rows in 16
+    lanes, where the build has AVX-512 and ``SPARSESPEC_AVX512`` is not ``0``) or ``"avx2"``; None
+    when the kernels are unavailable. The three give bitwise the same results."""
     library()
     isa = _state.get("attention_isa")
     return "avx512-kt" if isa == "avx512" and _state.get("attention_kt") else isa  # type: ignore[return-value]
