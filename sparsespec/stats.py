@@ -125,7 +125,8 @@ class RunStats:
     drafter: dict | None = None
 
     def to_dict(self, num_output_tokens: int, device: torch.device) -> dict:
-        """The request's stats: counts, seconds and bytes only (no ratios; see ``derive``)."""
+        """The request's stats: counts, seconds and bytes only (no ratios; see ``derive``), and
+        the drafter's provenance where it has one."""
         from sparsespec.adaptive import roc_auc
 
         decode_s = max(0.0, self.total_s - self.ttft_s)

@@ -555,6 +555,18 @@ def test_the_default_head_is_this_machines_trained_one_else_the_shipped_one(engi
         trained = tmp_path / "cache" / "eagle3" / "tiny-preset"
         shutil.copytree(head_dir, trained)
         assert resolve_head(m, None) == trained
+        # the provenance each row records: which of the three kinds of head, and its weights
+        import hashlib
+
+        shipped = e3.head_provenance(root / "tiny-preset")
+        manifest = json.loads((root / "tiny-preset" / "manifest.json").read_text())
+        assert shipped == {"path": str((root / "tiny-preset").resolve()), "source": "shipped",
+                           "weights_sha256": manifest["weights_sha256"]}
+        mine = e3.head_provenance(trained)
+        assert mine["source"] == "trained" and mine["path"] == str(trained.resolve())
+        assert mine["weights_sha256"] == hashlib.sha256(
+            sorted(trained.glob("*.safetensors"))[0].read_bytes()).hexdigest()
+        assert e3.head_provenance(head_dir)["source"] == "given"
     finally:
         m.source_folder = None
     prompts = [_prompt(30, 5), _prompt(21, 6)]

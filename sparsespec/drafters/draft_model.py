@@ -34,7 +34,6 @@ rows and is trivially lossless (the target verifies everything either way).
 from __future__ import annotations
 
 import json
-
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence

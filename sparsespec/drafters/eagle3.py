@@ -169,7 +169,7 @@ def head_provenance(folder: Path) -> dict:
     folder = Path(folder).resolve()
     if folder.parent == SHIPPED_HEADS.resolve() and (folder / MANIFEST).is_file():
         return {"path": str(folder), "source": "shipped", "weights_sha256": verify_shipped(folder)["weights_sha256"]}
-    source = "trained" if folder.parent == trained_head_dir("x").parent.resolve() else "given"
+    source = "trained" if folder == trained_head_dir(folder.name).resolve() else "given"
     files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
     digests = []
     for f in files:
