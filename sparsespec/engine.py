@@ -343,7 +343,7 @@ class EngineCore:
             k = min(int(k), max_k)  # a fixed k capped is that fixed k; "auto" capped stays "auto" (+ max_k)
         stats = RunStats(method=self.method, k=k, num_prompt_tokens=len(ids),
                          max_k=max_k if self.spec is not None and k == "auto" else None,
-                         drafter=getattr(self, "drafter_provenance", None))
+                         drafter=self.drafter_provenance)
         policy = self.controller.policy() if self.controller is not None else policy_for(self.spec, self.costs)
         req = _Request(request_id, ids, params, self.clock(), stats, policy, make_generator(params.seed, self.model.device),
                        max_k=max_k)
