@@ -17,9 +17,11 @@ so repeated KV heads are never materialised.
 
 Attention backends (``sparsespec.kernels``): on CUDA with triton importable, decode/verify
 attention (T <= 32 new tokens, with the importance rows) and draft attention run Triton kernels;
-elsewhere (CPU) the PyTorch code below, unchanged. Prefill chunks (T > 32) use SDPA on both (on CPU
-with equal starts, as two unmasked flash calls merged by log-sum-exp: ``chunk_attention_cpu``; on the
-Triton path their importance rows come from the verify kernel run on the last W queries).
+on the CPU our kernels (``sparsespec.kernels.cpu``) where the kernel plan chose them, else the
+PyTorch code below. Prefill chunks (T > 32) run our flash kernel where the plan measured it faster
+(``KernelPlan.prefill_attention``, AVX-512 builds), else SDPA (on CPU with equal starts, as two
+unmasked flash calls merged by log-sum-exp: ``chunk_attention_cpu``; on the Triton path their
+importance rows come from the verify kernel run on the last W queries).
 ``SPARSESPEC_ATTENTION=torch|triton`` overrides the choice.
 
 Not done (yet): CUDA graphs / ``torch.compile`` of the step functions. The step functions take
@@ -45,6 +47,7 @@ from sparsespec import kernels
 from sparsespec.config import ModelConfig
 from sparsespec.kernels import cpu
 from sparsespec.kernels.plan import KernelPlan, apply_tiles, choose, ours_plan, pack_weights, torch_plan
+from sparsespec.kernels.reference import _FLASH_CPU, chunk_attention_cpu
 from sparsespec.kv.cache import KVCache
 from sparsespec.kv.index import RowsTarget
 from sparsespec.quant import DRAFT_WEIGHTS, DraftWeights, linear_weights, prepack_, quantize_int8, quantize_target_
@@ -65,40 +68,6 @@ def prefill_chunks(length: int, chunk_size: int, min_last: int = 0) -> list[tupl
             raise ValueError(f"min_last={min_last} exceeds chunk_size={chunk_size}")
         bounds = [(a, min(b, cut)) for a, b in bounds[:-1] if a < cut] + [(cut, length)]
     return bounds
-
-
-# PyTorch's fused CPU flash attention with its log-sum-exp (what SDPA runs on CPU, minus the mask)
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-
-def chunk_attention_cpu(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, start: int,
-                        scale: float) -> torch.Tensor:
-    """A prefill chunk's causal attention on CPU: ``q`` ``[B, H, T, D]`` at positions
-    ``start .. start + T - 1`` of every row, ``keys``/``vals`` ``[B, H_kv, start + T, D]`` (any
-    strides). Returns ``[B, H, T, D]``, equal to causal SDPA over the keys up to rounding.
-
-    Two fused flash-attention calls instead of one masked one: the prefix ``[0, start)``, seen
-    whole by every query, with each KV group's query heads as extra query rows (``[B, H_kv, G*T,
-    D]``: no repeated KV, no mask, 4x longer flash tiles), and the chunk's own ``T`` keys with
-    ``is_causal`` (top-left aligned, which is exact there); the two are merged by their
-    log-sum-exps. On the 2-core Xeon this ran 1.3-1.4x the masked SDPA at 512-token chunks of an
-    8K prompt (benchmarks/RESULTS.md, tenth session). Needs ``_FLASH_CPU``.
-    """
-    B, H, T, D = q.shape
-    H_kv = keys.shape[1]
-    G = H // H_kv
-    k_own = keys[:, :, start : start + T].repeat_interleave(G, dim=1)  # [B, H, T, D]
-    v_own = vals[:, :, start : start + T].repeat_interleave(G, dim=1)
-    out_own, lse_own = _FLASH_CPU(q, k_own, v_own, is_causal=True, scale=scale)[:2]  # [B, H, T, D], [B, H, T]
-    if start == 0:
-        return out_own
-    q_grouped = q.reshape(B, H_kv, G * T, D)  # query head h = kv head h // G, as GQA groups them
-    out_pre, lse_pre = _FLASH_CPU(q_grouped, keys[:, :, :start], vals[:, :, :start], scale=scale)[:2]
-    out_pre = out_pre.reshape(B, H, T, D)
-    lse_pre = lse_pre.reshape(B, H, T)
-    lse = torch.logaddexp(lse_pre, lse_own)  # [B, H, T]
-    out = (out_pre * (lse_pre - lse).exp()[..., None]).add_(out_own * (lse_own - lse).exp()[..., None])
-    return out.to(q.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -530,8 +499,10 @@ class Transformer(torch.nn.Module):
                 cache.k[i][batch_idx, :, positions] = k.transpose(1, 2)
                 cache.v[i][batch_idx, :, positions] = v.transpose(1, 2)
             keys, vals = cache.k[i, :, :, :S], cache.v[i, :, :, :S]  # [B, H_kv, S, D]
-            if T > 32:  # prefill chunk: fused SDPA, then (cheap) rows for the last queries only
-                if uniform and _FLASH_CPU is not None and q.device.type == "cpu":
+            if T > 32:  # prefill chunk: flash attention, then (cheap) rows for the last queries only
+                if ours and self.kernel_plan.prefill_attention == "ss" and cpu.prefill_attention_supported(q.shape[-1]):
+                    out = cpu.prefill_attention(q, cache.k[i], cache.v[i], starts_i64, self.scale)  # [B, T, H D]
+                elif uniform and _FLASH_CPU is not None and q.device.type == "cpu":
                     out = chunk_attention_cpu(q, keys, vals, m0, self.scale)
                 else:
                     dense = torch.ones(B, T, S, dtype=torch.bool, device=dev)

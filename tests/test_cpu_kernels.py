@@ -168,6 +168,80 @@ def test_sparse_attention_matches_the_reference(Hkv, G, D):
     torch.testing.assert_close(out, ref.transpose(1, 2).reshape(B, 1, -1), rtol=1e-5, atol=1e-5)
 
 
+needs_prefill_kernel = pytest.mark.skipif(not cpu.prefill_attention_supported(16),
+                                          reason="the prefill attention kernel needs an AVX-512 build")
+
+
+def _causal_ref(q, kc, vc, starts, scale):
+    """Float64 causal softmax attention of T new queries per row: out [B, T, H * D]."""
+    B, H, T, D = q.shape
+    G = H // kc.shape[1]
+    out = torch.empty(B, T, H, D, dtype=torch.float64)
+    for b in range(B):
+        n = int(starts[b]) + T
+        vis = torch.arange(n)[None, :] <= (int(starts[b]) + torch.arange(T))[:, None]  # [T, n]
+        for h in range(H):
+            sc = (q[b, h].double() @ kc[b, h // G, :n].double().T) * scale
+            out[b, :, h] = torch.softmax(sc.masked_fill(~vis, float("-inf")), dim=-1) @ vc[b, h // G, :n].double()
+    return out.reshape(B, T, H * D)
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("B,Hkv,G,T,D,starts", [
+    (1, 3, 3, 512, 64, [1536]),  # SmolLM2's heads, a chunk inside a prompt
+    (1, 3, 3, 97, 64, [0]),      # a first chunk: every block on the causal diagonal
+    (2, 2, 7, 100, 64, [0, 37]),  # Qwen2.5's G = 7: items of 27 positions, ragged starts
+    (3, 1, 1, 33, 32, [5, 0, 200]),  # one head; partial key blocks everywhere
+    (1, 2, 4, 300, 128, [77]),   # D = 128: two P.V column slabs
+    (2, 1, 13, 50, 16, [3, 64]),  # 13 heads per KV head: rows past 192 per item
+    (1, 1, 2, 40, 256, [70]),    # D = 256
+])
+def test_prefill_attention_matches_a_float64_causal_softmax(B, Hkv, G, T, D, starts):
+    g = _gen(B * 1000 + G * 10 + D)
+    S_max = max(starts) + T + 7
+    kc, vc = torch.randn(B, Hkv, S_max, D, generator=g), torch.randn(B, Hkv, S_max, D, generator=g)
+    q = torch.randn(B, Hkv * G, T, D, generator=g)
+    st = torch.tensor(starts)
+    out = cpu.prefill_attention(q, kc, vc, st, D ** -0.5)
+    assert out.shape == (B, T, Hkv * G * D) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), _causal_ref(q, kc, vc, st, D ** -0.5), rtol=1e-5, atol=2e-6)
+
+
+@needs_prefill_kernel
+def test_prefill_attention_is_batch_and_thread_invariant_and_reads_strided_caches():
+    """A row's output is the same bits alone or in a batch and on 1 or 2 threads; the caches may be
+    one layer of a [L, B, H_kv, S, D] pool (strided batch and head)."""
+    g = _gen(31)
+    B, Hkv, G, T, D = 3, 2, 3, 130, 64
+    pool_k, pool_v = torch.randn(2, B, Hkv, 900, D, generator=g), torch.randn(2, B, Hkv, 900, D, generator=g)
+    q = torch.randn(B, Hkv * G, T, D, generator=g)
+    st = torch.tensor([700, 0, 333])
+    out = cpu.prefill_attention(q, pool_k[1], pool_v[1], st, 0.125)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu.prefill_attention(q, pool_k[1], pool_v[1], st, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(out, one)
+    for b in range(B):
+        alone = cpu.prefill_attention(q[b : b + 1], pool_k[1, b : b + 1], pool_v[1, b : b + 1], st[b : b + 1], 0.125)
+        assert torch.equal(alone[0], out[b])
+    torch.testing.assert_close(out.double(), _causal_ref(q, pool_k[1], pool_v[1], st, 0.125), rtol=1e-5, atol=2e-6)
+
+
+def test_prefill_attention_says_where_it_cannot_run(monkeypatch):
+    q = torch.randn(1, 2, 40, 24)
+    kc = torch.randn(1, 1, 40, 24)
+    with pytest.raises(RuntimeError, match="head_dim % 16 == 0"):
+        cpu.prefill_attention(q, kc, kc, torch.tensor([0]), 0.2)
+    monkeypatch.setitem(cpu._state, "built512", False)  # a build without AVX-512 (or SPARSESPEC_AVX512=0)
+    assert not cpu.prefill_attention_supported(64)
+    with pytest.raises(RuntimeError, match="AVX-512"):
+        cpu.prefill_attention(torch.randn(1, 2, 40, 64), torch.randn(1, 1, 40, 64), torch.randn(1, 1, 40, 64),
+                              torch.tensor([0]), 0.2)
+
+
 def test_the_library_builds_for_a_cpu_without_avx512(tmp_path):
     """The AVX-512 tiles are compiled only where the CPU has AVX-512; an AVX2-only CPU (the AMD EPYC
     of benchmarks/RESULTS.md) builds the rest: compile with AVX-512 off and load it."""
@@ -182,6 +256,9 @@ def test_the_library_builds_for_a_cpu_without_avx512(tmp_path):
     lib = ctypes.CDLL(str(out))
     assert lib.ss_abi_version() == cpu.ABI_VERSION
     assert lib.ss_set_attention_avx512(1) == 0 and lib.ss_set_linear_avx512(1) == 0  # nothing to switch on
+    args, res = cpu._SIGNATURES["ss_prefill_attention"]
+    lib.ss_prefill_attention.argtypes, lib.ss_prefill_attention.restype = args, res
+    assert lib.ss_prefill_attention(*([0] * 5 + [None] * 2 + [0, 0, None, 0, 0, None, 1.0, None, 0, 0, 1])) == -1
 
 
 def test_the_avx512_linear_tile_gives_the_avx2_tiles_results_bit_for_bit():
@@ -288,6 +365,10 @@ def test_plan_validation_and_queries():
         KernelPlan(((None, "cublas"),))
     with pytest.raises(ValueError, match="attention"):
         KernelPlan(attention="flash")
+    with pytest.raises(ValueError, match="prefill_attention"):
+        KernelPlan(prefill_attention="flash")
+    assert "prefill torch" in p.summary() and p.describe()["prefill_attention"] == "torch"
+    assert ours_plan().prefill_attention == ("ss" if cpu.prefill_attention_supported(16) else "torch")
 
 
 def test_choose_follows_the_environment(monkeypatch):
@@ -358,7 +439,14 @@ def test_tune_measures_caches_and_reads_back(tmp_path, monkeypatch):
         assert plan.attention_kt_rows == (rows if plan.attention == "ss" else 0)
     else:
         assert plan.attention_tiles == "" and all("ss-avx2" not in v for v in att.values())
+    pre = plan.timings["prefill"]  # our prefill attention against PyTorch's flash, where ours runs
+    if plan.attention == "ss" and cpu.prefill_attention_supported(model.cfg.head_dim):
+        assert set(pre) == {"ss", "torch"}
+        assert plan.prefill_attention == ("ss" if pre["ss"] < pre["torch"] else "torch")
+    else:
+        assert pre == {} and plan.prefill_attention == "torch"
     again = tune_plan(model)
+    assert again.prefill_attention == plan.prefill_attention
     assert again.source == "cache" and again.linear == plan.linear and again.attention == plan.attention
     assert again.attention_tiles == plan.attention_tiles and again.linear_tiles == plan.linear_tiles
     files[0].write_text("{not json")  # a corrupt entry is measured again, not an error
@@ -425,6 +513,49 @@ def test_choose_switches_the_attention_tiles_and_the_environment_keeps_them_off(
     for tiles, rows in (("avx512", 6), ("avx512-kt", 0), ("avx512-kt", -1)):
         with pytest.raises(ValueError, match="attention_kt_rows"):
             KernelPlan(attention="ss", attention_tiles=tiles, attention_kt_rows=rows)
+
+
+def test_the_environment_picks_the_prefill_attention(monkeypatch):
+    from sparsespec.kernels.plan import apply_tiles
+
+    plan = ours_plan()
+    monkeypatch.setenv("SPARSESPEC_PREFILL_ATTENTION", "torch")
+    got = apply_tiles(plan)
+    assert got.prefill_attention == "torch" and got.source == "env" and "SPARSESPEC_PREFILL_ATTENTION=torch" in got.note
+    monkeypatch.setenv("SPARSESPEC_PREFILL_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="SPARSESPEC_PREFILL_ATTENTION must be ss or torch"):
+        apply_tiles(plan)
+    monkeypatch.setenv("SPARSESPEC_PREFILL_ATTENTION", "ss")
+    with pytest.raises(ValueError, match="does not run here"):  # PyTorch's plan: not ours
+        apply_tiles(KernelPlan())
+    if cpu.prefill_attention_supported(16):
+        assert apply_tiles(dataclasses.replace(plan, prefill_attention="torch")).prefill_attention == "ss"
+    monkeypatch.setitem(cpu._state, "built512", False)
+    with pytest.raises(ValueError, match="does not run here"):
+        apply_tiles(plan)
+
+
+@needs_prefill_kernel
+def test_a_prefill_through_our_attention_matches_pytorchs_flash_path(monkeypatch):
+    """A chunked prefill (chunks of 512 and 188 queries) with the plan's prefill attention ours
+    against the same plan with PyTorch's: the last logits and the importance rows agree, and ours ran."""
+    import sparsespec.kernels.cpu as cpu_mod
+
+    model = random_transformer("smollm2-135m", seed=5)
+    model.layers = model.layers[:2]
+    model.cfg = type(model.cfg)(**{**model.cfg.__dict__, "num_layers": 2})
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 700), generator=_gen(6))
+    calls = []
+    real = cpu_mod.prefill_attention
+    monkeypatch.setattr(cpu_mod, "prefill_attention", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    outs = {}
+    for kind in ("ss", "torch"):
+        model.use_kernels(dataclasses.replace(ours_plan(), prefill_attention=kind))
+        cache = KVCache(model.cfg, 2, 720, model.dtype, "cpu")
+        outs[kind] = model.prefill(ids, cache, want_rows=16)
+    assert [s[2] for s in calls] == [512, 512, 188, 188]  # two layers x two chunks, ours only with "ss"
+    torch.testing.assert_close(outs["ss"][0], outs["torch"][0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(outs["ss"][1], outs["torch"][1], rtol=1e-4, atol=1e-6)
 
 
 def test_the_keys_in_lanes_rows_are_where_the_trial_measured_them_faster_at_every_wider_width():

@@ -12,6 +12,8 @@ split the work over torch's own OpenMP threads, and fuse the small ops of a laye
 * ``attention``: causal attention of a ragged batch (decode, verify) with the importance rows of
   the last W queries; ``sparse_attention``: the draft's attention over indexed cache positions
   plus its own tail (the index is gathered inside the kernel: no compact copy);
+* ``prefill_attention``: a prefill chunk's causal attention (flash, the query rows in lanes; AVX-512
+  builds only), equal to a softmax up to rounding but not bitwise a decode step's;
 * ``rms_norm``, ``silu_mul``, ``rope_split`` (RoPE of q and k, q laid out per KV group).
 
 Built on a CPU with AVX-512, the attention and the packed linear also have 16-lane tiles (two
@@ -49,7 +51,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu") / "sparsespec_cpu.c"
-ABI_VERSION = 11
+ABI_VERSION = 12
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
 #: keys per attention chunk in the C kernels (SS_CHUNK)
 CHUNK = 256
@@ -161,6 +163,8 @@ _SIGNATURES = {
     "ss_attention_workspace": ([_I64] * 6 + [_INT], _I64),
     "ss_attention": ([_I64] * 5 + [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _F32, _PTR, _I64, _I64, _PTR,
                                    _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _INT], None),
+    "ss_prefill_attention": ([_I64] * 5 + [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _F32, _PTR, _I64, _I64,
+                                           _INT], _INT),
     "ss_forward_struct_size": ([], _I64),
     "ss_forward_layers": ([_PTR], None),
     "ss_build_index": ([_I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, _INT], None),
@@ -191,6 +195,8 @@ def library() -> ctypes.CDLL | None:
                     fn.argtypes, fn.restype = args, res
                 if lib.ss_abi_version() != ABI_VERSION:
                     raise RuntimeError(f"{path}: ABI {lib.ss_abi_version()} != {ABI_VERSION}")
+                # AVX-512 in this build (the prefill attention has no AVX2 tiles: off with SPARSESPEC_AVX512=0 too)
+                _state["built512"] = bool(lib.ss_set_attention_avx512(1)) and _avx512_allowed()
                 for key in _TILE_SWITCHES:
                     _switch_tiles(lib, key, True)
                 _state["attention_kt"] = int(lib.ss_set_attention_kt(0))  # the plan's trial switches it on
@@ -507,6 +513,56 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
                      v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), st.data_ptr(), scale,
                      out.data_ptr(), out.stride(0), out.stride(1), rp, rs[0], rs[1], rs[2], W, S_rows, sp,
                      ws.data_ptr(), n_max, torch.get_num_threads())
+    return out
+
+
+def prefill_attention_supported(head_dim: int) -> bool:
+    """Whether ``prefill_attention`` runs here: a build with AVX-512 (it has no AVX2 tiles) and
+    ``head_dim % 16 == 0``."""
+    return available() and _state.get("built512", False) and head_dim % 16 == 0
+
+
+@_profiled("prefill_attention")
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, starts: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Causal attention of a prefill chunk (hundreds of new tokens per row): returns out
+    ``[B, T, H * D]``. Flash attention over blocks of 32 keys (an online softmax; the scores and
+    P.V in GEMM tiles), one KV group's query heads x up to ``192 / G`` positions per work item; fp32
+    accumulation, equal to causal SDPA up to rounding (not bitwise a decode step: a prompt's
+    prefill is shared by every method).
+
+    Args:
+        q: ``[B, H, T, D]`` (after RoPE); heads ``kv * G + g`` share KV head ``kv``.
+        k_cache, v_cache: ``[B, H_kv, S_max, D]`` one layer's cache (rows of D contiguous), the
+            chunk's keys and values already written at ``starts[b] .. starts[b] + T - 1``.
+        starts: ``[B]`` int64 (CPU), each row's length before this chunk (rows may differ).
+        scale: softmax scale.
+
+    Raises:
+        RuntimeError: the kernels do not run it here (``prefill_attention_supported``), or a thread
+            could not allocate its scratch.
+    """
+    B, H, T, D = q.shape
+    Hkv = k_cache.shape[1]
+    lib = library()
+    if lib is None or not prefill_attention_supported(D):
+        raise RuntimeError(f"prefill_attention needs our kernels built with AVX-512 and head_dim % 16 == 0 "
+                           f"(head_dim {D}; kernels: {unavailable_reason() or attention_isa()})")
+    if not q.is_contiguous():
+        q = q.contiguous()
+    for c in (k_cache, v_cache):
+        if c.stride(-1) != 1 or c.stride(-2) != D:
+            raise ValueError("the caches' rows of D must be contiguous")
+    st = starts if starts.dtype == torch.int64 else starts.long()
+    st = st.contiguous()
+    out = torch.empty(B, T, H * D, dtype=q.dtype)
+    rc = lib.ss_prefill_attention(B, Hkv, H // Hkv, T, D, q.data_ptr(), k_cache.data_ptr(), k_cache.stride(0),
+                                  k_cache.stride(1), v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1),
+                                  st.data_ptr(), scale, out.data_ptr(), out.stride(0), out.stride(1),
+                                  torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"ss_prefill_attention returned {rc} "
+                           f"({'no AVX-512 build' if rc == -1 else 'out of memory for its scratch'})")
     return out
 
 

@@ -16,6 +16,9 @@ A ``KernelPlan`` names, for one model on one device:
   give bitwise the same results, so this is a speed choice only (``""``: not applicable);
 * ``fused``: RMSNorm, RoPE and SiLU-and-multiply through our kernels (one call each instead of
   four to eight PyTorch ops);
+* ``prefill_attention``: a prefill chunk's causal attention (hundreds of queries per row): ``"ss"``
+  (ours: flash attention in GEMM tiles, ``cpu.prefill_attention``; AVX-512 builds) or ``"torch"``
+  (PyTorch's fused CPU flash attention, ``sparsespec.kernels.reference.chunk_attention_cpu``; SDPA elsewhere);
 * ``threads``: the torch threads it was measured with.
 
 Where none of our kernels can run (a GPU, a dtype other than fp32, no compiler) the plan is the
@@ -23,9 +26,10 @@ PyTorch one. On a CPU the default is decided by a short measured trial (``tune``
 backend over the model's own weights at two widths M per range of rows (``LINEAR_RANGES``), each
 attention backend at a decode and a verify shape, interleaved, the best of three (where built, our
 kernels' AVX-512 and AVX2 tiles, and the attention's keys-in-lanes score tiles, are timed as
-backends of their own, and the fastest over all widths is kept); a range goes to
-the backend whose worst width is fastest (ours kept within ``TIE_MARGIN`` for decode widths). A kernel choice that wins on one CPU can lose 25-30 % on another, so nothing is
-assumed: the trial's winner is the default, cached
+backends of their own, and the fastest over all widths is kept), and both prefill attentions on one
+512-query chunk; a range goes to the backend whose worst width is fastest (ours kept within
+``TIE_MARGIN`` for decode widths). A kernel choice that wins on one CPU can lose 25-30 % on another,
+so nothing is assumed: the trial's winner is the default, cached
 per CPU (model and ISA flags), torch version, threads, kernel build and model shape in
 ``$SPARSESPEC_CACHE/tuning/``, so a later load on the same machine reads it (``source="cache"``).
 
@@ -33,7 +37,8 @@ User overrides: ``SPARSESPEC_KERNELS=auto`` (default: measured), ``torch`` (PyTo
 only: the eager reference), ``ss`` (ours wherever they run); ``SPARSESPEC_LINEAR=ss|onednn|mkl``
 forces one linear backend for every M; ``SPARSESPEC_PREPACK=0`` leaves oneDNN out of the trial;
 ``SPARSESPEC_AVX512=0`` keeps our kernels on their AVX2 tiles; ``SPARSESPEC_ATTENTION_KT=N`` runs
-the keys-in-lanes score tiles from N query rows per KV head (0: never) whatever the trial measured.
+the keys-in-lanes score tiles from N query rows per KV head (0: never) whatever the trial measured;
+``SPARSESPEC_PREFILL_ATTENTION=ss|torch`` picks the prefill chunks' attention.
 The chosen plan goes into every run's provenance and every bench row (``KernelPlan.describe``).
 """
 from __future__ import annotations
@@ -72,7 +77,11 @@ RANGE_UPPER = tuple(u for u, _ in LINEAR_RANGES)
 #: per-layer overhead that our fused forward saves is a small share, and the linear trial decides)
 FORWARD_TRIAL_K, FORWARD_TRIAL_CONTEXT, FORWARD_TRIAL_UPTO = 8, 256, 128
 _KERNELS_ENV, _LINEAR_ENV, _KT_ENV = "SPARSESPEC_KERNELS", "SPARSESPEC_LINEAR", "SPARSESPEC_ATTENTION_KT"
-TUNE_VERSION = 10
+_PREFILL_ENV = "SPARSESPEC_PREFILL_ATTENTION"
+TUNE_VERSION = 11
+#: the prefill trial's chunk: ``PREFILL_TRIAL_T`` queries after ``PREFILL_TRIAL_START`` keys (a chunk
+#: of the engine's 512 inside a 2K prompt), over ``PREFILL_TRIAL_LAYERS`` layers' caches
+PREFILL_TRIAL_T, PREFILL_TRIAL_START, PREFILL_TRIAL_LAYERS = 512, 1536, 4
 #: another linear backend replaces ours for a range of rows only when the trial measured it faster
 #: by more than this (best-of-3 timings on a shared machine move by about this much between runs);
 #: one kernel for every decode width keeps a row's logits independent of its batch and k
@@ -103,6 +112,8 @@ class KernelPlan:
     #: with ``attention_tiles="avx512-kt"``: the fewest query rows per KV head (G * T) whose scores
     #: run in the keys-in-lanes tiles (measured by the trial; 0 otherwise)
     attention_kt_rows: int = 0
+    #: a prefill chunk's attention: "ss" (ours, where built with AVX-512) or "torch"
+    prefill_attention: str = "torch"
 
     def __post_init__(self) -> None:
         uppers = [u for u, _ in self.linear]
@@ -118,6 +129,8 @@ class KernelPlan:
             raise ValueError(f"attention_tiles must be avx512-kt, avx512, avx2 or empty, got {self.attention_tiles!r}")
         if self.linear_tiles not in ("", "avx512", "avx2"):
             raise ValueError(f"linear_tiles must be avx512, avx2 or empty, got {self.linear_tiles!r}")
+        if self.prefill_attention not in ("ss", "torch"):
+            raise ValueError(f"prefill_attention must be ss or torch, got {self.prefill_attention!r}")
         if (self.attention_kt_rows > 0) != (self.attention_tiles == "avx512-kt") or self.attention_kt_rows < 0:
             raise ValueError(f"attention_kt_rows must be > 0 exactly with attention_tiles='avx512-kt', got "
                              f"{self.attention_kt_rows} with {self.attention_tiles!r}")
@@ -148,7 +161,7 @@ class KernelPlan:
         return {"linear": {("inf" if u is None else str(u)): be for u, be in self.linear},
                 "attention": self.attention, "attention_tiles": self.attention_tiles or None,
                 "attention_kt_rows": self.attention_kt_rows or None,
-                "linear_tiles": self.linear_tiles or None,
+                "linear_tiles": self.linear_tiles or None, "prefill_attention": self.prefill_attention,
                 "fused": self.fused, "threads": self.threads,
                 "source": self.source, "tune_s": round(self.tune_s, 3), "batch_invariant": self.batch_invariant,
                 "cpu": cpu.cpu_model(), "isa": cpu.isa_summary(),
@@ -161,7 +174,8 @@ class KernelPlan:
         lin += f" ({self.linear_tiles})" if self.linear_tiles and self.uses_panels else ""
         kt = f" from {self.attention_kt_rows} rows" if self.attention_kt_rows else ""
         tiles = f" ({self.attention_tiles}{kt})" if self.attention_tiles else ""
-        return (f"linear {lin}, attention {self.attention}{tiles}{', fused' if self.fused else ''}, "
+        return (f"linear {lin}, attention {self.attention}{tiles}, prefill {self.prefill_attention}"
+                f"{', fused' if self.fused else ''}, "
                 f"{self.threads} threads ({self.source}{f', {self.tune_s:.1f} s' if self.tune_s else ''})")
 
     # ------------------------------------------------------------------ the linear op
@@ -197,8 +211,14 @@ def torch_plan(note: str = "", source: str = "default", device: str = "cpu") -> 
 
 
 def ours_plan(source: str = "default", note: str = "") -> KernelPlan:
-    """Our kernels wherever they run (decode widths), MKL for prefill chunks."""
-    return KernelPlan(((128, "ss"), (None, "mkl")), "ss", True, torch.get_num_threads(), source, note=note)
+    """Our kernels wherever they run (decode widths; the prefill attention where built with
+    AVX-512), MKL for prefill chunks' linears."""
+    return KernelPlan(((128, "ss"), (None, "mkl")), "ss", True, torch.get_num_threads(), source, note=note,
+                      prefill_attention=_prefill_default())
+
+
+def _prefill_default() -> str:
+    return "ss" if cpu.prefill_attention_supported(16) else "torch"
 
 
 def _eligible(model) -> str | None:
@@ -250,9 +270,25 @@ def apply_tiles(plan: KernelPlan) -> KernelPlan:
     gets the library's current one; a plan that does not run our attention / packed linear gets
     "". ``SPARSESPEC_AVX512=0`` and ``SPARSESPEC_ATTENTION_KT`` win over the plan.
 
+    ``SPARSESPEC_PREFILL_ATTENTION=ss|torch`` sets the prefill chunks' attention (``ss`` where our
+    kernels cannot run it is an error).
+
     Raises:
-        ValueError: ``SPARSESPEC_ATTENTION_KT`` is not a non-negative integer.
+        ValueError: ``SPARSESPEC_ATTENTION_KT`` is not a non-negative integer;
+            ``SPARSESPEC_PREFILL_ATTENTION`` is not ss or torch, or ss where it cannot run.
     """
+    prefill = plan.prefill_attention
+    env = os.environ.get(_PREFILL_ENV, "").strip().lower()
+    if env:
+        if env not in ("ss", "torch"):
+            raise ValueError(f"{_PREFILL_ENV} must be ss or torch, got {env!r}")
+        if env == "ss" and not (plan.attention == "ss" and cpu.prefill_attention_supported(16)):
+            raise ValueError(f"{_PREFILL_ENV}=ss: our prefill attention does not run here "
+                             f"(it needs our kernels, built with AVX-512)")
+        prefill = env
+    if prefill != plan.prefill_attention:
+        plan = dataclasses.replace(plan, prefill_attention=prefill, source="env",
+                                   note=(plan.note + "; " if plan.note else "") + f"{_PREFILL_ENV}={env}")
     att = lin = ""
     if plan.attention == "ss":
         want = plan.attention_tiles or cpu.attention_isa() or ""
@@ -413,6 +449,35 @@ def _attention_trial(model, reps: int, context: int = 2048, k: int = 8) -> dict[
     return res
 
 
+def _prefill_trial(model, reps: int) -> dict[str, float]:
+    """Seconds of one prefill chunk's attention (``PREFILL_TRIAL_T`` queries after
+    ``PREFILL_TRIAL_START`` keys, batch 1, ``PREFILL_TRIAL_LAYERS`` layers' caches), ours
+    (``"ss"``) against PyTorch's flash path (``"torch"``), the best of ``reps``; {} where ours
+    does not run."""
+    from sparsespec.kernels.reference import chunk_attention_cpu
+
+    cfg = model.cfg
+    if not cpu.prefill_attention_supported(cfg.head_dim):
+        return {}
+    T, P, L = PREFILL_TRIAL_T, PREFILL_TRIAL_START, PREFILL_TRIAL_LAYERS
+    g = torch.Generator().manual_seed(0)
+    kc = torch.randn(L, 1, cfg.num_kv_heads, P + T, cfg.head_dim, generator=g, dtype=model.dtype)
+    vc = torch.randn(L, 1, cfg.num_kv_heads, P + T, cfg.head_dim, generator=g, dtype=model.dtype)
+    q = torch.randn(1, cfg.num_heads, T, cfg.head_dim, generator=g, dtype=model.dtype)
+    starts = torch.tensor([P])
+
+    def ours():
+        for i in range(L):
+            cpu.prefill_attention(q, kc[i], vc[i], starts, model.scale)
+
+    def ref():
+        for i in range(L):
+            chunk_attention_cpu(q, kc[i], vc[i], P, model.scale).transpose(1, 2).reshape(1, T, -1)
+
+    with torch.inference_mode():
+        return _best_of({"ss": ours, "torch": ref}, reps)
+
+
 def kt_rows_from_trial(att: Mapping[str, Mapping[str, float]], group: int) -> int:
     """The fewest query rows per KV head (``group`` x T) from which the keys-in-lanes tiles measured
     faster than the AVX-512 ones at every wider trial width; 0 where they lost at the widest."""
@@ -503,7 +568,7 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
             return KernelPlan(tuple((u, be) for u, be in data["linear"]), data["attention"], data["fused"],
                               threads, "cache", data.get("tune_s", 0.0), data.get("timings", {}), data.get("note", ""),
                               data.get("attention_tiles", ""), data.get("linear_tiles", ""),
-                              int(data.get("attention_kt_rows", 0)))
+                              int(data.get("attention_kt_rows", 0)), data.get("prefill_attention", "torch"))
         except (OSError, ValueError, KeyError, TypeError):
             pass  # a corrupt cache entry: measure again
     if progress:
@@ -547,6 +612,8 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
         attention = min(att_total, key=att_total.get)
         cpu.set_attention_avx512(tiles != "avx2")  # before the whole forwards below
         cpu.set_attention_kt(kt_rows)
+    pre = _prefill_trial(model, reps) if attention == "ss" else {}
+    prefill = "ss" if pre and pre["ss"] < pre["torch"] else "torch"
     fwd: dict[str, dict[str, float]] = {}
     if attention == "ss" and any(be != "ss" for _, be in choice):
         choice, fwd = _confirm_in_forward(model, choice, threads, reps)
@@ -558,19 +625,20 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
             ranges.append((upper, be))
     if linear_tiles:
         lin = lin_all
-    timings = {"linear": {str(m): v for m, v in lin.items()}, "attention": att, "forward": fwd,
+    timings = {"linear": {str(m): v for m, v in lin.items()}, "attention": att, "forward": fwd, "prefill": pre,
                "read_bytes_per_s": _read_bandwidth()}
     tune_s = time.perf_counter() - t0
     plan = KernelPlan(tuple(ranges), attention, True, threads, "measured", tune_s, timings,
                       attention_tiles=tiles if attention == "ss" else "",
                       linear_tiles=linear_tiles if any(be == "ss" for _, be in ranges) else "",
-                      attention_kt_rows=kt_rows if attention == "ss" else 0)
+                      attention_kt_rows=kt_rows if attention == "ss" else 0, prefill_attention=prefill)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps({"linear": [list(r) for r in plan.linear], "attention": plan.attention,
                                    "attention_tiles": plan.attention_tiles, "linear_tiles": plan.linear_tiles,
                                    "attention_kt_rows": plan.attention_kt_rows,
+                                   "prefill_attention": plan.prefill_attention,
                                    "fused": plan.fused, "tune_s": tune_s, "timings": timings,
                                    "cpu": cpu.cpu_model(), "isa": cpu.isa_summary(), "threads": threads,
                                    "torch": torch.__version__}, indent=1))

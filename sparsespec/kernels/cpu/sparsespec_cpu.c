@@ -51,7 +51,7 @@
 #error "sparsespec_cpu.c needs AVX2 and FMA (the loader falls back to torch without them)"
 #endif
 
-SS_API int ss_abi_version(void) { return 11; }
+SS_API int ss_abi_version(void) { return 12; }
 
 
 /* ------------------------------------------------------------------ vector helpers (AVX2) */
@@ -1327,6 +1327,263 @@ SS_API void ss_attention(int64_t B, int64_t Hkv, int64_t G, int64_t T, int64_t D
     a.rows = rows; a.r_sb = r_sb; a.r_sh = r_sh; a.r_sw = r_sw; a.W = W; a.S_rows = S_rows; a.slots = slots;
     a.ws = ws; a.n_max = n_max; a.sparse = 0;
     att_run(&a, nthreads);
+}
+
+/* ------------------------------------------------------------------ prefill attention (flash)
+ * A prefill chunk's causal attention: T new queries per row (hundreds) at positions starts[b] ..
+ * starts[b] + T - 1 over keys [0, starts[b] + T). One item is one KV group's query rows for up to
+ * PF_ROWS / G positions (row r = (t - t0) * G + g), and it runs flash attention over blocks of
+ * PF_NK keys with the rows in lanes: the scaled queries are transposed once per item, the scores
+ * of 8 keys x 48 rows run in GEMM tiles (broadcast key element x 16 rows), the online softmax (m,
+ * exp, l, the rescale alpha) runs down the keys in vertical operations 16 rows at a time, and P.V
+ * in 6-row x 64-column tiles accumulates into the item's output rows. Rows whose position precedes
+ * a block see none of it and skip it (the causal diagonal costs half). Each output row is a fixed
+ * sequence of operations on its own inputs (any thread, any batch), but not a decode step's: a
+ * prompt's prefill is shared by every method, so nothing compares it bitwise with a step.
+ * Measured on the AMD EPYC of benchmarks/RESULTS.md (2 threads, a 512-query chunk after 7.7K keys,
+ * SmolLM2's heads): 445 GFLOP/s, 2.3x PyTorch's flash attention (an earlier version with the keys
+ * in lanes and a per-row softmax spent a third of its time in the softmax's horizontal reductions:
+ * 330). AVX-512 builds only (elsewhere ss_prefill_attention returns -1 and the model runs PyTorch's
+ * flash attention). */
+#if SS_HAVE512
+#define PF_NK 32
+#ifndef PF_ROWS
+#define PF_ROWS 192  /* query rows per item (G x positions): the Q, O and P rows stay in L2 */
+#endif
+
+#define PS_ACC(u) __m512 c##u##0 = _mm512_setzero_ps(), c##u##1 = c##u##0, c##u##2 = c##u##0;
+#define PS_FMA(u)                                                                     \
+    {                                                                                 \
+        const __m512 x = _mm512_set1_ps(k[(u) * D + d]);                              \
+        c##u##0 = _mm512_fmadd_ps(x, q0, c##u##0);                                    \
+        if (NR > 1) c##u##1 = _mm512_fmadd_ps(x, q1, c##u##1);                        \
+        if (NR > 2) c##u##2 = _mm512_fmadd_ps(x, q2, c##u##2);                        \
+    }
+#define PS_OUT(u)                                                                     \
+    {                                                                                 \
+        _mm512_store_ps(ST + (u) * ld, c##u##0);                                      \
+        if (NR > 1) _mm512_store_ps(ST + (u) * ld + 16, c##u##1);                     \
+        if (NR > 2) _mm512_store_ps(ST + (u) * ld + 32, c##u##2);                     \
+    }
+/* transposed scores of 8 keys (rows D apart from k) x NR (1..3) vectors of 16 query rows (the
+ * scaled queries transposed, qT[d * ld + r]) into ST[u * ld + r] (64-byte aligned): 24
+ * accumulators, broadcast(k[u, d]) x qT[d] as in a GEMM tile */
+SS_INLINE void pf_scores(const int NR, const float *qT, const float *k, const int64_t D, float *ST, int64_t ld) {
+    PS_ACC(0) PS_ACC(1) PS_ACC(2) PS_ACC(3) PS_ACC(4) PS_ACC(5) PS_ACC(6) PS_ACC(7)
+    for (int64_t d = 0; d < D; ++d) {
+        const __m512 q0 = _mm512_load_ps(qT + d * ld);
+        const __m512 q1 = NR > 1 ? _mm512_load_ps(qT + d * ld + 16) : q0;
+        const __m512 q2 = NR > 2 ? _mm512_load_ps(qT + d * ld + 32) : q0;
+        PS_FMA(0) PS_FMA(1) PS_FMA(2) PS_FMA(3) PS_FMA(4) PS_FMA(5) PS_FMA(6) PS_FMA(7)
+    }
+    PS_OUT(0) PS_OUT(1) PS_OUT(2) PS_OUT(3) PS_OUT(4) PS_OUT(5) PS_OUT(6) PS_OUT(7)
+}
+
+#define PO_ACC(i)                                                                     \
+    __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = c##i##0, c##i##2 = c##i##0, c##i##3 = c##i##0; \
+    if (MR > i) {                                                                     \
+        const __m512 al = _mm512_set1_ps(alpha[i]);                                   \
+        float *o = O + (i) * D;                                                       \
+        if (NV > 0) c##i##0 = _mm512_mul_ps(al, _mm512_loadu_ps(o));                  \
+        if (NV > 1) c##i##1 = _mm512_mul_ps(al, _mm512_loadu_ps(o + 16));             \
+        if (NV > 2) c##i##2 = _mm512_mul_ps(al, _mm512_loadu_ps(o + 32));             \
+        if (NV > 3) c##i##3 = _mm512_mul_ps(al, _mm512_loadu_ps(o + 48));             \
+    }
+#define PO_ROW(i)                                                                     \
+    if (MR > i) {                                                                     \
+        const __m512 pb = _mm512_set1_ps(P[j * ldp + (i)]);                           \
+        if (NV > 0) c##i##0 = _mm512_fmadd_ps(pb, v0, c##i##0);                       \
+        if (NV > 1) c##i##1 = _mm512_fmadd_ps(pb, v1, c##i##1);                       \
+        if (NV > 2) c##i##2 = _mm512_fmadd_ps(pb, v2, c##i##2);                       \
+        if (NV > 3) c##i##3 = _mm512_fmadd_ps(pb, v3, c##i##3);                       \
+    }
+#define PO_OUT(i)                                                                     \
+    if (MR > i) {                                                                     \
+        float *o = O + (i) * D;                                                       \
+        if (NV > 0) _mm512_storeu_ps(o, c##i##0);                                     \
+        if (NV > 1) _mm512_storeu_ps(o + 16, c##i##1);                                \
+        if (NV > 2) _mm512_storeu_ps(o + 32, c##i##2);                                \
+        if (NV > 3) _mm512_storeu_ps(o + 48, c##i##3);                                \
+    }
+/* MR (1..6) output rows (O, rows D apart) x NV (1..4) vectors of 16 columns: o = alpha * o + P.V
+ * over the block's nk keys (value rows D apart from v; p of key j, row i at P[j * ldp + i]) */
+SS_INLINE void pf_pv(const int MR, const int NV, int nk, const float *P, int64_t ldp, const float *v,
+                     const int64_t D, float *O, const float *alpha) {
+    PO_ACC(0) PO_ACC(1) PO_ACC(2) PO_ACC(3) PO_ACC(4) PO_ACC(5)
+    for (int j = 0; j < nk; ++j) {
+        const float *vj = v + j * D;
+        const __m512 v0 = _mm512_loadu_ps(vj);
+        const __m512 v1 = NV > 1 ? _mm512_loadu_ps(vj + 16) : v0;
+        const __m512 v2 = NV > 2 ? _mm512_loadu_ps(vj + 32) : v0;
+        const __m512 v3 = NV > 3 ? _mm512_loadu_ps(vj + 48) : v0;
+        PO_ROW(0) PO_ROW(1) PO_ROW(2) PO_ROW(3) PO_ROW(4) PO_ROW(5)
+    }
+    PO_OUT(0) PO_OUT(1) PO_OUT(2) PO_OUT(3) PO_OUT(4) PO_OUT(5)
+}
+#define PO_CASE(MR_)                                                                  \
+    case MR_:                                                                         \
+        switch (NV) {                                                                 \
+            case 4: pf_pv(MR_, 4, nk, Pr, ld, vd, D, Or, al); break;                      \
+            case 3: pf_pv(MR_, 3, nk, Pr, ld, vd, D, Or, al); break;                      \
+            case 2: pf_pv(MR_, 2, nk, Pr, ld, vd, D, Or, al); break;                      \
+            default: pf_pv(MR_, 1, nk, Pr, ld, vd, D, Or, al); break;                     \
+        }                                                                             \
+        break;
+
+typedef struct {
+    int64_t B, Hkv, G, T, D;
+    const float *q, *k, *v;
+    int64_t k_sb, k_sh, v_sb, v_sh;
+    const int64_t *starts;
+    float scale;
+    float *out;
+    int64_t o_sb, o_st;
+} pf_t;
+
+/* floats of one thread's scratch for items of up to R rows */
+SS_INLINE int64_t pf_scratch_floats(int64_t R, int64_t D) {
+    const int64_t R16 = (R + 15) / 16 * 16;
+    return D * R16 + PF_NK * R16 + R * D + 4 * R16 + 8 * D + 64;
+}
+
+/* item: rows of KV head kv of batch row b at positions [t0, t1); the scores and probabilities
+ * with the rows in lanes (ST[j, r]): the softmax's max, exp and sums then run down the keys in
+ * vertical operations, 16 rows at a time */
+SS_INLINE void pf_item_d(const pf_t *a, int64_t b, int64_t kv, int64_t t0, int64_t t1, float *scratch,
+                         const int64_t D) {
+    const int64_t G = a->G, T = a->T, R = G * (t1 - t0), start = a->starts[b], n = start + t1;
+    const int64_t ld = (R + 15) / 16 * 16, nv16 = ld / 16;
+    float *qT = scratch;                 /* [D, ld]: the scaled queries transposed (64-byte aligned) */
+    float *ST = qT + D * ld;             /* [PF_NK, ld]: scores, then probabilities */
+    float *m = ST + PF_NK * ld, *l = m + ld, *alpha = l + ld;
+    int32_t *lim = (int32_t *)(alpha + ld);  /* [ld]: each row's last visible key */
+    float *O = alpha + 2 * ld;           /* [R, D] */
+    float *kbuf = O + R * D;             /* [8, D]: a partial group of keys */
+    for (int64_t r = 0; r < ld; ++r) {
+        const int64_t t = t0 + r / G, g = r % G;
+        const float *src = a->q + (((b * a->Hkv + kv) * G + g) * T + t) * D;
+        for (int64_t d = 0; d < D; ++d) qT[d * ld + r] = r < R ? src[d] * a->scale : 0.0f;
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+        lim[r] = r < R ? (int32_t)(start + t) : INT32_MAX;  /* padding rows: never masked, never output */
+    }
+    memset(O, 0, (size_t)(R * D) * sizeof(float));
+    const float *kb = a->k + b * a->k_sb + kv * a->k_sh, *vb = a->v + b * a->v_sb + kv * a->v_sh;
+    for (int64_t j0 = 0; j0 < n; j0 += PF_NK) {
+        const int nk = (int)(n - j0 < PF_NK ? n - j0 : PF_NK);
+        /* rows of positions before the block see none of it: the active rows are [ra, R) */
+        const int64_t tmin = j0 - start;
+        const int64_t ra = tmin > t0 ? (tmin - t0) * G : 0, va = ra / 16;
+        /* 1. scores, 8 keys x 48 rows per tile (a partial group repeats key j0; those keys and the
+         *    missing groups are masked below) */
+        for (int64_t u = 0; u < PF_NK; u += 8) {
+            if (u >= nk) break;  /* the missing groups' scores stay stale: masked below */
+            const float *kp = kb + (j0 + u) * D;
+            if (u + 8 > nk) {  /* a partial group of keys: copy the valid ones, repeat key j0 */
+                for (int w = 0; w < 8; ++w)
+                    memcpy(kbuf + w * D, kb + (j0 + (u + w < nk ? u + w : 0)) * D, (size_t)D * sizeof(float));
+                kp = kbuf;
+            }
+            int64_t v = va;
+            for (; v + 3 <= nv16; v += 3) pf_scores(3, qT + v * 16, kp, D, ST + u * ld + v * 16, ld);
+            if (nv16 - v == 2) pf_scores(2, qT + v * 16, kp, D, ST + u * ld + v * 16, ld);
+            else if (nv16 - v == 1) pf_scores(1, qT + v * 16, kp, D, ST + u * ld + v * 16, ld);
+        }
+        /* 2. online softmax, 16 rows per vector: mask keys past each row's position (and a partial
+         *    block's missing keys), m, p = exp(s - m), l, alpha = exp(m_old - m) */
+        const int masked = j0 + PF_NK - 1 > start + t0;
+        const __m512 ninf = _mm512_set1_ps(-INFINITY);
+        for (int64_t v = va; v < nv16; ++v) {
+            const int64_t r = v * 16;
+            const __m512i lv = _mm512_loadu_si512(lim + r);
+            __m512 mb = ninf;
+            for (int j = 0; j < PF_NK; ++j) {
+                __m512 s = _mm512_load_ps(ST + j * ld + r);
+                if (masked) {
+                    const __mmask16 vis = _mm512_cmp_epi32_mask(_mm512_set1_epi32((int32_t)(j0 + j)), lv, _MM_CMPINT_LE);
+                    s = _mm512_mask_mov_ps(ninf, vis, s);
+                    _mm512_store_ps(ST + j * ld + r, s);
+                }
+                mb = _mm512_max_ps(mb, s);
+            }
+            const __m512 mo = _mm512_load_ps(m + r), mn = _mm512_max_ps(mo, mb);
+            /* a row that has seen no key yet subtracts 0 (its p and alpha are 0, never NaN) */
+            const __m512 ms = _mm512_mask_mov_ps(mn, _mm512_cmp_ps_mask(mn, ninf, _CMP_EQ_OQ), _mm512_setzero_ps());
+            const __m512 al = exp16(_mm512_sub_ps(mo, ms));
+            __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0;
+            for (int j = 0; j < PF_NK; j += 2) {
+                const __m512 p0 = exp16(_mm512_sub_ps(_mm512_load_ps(ST + j * ld + r), ms));
+                const __m512 p1 = exp16(_mm512_sub_ps(_mm512_load_ps(ST + (j + 1) * ld + r), ms));
+                _mm512_store_ps(ST + j * ld + r, p0);
+                _mm512_store_ps(ST + (j + 1) * ld + r, p1);
+                sum0 = _mm512_add_ps(sum0, p0);
+                sum1 = _mm512_add_ps(sum1, p1);
+            }
+            _mm512_store_ps(l + r, _mm512_fmadd_ps(_mm512_load_ps(l + r), al, _mm512_add_ps(sum0, sum1)));
+            _mm512_store_ps(m + r, mn);
+            _mm512_store_ps(alpha + r, al);
+        }
+        /* 3. o = alpha * o + P.V (rows before ra: alpha 1 and p 0, or o still 0) */
+        const float *vblk = vb + j0 * D;
+        for (int64_t d0 = 0; d0 < D; d0 += 64) {
+            const int NV = (int)((D - d0) / 16 < 4 ? (D - d0) / 16 : 4);
+            for (int64_t r = ra; r < R; r += 6) {
+                const int MR = (int)(R - r < 6 ? R - r : 6);
+                const float *Pr = ST + r, *vd = vblk + d0, *al = alpha + r;
+                float *Or = O + r * D + d0;
+                switch (MR) { PO_CASE(6) PO_CASE(5) PO_CASE(4) PO_CASE(3) PO_CASE(2) PO_CASE(1) }
+            }
+        }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+        const int64_t t = t0 + r / G, g = r % G;
+        float *o = a->out + b * a->o_sb + t * a->o_st + (kv * G + g) * D;
+        const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+        for (int64_t d = 0; d < D; d += 16)
+            _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(O + r * D + d), inv));
+    }
+}
+
+static void pf_item(const pf_t *a, int64_t b, int64_t kv, int64_t t0, int64_t t1, float *scratch) {
+    if (a->D == 64) pf_item_d(a, b, kv, t0, t1, scratch, 64);
+    else pf_item_d(a, b, kv, t0, t1, scratch, a->D);
+}
+#endif
+
+/* Causal attention of a prefill chunk (module comment above): q [B, H_kv * G, T, D] contiguous,
+ * the chunk's keys and values already in the cache at starts[b] .. starts[b] + T - 1, out as
+ * ss_attention's. Returns 0; -1 where this build has no AVX-512 or D % 16 != 0 (nothing
+ * written); -2 when a thread could not allocate its scratch (the output is incomplete). */
+SS_API int ss_prefill_attention(int64_t B, int64_t Hkv, int64_t G, int64_t T, int64_t D, const float *q,
+                                const float *k, int64_t k_sb, int64_t k_sh, const float *v, int64_t v_sb,
+                                int64_t v_sh, const int64_t *starts, float scale, float *out, int64_t o_sb,
+                                int64_t o_st, int nthreads) {
+#if SS_HAVE512
+    if (D % 16 != 0 || D <= 0) return -1;
+    pf_t a = {B, Hkv, G, T, D, q, k, v, k_sb, k_sh, v_sb, v_sh, starts, scale, out, o_sb, o_st};
+    const int64_t tq = G >= PF_ROWS ? 1 : PF_ROWS / G, nq = (T + tq - 1) / tq, items = B * Hkv * nq;
+    const int64_t floats = pf_scratch_floats(G * tq, D);
+    int failed = 0;
+#pragma omp parallel num_threads(ss_threads(nthreads))
+    {
+        float *scratch = aligned_alloc(64, (size_t)((floats * 4 + 63) / 64 * 64));
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < items; ++i) {
+            const int64_t p = i / nq, c = i % nq, t0 = c * tq, t1 = t0 + tq < T ? t0 + tq : T;
+            if (scratch) pf_item(&a, p / Hkv, p % Hkv, t0, t1, scratch);
+        }
+        free(scratch);
+    }
+    return failed ? -2 : 0;
+#else
+    (void)B; (void)Hkv; (void)G; (void)T; (void)D; (void)q; (void)k; (void)k_sb; (void)k_sh; (void)v; (void)v_sb;
+    (void)v_sh; (void)starts; (void)scale; (void)out; (void)o_sb; (void)o_st; (void)nthreads;
+    return -1;
+#endif
 }
 
 /* Sparse draft attention: each row attends to its first n_valid[b] indexed cache positions plus
