@@ -177,15 +177,21 @@ def step_flops(model: Any, batch: int, tokens: int, keys: float) -> float:
     return _flops(geometry(model), batch, tokens, keys)
 
 
-def _flops(geom: Mapping[str, Any], batch: float, tokens: float, keys: float) -> float:
+def _flops(geom: Mapping[str, Any], batch: float, tokens: float, keys: float,
+           logit_tokens: float | None = None) -> float:
+    """``logit_tokens``: how many of the ``tokens`` need the LM head (None: all; a prefill needs
+    only its last), where the geometry knows the head's size (``head_params``)."""
     attn = 4 * geom["num_layers"] * geom["num_heads"] * geom["head_dim"] * keys
-    return 2.0 * batch * tokens * geom["linear_params"] + batch * tokens * attn
+    head = geom.get("head_params", 0) if logit_tokens is not None else 0
+    linear = tokens * (geom["linear_params"] - head) + (logit_tokens or 0) * head
+    return 2.0 * batch * linear + batch * tokens * attn
 
 
 def geometry(model: Any) -> dict[str, Any]:
     """What a roofline needs of ``model``, as plain numbers (JSON; a store keeps it with a run so
     a report derives floors without loading the weights): ``weight_bytes`` (``weight_bytes``),
     ``linear_params`` (multiply-accumulates per token of the projections and the LM head),
+    ``head_params`` (those of the LM head alone: a prefill runs it for its last position only),
     ``num_layers``, ``num_heads``, ``num_kv_heads``, ``head_dim`` and ``element_size`` (bytes
     of one K/V element)."""
     from sparsespec.quant import linear_weights, numel
@@ -193,6 +199,7 @@ def geometry(model: Any) -> dict[str, Any]:
     cfg = model.cfg
     return {"weight_bytes": int(weight_bytes(model)),
             "linear_params": int(sum(numel(w) for w in linear_weights(model))),
+            "head_params": int(cfg.vocab_size * cfg.hidden_size),
             "num_layers": int(cfg.num_layers), "num_heads": int(cfg.num_heads),
             "num_kv_heads": int(cfg.num_kv_heads), "head_dim": int(cfg.head_dim),
             "element_size": int(model.embed.element_size())}
@@ -209,20 +216,23 @@ def draft_weight_bytes(model: Any, weights: Any) -> int:
 
 
 def roofline(model: Any, machine: Mapping[str, float], batch: int, tokens: int, kv_positions: float,
-             attn_keys: float | None = None, weight_nbytes: float | None = None) -> dict[str, float]:
+             attn_keys: float | None = None, weight_nbytes: float | None = None,
+             logit_tokens: float | None = None) -> dict[str, float]:
     """Floors of one step: ``{"bytes", "mem_s", "compute_s", "roofline_s"}`` (bytes, seconds).
 
     ``tokens`` new tokens per row over a cache of ``kv_positions`` tokens per row (the KV the
     step reads); ``attn_keys`` (default ``kv_positions``) the keys each new token attends to;
     ``weight_nbytes`` the weight bytes the step reads (default ``weight_bytes(model)``; a
-    quantised draft: ``draft_weight_bytes``).
+    quantised draft: ``draft_weight_bytes``); ``logit_tokens`` how many of the ``tokens`` per row
+    need logits (default all; a prefill: 1).
     """
-    return geometry_roofline(geometry(model), machine, batch, tokens, kv_positions, attn_keys, weight_nbytes)
+    return geometry_roofline(geometry(model), machine, batch, tokens, kv_positions, attn_keys, weight_nbytes,
+                             logit_tokens)
 
 
 def geometry_roofline(geom: Mapping[str, Any], machine: Mapping[str, float], batch: float, tokens: float,
                       kv_positions: float, attn_keys: float | None = None,
-                      weight_nbytes: float | None = None) -> dict[str, float]:
+                      weight_nbytes: float | None = None, logit_tokens: float | None = None) -> dict[str, float]:
     """``roofline`` from a model's ``geometry`` (no weights needed); ``batch`` and ``tokens``
     may be means (floats)."""
     wb = geom["weight_bytes"] if weight_nbytes is None else weight_nbytes
@@ -230,7 +240,7 @@ def geometry_roofline(geom: Mapping[str, Any], machine: Mapping[str, float], bat
                       kv_positions)
     mem_s = nbytes / machine["read_bytes_per_s"]
     keys = kv_positions if attn_keys is None else attn_keys
-    comp_s = _flops(geom, batch, tokens, keys) / machine["gemm_flops_per_s"]
+    comp_s = _flops(geom, batch, tokens, keys, logit_tokens) / machine["gemm_flops_per_s"]
     return {"bytes": nbytes, "mem_s": mem_s, "compute_s": comp_s, "roofline_s": max(mem_s, comp_s)}
 
 

@@ -41,6 +41,12 @@ def test_kv_bytes_and_flops_by_hand():
     linear = 2 * ((4 + 4) * 16 * 64 + 64 * 64 + 2 * 128 * 64 + 64 * 128) + 512 * 64
     attn = 4 * 2 * 4 * 16 * 100  # QK^T and PV: 2 * 2 flops per (layer, head, dim, key)
     assert step_flops(tiny, batch=3, tokens=5, keys=100) == 2.0 * 15 * linear + 15 * attn
+    # a prefill needs logits for its last position only: the V x E head runs once per row, not 5 times
+    machine = {"read_bytes_per_s": 1e30, "gemm_flops_per_s": 1.0}
+    head = 512 * 64
+    assert roofline(tiny, machine, 3, 5, 100, logit_tokens=1)["compute_s"] == \
+        2.0 * 3 * (5 * (linear - head) + head) + 15 * attn
+    assert roofline(tiny, machine, 3, 5, 100)["compute_s"] == 2.0 * 15 * linear + 15 * attn
 
 
 def test_roofline_is_the_larger_of_the_memory_and_compute_floors():

@@ -412,7 +412,7 @@ def add_rooflines(out: dict[str, Any], model, machine: Mapping[str, float]) -> d
         out[f"{name}_x_roofline"] = x_roofline(out[key], r["roofline_s"])
         out[f"{name}_x_mem"] = x_roofline(out[key], r["mem_s"])
     if out.get("prefill_s") is not None:
-        r = roofline(model, machine, 1, P, P, attn_keys=P / 2)
+        r = roofline(model, machine, 1, P, P, attn_keys=P / 2, logit_tokens=1)  # logits for the last position only
         out["prefill_roofline_s"] = r["roofline_s"]
         out["prefill_x_roofline"] = x_roofline(out["prefill_s"], r["roofline_s"])
     out["gamma_roofline"] = roofs["draft_step"]["roofline_s"] / roofs["verify"]["roofline_s"]
