@@ -533,6 +533,10 @@ def test_the_environment_picks_the_prefill_attention(monkeypatch):
     monkeypatch.setitem(cpu._state, "built512", False)
     with pytest.raises(ValueError, match="does not run here"):
         apply_tiles(plan)
+    monkeypatch.delenv("SPARSESPEC_PREFILL_ATTENTION")  # a plan measured with it, read where it cannot run
+    got = apply_tiles(dataclasses.replace(plan, prefill_attention="ss"))
+    assert got.prefill_attention == "torch" and got.source == plan.source
+    assert apply_tiles(KernelPlan(prefill_attention="ss")).prefill_attention == "torch"  # PyTorch's attention
 
 
 @needs_prefill_kernel

@@ -271,7 +271,8 @@ def apply_tiles(plan: KernelPlan) -> KernelPlan:
     "". ``SPARSESPEC_AVX512=0`` and ``SPARSESPEC_ATTENTION_KT`` win over the plan.
 
     ``SPARSESPEC_PREFILL_ATTENTION=ss|torch`` sets the prefill chunks' attention (``ss`` where our
-    kernels cannot run it is an error).
+    kernels cannot run it is an error); a plan's ``ss`` becomes ``torch`` where ours cannot run
+    (no AVX-512 build, ``SPARSESPEC_AVX512=0``, PyTorch's attention).
 
     Raises:
         ValueError: ``SPARSESPEC_ATTENTION_KT`` is not a non-negative integer;
@@ -286,9 +287,11 @@ def apply_tiles(plan: KernelPlan) -> KernelPlan:
             raise ValueError(f"{_PREFILL_ENV}=ss: our prefill attention does not run here "
                              f"(it needs our kernels, built with AVX-512)")
         prefill = env
+    elif prefill == "ss" and not (plan.attention == "ss" and cpu.prefill_attention_supported(16)):
+        prefill = "torch"  # e.g. a cached plan read with SPARSESPEC_AVX512=0: say what runs
     if prefill != plan.prefill_attention:
-        plan = dataclasses.replace(plan, prefill_attention=prefill, source="env",
-                                   note=(plan.note + "; " if plan.note else "") + f"{_PREFILL_ENV}={env}")
+        plan = dataclasses.replace(plan, prefill_attention=prefill, **(
+            {"source": "env", "note": (plan.note + "; " if plan.note else "") + f"{_PREFILL_ENV}={env}"} if env else {}))
     att = lin = ""
     if plan.attention == "ss":
         want = plan.attention_tiles or cpu.attention_isa() or ""
