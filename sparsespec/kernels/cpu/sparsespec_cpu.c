@@ -797,12 +797,22 @@ SS_INLINE void sc512_pack_pairs(const float *qs, int64_t R2, const int64_t D, fl
         }
 }
 
-/* MR (1..6) rows x NV (1..4) vectors of 16 columns of o = P.V over kn keys (p[r, j] at P[r * ldp + j],
- * value rows ldv apart): gemm_tile's chains in 16 lanes */
-#define PV_ACC(i) __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = c##i##0, c##i##2 = c##i##0, c##i##3 = c##i##0;
+/* MR (1..6) rows x NV (1..4) vectors of 16 columns of o = P.V over kn keys (p[r, j] at P[r * pr + j * pj],
+ * value rows ldv apart): gemm_tile's chains in 16 lanes, from 0; with alpha (the prefill's online
+ * softmax), o = alpha[r] * o + P.V instead */
+#define PV_ACC(i)                                                                     \
+    __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = c##i##0, c##i##2 = c##i##0, c##i##3 = c##i##0; \
+    if (alpha && MR > i) {                                                            \
+        const __m512 al = _mm512_set1_ps(alpha[i]);                                   \
+        const float *o = out + (i) * ldo;                                             \
+        if (NV > 0) c##i##0 = _mm512_mul_ps(al, _mm512_loadu_ps(o));                  \
+        if (NV > 1) c##i##1 = _mm512_mul_ps(al, _mm512_loadu_ps(o + 16));             \
+        if (NV > 2) c##i##2 = _mm512_mul_ps(al, _mm512_loadu_ps(o + 32));             \
+        if (NV > 3) c##i##3 = _mm512_mul_ps(al, _mm512_loadu_ps(o + 48));             \
+    }
 #define PV_ROW(i)                                                                     \
     if (MR > i) {                                                                     \
-        const __m512 pb = _mm512_set1_ps(P[i * ldp + j]);                             \
+        const __m512 pb = _mm512_set1_ps(P[(i) * pr + j * pj]);                       \
         if (NV > 0) c##i##0 = _mm512_fmadd_ps(pb, v0, c##i##0);                       \
         if (NV > 1) c##i##1 = _mm512_fmadd_ps(pb, v1, c##i##1);                       \
         if (NV > 2) c##i##2 = _mm512_fmadd_ps(pb, v2, c##i##2);                       \
@@ -816,8 +826,8 @@ SS_INLINE void sc512_pack_pairs(const float *qs, int64_t R2, const int64_t D, fl
         if (NV > 2) _mm512_storeu_ps(o + 32, c##i##2);                                \
         if (NV > 3) _mm512_storeu_ps(o + 48, c##i##3);                                \
     }
-SS_INLINE void pv512_tile(const int MR, const int NV, int64_t kn, const float *P, int64_t ldp, const float *v,
-                          int64_t ldv, float *out, int64_t ldo) {
+SS_INLINE void pv512_tile_g(const int MR, const int NV, int64_t kn, const float *P, int64_t pr, int64_t pj,
+                            const float *v, int64_t ldv, float *out, int64_t ldo, const float *alpha) {
     PV_ACC(0) PV_ACC(1) PV_ACC(2) PV_ACC(3) PV_ACC(4) PV_ACC(5)
     for (int64_t j = 0; j < kn; ++j) {
         const float *vj = v + j * ldv;
@@ -828,6 +838,11 @@ SS_INLINE void pv512_tile(const int MR, const int NV, int64_t kn, const float *P
         PV_ROW(0) PV_ROW(1) PV_ROW(2) PV_ROW(3) PV_ROW(4) PV_ROW(5)
     }
     PV_OUT(0) PV_OUT(1) PV_OUT(2) PV_OUT(3) PV_OUT(4) PV_OUT(5)
+}
+
+SS_INLINE void pv512_tile(const int MR, const int NV, int64_t kn, const float *P, int64_t ldp, const float *v,
+                          int64_t ldv, float *out, int64_t ldo) {
+    pv512_tile_g(MR, NV, kn, P, ldp, 1, v, ldv, out, ldo, NULL);
 }
 
 #define PV_CASE(MR_)                                                                  \
@@ -1379,54 +1394,14 @@ SS_INLINE void pf_scores(const int NR, const float *qT, const float *k, const in
     PS_OUT(0) PS_OUT(1) PS_OUT(2) PS_OUT(3) PS_OUT(4) PS_OUT(5) PS_OUT(6) PS_OUT(7)
 }
 
-#define PO_ACC(i)                                                                     \
-    __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = c##i##0, c##i##2 = c##i##0, c##i##3 = c##i##0; \
-    if (MR > i) {                                                                     \
-        const __m512 al = _mm512_set1_ps(alpha[i]);                                   \
-        float *o = O + (i) * D;                                                       \
-        if (NV > 0) c##i##0 = _mm512_mul_ps(al, _mm512_loadu_ps(o));                  \
-        if (NV > 1) c##i##1 = _mm512_mul_ps(al, _mm512_loadu_ps(o + 16));             \
-        if (NV > 2) c##i##2 = _mm512_mul_ps(al, _mm512_loadu_ps(o + 32));             \
-        if (NV > 3) c##i##3 = _mm512_mul_ps(al, _mm512_loadu_ps(o + 48));             \
-    }
-#define PO_ROW(i)                                                                     \
-    if (MR > i) {                                                                     \
-        const __m512 pb = _mm512_set1_ps(P[j * ldp + (i)]);                           \
-        if (NV > 0) c##i##0 = _mm512_fmadd_ps(pb, v0, c##i##0);                       \
-        if (NV > 1) c##i##1 = _mm512_fmadd_ps(pb, v1, c##i##1);                       \
-        if (NV > 2) c##i##2 = _mm512_fmadd_ps(pb, v2, c##i##2);                       \
-        if (NV > 3) c##i##3 = _mm512_fmadd_ps(pb, v3, c##i##3);                       \
-    }
-#define PO_OUT(i)                                                                     \
-    if (MR > i) {                                                                     \
-        float *o = O + (i) * D;                                                       \
-        if (NV > 0) _mm512_storeu_ps(o, c##i##0);                                     \
-        if (NV > 1) _mm512_storeu_ps(o + 16, c##i##1);                                \
-        if (NV > 2) _mm512_storeu_ps(o + 32, c##i##2);                                \
-        if (NV > 3) _mm512_storeu_ps(o + 48, c##i##3);                                \
-    }
-/* MR (1..6) output rows (O, rows D apart) x NV (1..4) vectors of 16 columns: o = alpha * o + P.V
- * over the block's nk keys (value rows D apart from v; p of key j, row i at P[j * ldp + i]) */
-SS_INLINE void pf_pv(const int MR, const int NV, int nk, const float *P, int64_t ldp, const float *v,
-                     const int64_t D, float *O, const float *alpha) {
-    PO_ACC(0) PO_ACC(1) PO_ACC(2) PO_ACC(3) PO_ACC(4) PO_ACC(5)
-    for (int j = 0; j < nk; ++j) {
-        const float *vj = v + j * D;
-        const __m512 v0 = _mm512_loadu_ps(vj);
-        const __m512 v1 = NV > 1 ? _mm512_loadu_ps(vj + 16) : v0;
-        const __m512 v2 = NV > 2 ? _mm512_loadu_ps(vj + 32) : v0;
-        const __m512 v3 = NV > 3 ? _mm512_loadu_ps(vj + 48) : v0;
-        PO_ROW(0) PO_ROW(1) PO_ROW(2) PO_ROW(3) PO_ROW(4) PO_ROW(5)
-    }
-    PO_OUT(0) PO_OUT(1) PO_OUT(2) PO_OUT(3) PO_OUT(4) PO_OUT(5)
-}
+/* o = alpha * o + P.V over a block of the prefill (p of row i, key j at P[j * ld + i]) */
 #define PO_CASE(MR_)                                                                  \
     case MR_:                                                                         \
         switch (NV) {                                                                 \
-            case 4: pf_pv(MR_, 4, nk, Pr, ld, vd, D, Or, al); break;                      \
-            case 3: pf_pv(MR_, 3, nk, Pr, ld, vd, D, Or, al); break;                      \
-            case 2: pf_pv(MR_, 2, nk, Pr, ld, vd, D, Or, al); break;                      \
-            default: pf_pv(MR_, 1, nk, Pr, ld, vd, D, Or, al); break;                     \
+            case 4: pv512_tile_g(MR_, 4, nk, Pr, 1, ld, vd, D, Or, D, al); break; \
+            case 3: pv512_tile_g(MR_, 3, nk, Pr, 1, ld, vd, D, Or, D, al); break; \
+            case 2: pv512_tile_g(MR_, 2, nk, Pr, 1, ld, vd, D, Or, D, al); break; \
+            default: pv512_tile_g(MR_, 1, nk, Pr, 1, ld, vd, D, Or, D, al); break;\
         }                                                                             \
         break;
 
