@@ -268,6 +268,22 @@ MUTANTS = [
       "the model never runs the prefill attention the plan chose",
       ('if ours and self.kernel_plan.prefill_attention == "ss" and cpu.prefill_attention_supported(q.shape[-1]):',
        'if False:')),
+    # ---- the draft's compact KV (sparsespec/drafters/sparse_self.py CompactDraftKV, ss_compact_update)
+    M("compact_kept_not_moved", "sparsespec/kernels/cpu/sparsespec_cpu.c",
+      "a kept position whose slot lies past a shrunk index stays there (slot >= N)",
+      ("            if (s >= n) {", "            if (0 && s >= n) {")),
+    M("compact_copies_neighbour", "sparsespec/kernels/cpu/sparsespec_cpu.c",
+      "an entering position copies its neighbour's cache row",
+      ("            memcpy(ck + s * D, k + b * c_row, row);", "            memcpy(ck + s * D, k + (b ^ 1) * c_row, row);")),
+    M("compact_value_row_kept_stale", "sparsespec/kernels/cpu/sparsespec_cpu.c",
+      "an entering position copies its key row but not its value row",
+      ("            memcpy(cv + s * D, v + b * c_row, row);", "")),
+    M("compact_not_forgotten", "sparsespec/drafters/sparse_self.py",
+      "a new request in a slot keeps the previous request's compact rows",
+      ("        self.n[b], self.built_from[b] = 0, None", "        self.built_from[b] = None")),
+    M("compact_move_state_only", "sparsespec/drafters/sparse_self.py",
+      "a moved row takes the state but not the compact rows",
+      ("        self.k[:, dst, :, :n] = self.k[:, src, :, :n]\n        self.v[:, dst, :, :n] = self.v[:, src, :, :n]\n", "")),
 ]
 
 

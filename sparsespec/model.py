@@ -98,8 +98,10 @@ class DraftKV:
     them; None = all rows use all ``n_index``); the draft tokens of the current step append after
     it. ``length`` counts filled slots.
 
-    Gather-in-kernel (``index`` set, the Triton path): ``index`` ``[L, B, H_kv, N]`` int positions
-    into ``source`` (the dense cache, read in place; row ``b`` uses its first ``n_valid[b]``);
+    Gather-in-kernel (``index`` set: Triton, and our CPU kernels): ``index`` ``[L, B, H_kv, N]`` int
+    positions into ``source`` (the dense cache read in place, or a ``CompactDraftKV`` whose slots
+    ``0 .. N_b - 1`` hold row ``b``'s indexed rows; anything with ``k``, ``v`` ``[L, B, H_kv, *, D]``;
+    row ``b`` uses its first ``n_valid[b]``);
     ``k``, ``v`` ``[L, B, H_kv, K_max + 1, D]`` hold only the draft tokens (logical slot
     ``s >= n_index`` lives at ``s - n_index``). ``length`` counts logical slots as above.
     """
@@ -110,7 +112,7 @@ class DraftKV:
     n_index: int = 0
     n_valid: torch.Tensor | None = None  # [B] int64
     index: torch.Tensor | None = None  # [L, B, H_kv, N] int32, positions into source.k / source.v
-    source: KVCache | None = None
+    source: KVCache | None = None  # or a CompactDraftKV (sparsespec.drafters.sparse_self)
 
 
 class Transformer(torch.nn.Module):

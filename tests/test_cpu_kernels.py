@@ -348,6 +348,156 @@ def test_build_index_ties_at_the_cut_keep_the_earliest():
         cpu.build_index(scores[:, 0], S, S, 4, 16)
 
 
+# ------------------------------------------------------------------ the draft's compact KV
+def _compact_oracle(k, idx):
+    """What a compact list must hold for index ``idx``: the cache rows at those positions."""
+    return k[idx]
+
+
+def test_compact_update_keeps_every_indexed_row_and_copies_only_what_entered():
+    """Index after index (growing, shrinking, replaced, unchanged, from scratch), the state says
+    which position each slot holds, the slots are exactly 0 .. N - 1, each slot holds its
+    position's cache row, and the rows copied are the entering positions plus the kept ones that
+    had to move down (a shrink)."""
+    g = _gen(21)
+    L, H, S, D = 3, 2, 300, 16
+    k, v = torch.randn(L, H, S, D, generator=g), torch.randn(L, H, S, D, generator=g)
+    n_max = 120
+    ck, cv = torch.full((L, H, n_max, D), float("nan")), torch.full((L, H, n_max, D), float("nan"))
+    pos, slot = torch.zeros(L, H, n_max, dtype=torch.int32), torch.zeros(L, H, n_max, dtype=torch.int32)
+    n_cur, held = 0, [[set() for _ in range(H)] for _ in range(L)]
+
+    def rand_index(N):
+        return torch.stack([torch.stack([torch.randperm(S, generator=g)[:N].sort().values for _ in range(H)])
+                            for _ in range(L)])
+
+    first = rand_index(100)
+    steps = [first, first.clone(), torch.cat([first[..., :60], first[..., 70:]], -1),  # unchanged, then 10 leave
+             rand_index(120), rand_index(40), rand_index(1), rand_index(120)]  # replaced, shrunk, grown
+    nudged = first.clone()
+    nudged[..., 50] = torch.where(nudged[..., 49] + 1 < nudged[..., 50], nudged[..., 49] + 1, nudged[..., 50])
+    steps.insert(2, nudged)
+    for idx in steps:
+        N = idx.shape[-1]
+        slots_before = {(l, h): dict(zip(pos[l, h, :n_cur].tolist(), slot[l, h, :n_cur].tolist()))
+                        for l in range(L) for h in range(H)}
+        copied = cpu.compact_update(idx, pos, slot, n_cur, k, v, ck, cv)
+        want_copied = 0
+        for l in range(L):
+            for h in range(H):
+                p = idx[l, h]
+                assert torch.equal(pos[l, h, :N].long(), p)
+                s = slot[l, h, :N].long()
+                assert sorted(s.tolist()) == list(range(N))
+                assert torch.equal(ck[l, h, s], _compact_oracle(k[l, h], p))
+                assert torch.equal(cv[l, h, s], _compact_oracle(v[l, h], p))
+                before = slots_before[(l, h)]
+                want_copied += sum(1 for q in p.tolist() if q not in before or before[q] >= N)
+                # a kept position below N keeps its slot: nothing is copied for it
+                for q, sl in zip(p.tolist(), s.tolist()):
+                    if q in before and before[q] < N:
+                        assert sl == before[q]
+        assert copied == want_copied
+        n_cur = N
+    assert cpu.compact_update(steps[-1], pos, slot, 0, k, v, ck, cv) == L * H * 120  # n_cur = 0: every row again
+
+
+def test_compact_update_rejects_what_it_cannot_hold():
+    L, H, S, D = 2, 2, 50, 16
+    k = torch.zeros(L, H, S, D)
+    ck = torch.zeros(L, H, 10, D)
+    pos = torch.zeros(L, H, 10, dtype=torch.int32)
+    idx = torch.arange(10).expand(L, H, 10).contiguous()
+    with pytest.raises(ValueError, match="int64"):
+        cpu.compact_update(idx.int(), pos, pos.clone(), 0, k, k, ck, ck.clone())
+    with pytest.raises(ValueError, match="cannot hold"):
+        cpu.compact_update(torch.arange(11).expand(L, H, 11).contiguous(), pos, pos.clone(), 0, k, k, ck, ck.clone())
+    with pytest.raises(ValueError, match="lie in"):
+        cpu.compact_update(idx + 45, pos, pos.clone(), 0, k, k, ck, ck.clone())
+    with pytest.raises(ValueError, match="float32"):
+        cpu.compact_update(idx, pos, pos.clone(), 0, k.double(), k.double(), ck, ck.clone())
+
+
+@pytest.mark.parametrize("method", ["sparsespec-l", "magicdec-streaming"])
+def test_the_compact_draft_kv_follows_the_index_through_rebuilds_and_moves(method, monkeypatch):
+    """The indexed drafters on our kernels keep each row's indexed K and V in a compact buffer:
+    after prefills, rounds and a row moving down, every row's compact slots hold the cache rows
+    of its current index, and a greedy draft over them gives the tokens (and nearly the
+    entropies) of the draft that reads the indexed rows in place (the same sum in another order)."""
+    from sparsespec.adaptive import FixedK
+    from sparsespec.config import SamplingParams
+    from sparsespec.drafters import sparse_self as ssd
+    from sparsespec.registry import DRAFTERS
+    from sparsespec.sampling import BatchSampling
+
+    model = random_transformer("tiny", seed=5).use_kernels(KernelPlan(((None, "ss"),), "ss", True))
+    cfg = model.cfg
+    B, P, K = 3, 260, 3
+    cls = DRAFTERS.get(method)
+    spec = cls.options.from_options(method, {"k": K, "budget_frac": 0.2})
+    drafters = {}
+    for env in ("1", "0"):
+        monkeypatch.setenv(ssd.ENV_COMPACT, env)
+        drafters[env] = cls(model, spec, P + 4 * (K + 1), B, K)
+    assert drafters["1"].compact is not None and drafters["0"].compact is None
+    cache = KVCache(cfg, B, P + 4 * (K + 1), model.dtype, "cpu")
+    _fill(cache, P + 4 * (K + 1), _gen(30))
+    cache.lengths = [P, P - 30, P - 61]
+    g = _gen(31)
+    for b in range(B):
+        rows = torch.rand(cfg.num_layers, 1, cfg.num_kv_heads, 8, cache.lengths[b], generator=g)
+        for d in drafters.values():
+            d.prefill_row(b, cache, rows)
+    sampling = BatchSampling([SamplingParams(max_new_tokens=K + 2, temperature=0.0)] * B, [None] * B)
+    tok = torch.randint(0, cfg.vocab_size, (B, 1), generator=g)
+
+    def check(d, nrows):
+        c = d.compact
+        for b in range(nrows):
+            idx = d.index[b][:, 0]  # [L, H_kv, N]
+            N = idx.shape[-1]
+            assert c.n[b] == N
+            for l in range(cfg.num_layers):
+                for h in range(cfg.num_kv_heads):
+                    s = c.slot[b, l, h, :N].long()
+                    assert torch.equal(c.pos[b, l, h, :N].long(), idx[l, h])
+                    assert torch.equal(c.k[l, b, h, s], cache.k[l, b, h, idx[l, h]])
+                    assert torch.equal(c.v[l, b, h, s], cache.v[l, b, h, idx[l, h]])
+
+    for rnd in range(3):
+        drafts = {e: d.propose(cache, tok, [K] * B, [FixedK(K)] * B, sampling) for e, d in drafters.items()}
+        check(drafters["1"], B)
+        assert torch.equal(drafts["1"].token_ids, drafts["0"].token_ids)
+        torch.testing.assert_close(drafts["1"].entropies, drafts["0"].entropies, rtol=1e-4, atol=1e-4)
+        counts = [rnd + 1, 2, K + 1]
+        for b in range(B):  # the verify's rows: positions past the old length join the index
+            cache.lengths[b] += counts[b]
+        for d in drafters.values():
+            if method == "sparsespec-l":
+                d.commit(cache, torch.rand(cfg.num_layers, B, cfg.num_kv_heads, K + 1, max(cache.lengths),
+                                           generator=_gen(40 + rnd)), counts)
+            else:
+                d.commit(cache, None, counts)
+    cache.move(2, 0)  # row 0 finished: the last row moves into its slot, as the engine does
+    for d in drafters.values():
+        d.move(2, 0)
+    two = cache.head(2)
+    sampling2 = BatchSampling([SamplingParams(max_new_tokens=K + 2, temperature=0.0)] * 2, [None] * 2)
+    drafts = {e: d.propose(two, tok[:2], [K] * 2, [FixedK(K)] * 2, sampling2) for e, d in drafters.items()}
+    check(drafters["1"], 2)
+    assert torch.equal(drafts["1"].token_ids, drafts["0"].token_ids)
+    # a new request in slot 1: other rows of the cache, a fresh prefill (nothing of the old compact rows kept)
+    two.k[:, 1].normal_(generator=_gen(50))
+    two.v[:, 1].normal_(generator=_gen(51))
+    two.lengths[1] = P - 5
+    rows = torch.rand(cfg.num_layers, 1, cfg.num_kv_heads, 8, P - 5, generator=g)
+    for d in drafters.values():
+        d.prefill_row(1, two, rows)
+    drafts = {e: d.propose(two, tok[:2], [K] * 2, [FixedK(K)] * 2, sampling2) for e, d in drafters.items()}
+    check(drafters["1"], 2)
+    assert torch.equal(drafts["1"].token_ids, drafts["0"].token_ids)
+
+
 # ------------------------------------------------------------------ the plan
 def test_plan_validation_and_queries():
     p = KernelPlan(((1, "ss"), (32, "onednn"), (None, "mkl")), "ss", True)

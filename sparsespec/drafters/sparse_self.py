@@ -1,10 +1,12 @@
 """Self-speculative drafters: the target model drafts for itself over a sparse view of its own KV.
 
 All of them attend, per layer and KV head, to ``N`` positions of the dense cache (the *index*).
-On the PyTorch path the index is gathered into a compact buffer once per step; where attention
-runs in a kernel (``Transformer.attention_in_kernel``: ours on the CPU, Triton on CUDA) the draft
-kernel gathers the indexed positions itself and the drafter only hands it the padded index (no KV
-copy). The draft tokens of the step append their own
+On the PyTorch path the index is gathered into a compact buffer once per step. With Triton on
+CUDA the draft kernel gathers the indexed positions itself and the drafter only hands it the
+padded index (no KV copy). With our CPU kernels, ``sparsespec-l`` and ``magicdec-streaming`` keep
+each row's indexed K and V in a compact buffer across rebuilds (``CompactDraftKV``: a rebuild
+copies only the positions that entered the index, and every draft step streams contiguous rows);
+``SPARSESPEC_DRAFT_COMPACT=0`` has the kernel read them in place. The draft tokens of the step append their own
 KV to a small buffer, so the dense cache is never touched by the draft. Keys keep the RoPE of their
 true positions and draft queries use true positions. They differ only in how the index is chosen:
 
@@ -19,6 +21,7 @@ true positions and draft queries use true positions. They differ only in how the
 from __future__ import annotations
 
 import math
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Sequence
@@ -33,6 +36,83 @@ from sparsespec.kv.index import ImportanceWindow, RowsTarget, build_index
 from sparsespec.sampling import BatchSampling
 from sparsespec.model import DraftKV, Transformer
 from sparsespec.registry import DRAFTERS
+
+
+#: ``0`` turns the compact draft KV off (the draft kernel then reads the indexed rows of the dense
+#: cache in place): for measuring one against the other
+ENV_COMPACT = "SPARSESPEC_DRAFT_COMPACT"
+
+
+def compact_draft_kv_enabled() -> bool:
+    """Whether the indexed drafters keep a compact draft KV where our CPU kernels run
+    (``SPARSESPEC_DRAFT_COMPACT``, default on)."""
+    return os.environ.get(ENV_COMPACT, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+class CompactDraftKV:
+    """Each batch row's indexed keys and values, copied out of the dense cache and kept across
+    rebuilds of its index (our CPU kernels).
+
+    The draft kernel reads N rows per (layer, KV head) at every draft step. Read in place they are
+    N scattered 256-byte rows of K and of V, whose rate is bound by how many cache misses a core
+    keeps in flight (about half the streaming rate on the AMD EPYC of ``benchmarks/RESULTS.md``);
+    copied here they stream. A rebuild of the index copies only the positions that entered it
+    (``cpu.compact_update``: about a tenth per round of ``sparsespec-l`` on book text), so the copy
+    costs a fraction of one draft step while every step of the round reads contiguous rows. The
+    rows are in no particular order (attention over them is the same sum in another order, and only
+    the draft reads them): ``slots`` is the kernel's index over them, ``0 .. N - 1``.
+
+    Memory: ``2 x L x B x H_kv x N_max x D`` elements (``N_max``: the largest index, a
+    ``budget_frac`` share of the cache), plus int32 bookkeeping.
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, n_max: int, head_dim: int,
+                 dtype: torch.dtype):
+        L, B, H, N = num_layers, batch_size, num_kv_heads, max(1, n_max)
+        self.k = torch.zeros(L, B, H, N, head_dim, dtype=dtype)  # [L, B, H_kv, N_max, D]
+        self.v = torch.zeros_like(self.k)
+        self.pos = torch.zeros(B, L, H, N, dtype=torch.int32)  # per row: positions held, ascending
+        self.slot = torch.zeros_like(self.pos)  # ... and the compact slot of each
+        self.slots = torch.arange(N, dtype=torch.int32).expand(L, B, H, N).contiguous()  # [L, B, H_kv, N_max]
+        self.n = [0] * B  # positions held per row
+        self.built_from: list[torch.Tensor | None] = [None] * B  # the index tensor each row was built from
+        self.copied = 0  # rows copied in all (a statistic)
+
+    def refresh(self, b: int, index: torch.Tensor, cache: KVCache) -> None:
+        """Row ``b``'s compact KV for ``index`` ``[L, 1, H_kv, N]`` (int64, ascending), read from
+        ``cache``; nothing to do when ``index`` is the one it was built from."""
+        if self.built_from[b] is index:
+            return
+        from sparsespec.kernels import cpu
+
+        idx = index[:, 0]
+        if idx.dtype != torch.int64 or idx.stride(-1) != 1:
+            idx = idx.to(torch.int64).contiguous()
+        try:
+            self.copied += cpu.compact_update(idx, self.pos[b], self.slot[b], self.n[b], cache.k[:, b], cache.v[:, b],
+                                              self.k[:, b], self.v[:, b])
+        except RuntimeError:
+            self.forget(b)
+            raise
+        self.n[b] = int(idx.shape[-1])
+        self.built_from[b] = index
+
+    def forget(self, b: int) -> None:
+        """Row ``b`` holds a new request: its next refresh copies every indexed row."""
+        self.n[b], self.built_from[b] = 0, None
+
+    def move(self, src: int, dst: int) -> None:
+        """Row ``src``'s compact KV and state to row ``dst`` (the engine moved its request)."""
+        n = max(1, self.n[src])
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.pos[dst, ..., :n] = self.pos[src, ..., :n]
+        self.slot[dst, ..., :n] = self.slot[src, ..., :n]
+        self.n[dst], self.built_from[dst] = self.n[src], self.built_from[src]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.pos, self.slot, self.slots))
 
 
 @dataclass(frozen=True)
@@ -145,6 +225,9 @@ class _IndexedSelfDrafter(ABC):
     #: a draft forward's cost relative to a dense forward over the N keys it reads (the cost
     #: controller's prior until measured): the same weights, the same layers
     draft_cost_prior = 1.0
+    #: keep the indexed KV in a compact buffer across rebuilds where our CPU kernels run the draft
+    #: (``CompactDraftKV``); off for drafters whose index grows with every generated token
+    compact_kv = True
 
     def __init__(self, model: Transformer, spec: SelfSpecOptions, capacity: int, batch_size: int, max_k: int):
         cfg = model.cfg
@@ -165,6 +248,10 @@ class _IndexedSelfDrafter(ABC):
             self.index_buf = torch.zeros(cfg.num_layers, batch_size, cfg.num_kv_heads, max(1, self.n_max),
                                          dtype=torch.int32, device=model.device)
         self.index: list[torch.Tensor | None] = [None] * batch_size  # per slot [L, 1, H_kv, N_b] int64
+        self.compact: CompactDraftKV | None = None
+        if self.gather_in_kernel and self.compact_kv and model.attention_backend() == "ss" and compact_draft_kv_enabled():
+            self.compact = CompactDraftKV(cfg.num_layers, batch_size, cfg.num_kv_heads, self.n_max, cfg.head_dim,
+                                          model.dtype)
 
     def _max_index(self, capacity: int) -> int:
         return self.spec.budget(capacity)
@@ -174,17 +261,37 @@ class _IndexedSelfDrafter(ABC):
         """Set ``self.index[b]`` for row ``b``'s current cache length."""
 
     def prefill_row(self, b: int, cache: KVCache, rows: torch.Tensor | None, prompt: Sequence[int] = ()) -> None:
+        self._forget(b)
         self._rebuild(cache, b)
+        self._refresh(cache)
 
     def commit(self, cache: KVCache, rows: torch.Tensor | None, counts: Sequence[int]) -> None:
         for b in range(cache.batch_size):
             self._rebuild(cache, b)
+        self._refresh(cache)
 
     def move(self, src: int, dst: int) -> None:
-        self.index[dst] = self.index[src]  # the compact buffers are refilled at every propose
+        self.index[dst] = self.index[src]  # the PyTorch path's compact buffers are refilled at every propose
+        if self.compact is not None:
+            self.compact.move(src, dst)
 
     def flush(self, cache: KVCache) -> None:
-        """Bring every running row's index up to date (a no-op unless rebuilds are deferred)."""
+        """Bring every running row's index (and its compact KV) up to date (a no-op unless
+        rebuilds are deferred)."""
+        self._refresh(cache)
+
+    def _forget(self, b: int) -> None:
+        """Slot ``b`` holds a new request: nothing of its compact KV may be kept."""
+        if self.compact is not None:
+            self.compact.forget(b)
+
+    def _refresh(self, cache: KVCache) -> None:
+        """The compact KV of every running row built from its current index (rows whose index
+        did not change since: nothing to do)."""
+        if self.compact is not None:
+            for b in range(cache.batch_size):
+                if self.index[b] is not None:
+                    self.compact.refresh(b, self.index[b], cache)
 
     def propose(self, cache: KVCache, pending: torch.Tensor, limits: Sequence[int], policies: Sequence,
                 sampling: BatchSampling, history: Sequence[Sequence[int]] = ()) -> Draft:
@@ -194,7 +301,10 @@ class _IndexedSelfDrafter(ABC):
         n = max(sizes)
         D = cache.k.shape[-1]
         dkv = DraftKV(self.dkv.k[:, :B], self.dkv.v[:, :B], 0)  # the running rows' slots
-        if self.gather_in_kernel:  # hand the kernel the padded index; it reads the dense cache in place
+        if self.compact is not None:  # the kernel streams each row's compact KV (slots 0 .. N_b - 1)
+            self._refresh(cache)
+            dkv.index, dkv.source = self.compact.slots[:, :B, :, :n], self.compact
+        elif self.gather_in_kernel:  # hand the kernel the padded index; it reads the dense cache in place
             for b in range(B):
                 self.index_buf[:, b, :, : sizes[b]] = self.index[b][:, 0]
             dkv.index, dkv.source = self.index_buf[:, :B, :, :n], cache  # [L, B, H_kv, N]
@@ -226,7 +336,8 @@ class _IndexedSelfDrafter(ABC):
         idx = L * B * H * self.n_max * 8
         if self.index_buf is not None:
             idx += self.index_buf.numel() * self.index_buf.element_size()
-        return idx + 2 * self.dkv.k.numel() * self.dkv.k.element_size()
+        compact = 0 if self.compact is None else self.compact.nbytes
+        return idx + 2 * self.dkv.k.numel() * self.dkv.k.element_size() + compact
 
 
 @DRAFTERS.register("sparsespec-l")
@@ -257,7 +368,9 @@ class SparseSelfDrafter(_IndexedSelfDrafter):
         self.window.reset(b)
         if rows is not None:
             self.window.push_row(b, rows[:, 0])
+        self._forget(b)
         self._rebuild(cache, b)
+        self._refresh(cache)
 
     def importance_target(self, batch: int, num_rows: int, width: int) -> RowsTarget:
         """Where the next verify forward writes its ``num_rows`` query rows (``width`` columns):
@@ -288,6 +401,7 @@ class SparseSelfDrafter(_IndexedSelfDrafter):
                     raise RuntimeError(f"slot {b}: cache length {cache.lengths[b]} changed since commit "
                                        f"({self.stale[b]}) without a commit")
                 self._rebuild(cache, b)
+        self._refresh(cache)
 
     def index_sizes(self) -> list[int]:
         """Per slot: the size its index has (or will have at the deferred rebuild)."""
@@ -360,6 +474,7 @@ class SnapKVDrafter(_IndexedSelfDrafter):
 
     options = SnapKVOptions
     want_rows = 0  # verification attention is not used: the selection is never revisited
+    compact_kv = False  # its index is the prompt's selection plus every later token: a compact copy would grow to the cache
 
     def __init__(self, model: Transformer, spec: SelfSpecOptions, capacity: int, batch_size: int, max_k: int):
         super().__init__(model, spec, capacity, batch_size, max_k)

@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu") / "sparsespec_cpu.c"
-ABI_VERSION = 12
+ABI_VERSION = 13
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
 #: keys per attention chunk in the C kernels (SS_CHUNK)
 CHUNK = 256
@@ -168,6 +168,8 @@ _SIGNATURES = {
     "ss_forward_struct_size": ([], _I64),
     "ss_forward_layers": ([_PTR], None),
     "ss_build_index": ([_I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, _INT], None),
+    "ss_compact_update": ([_I64] * 3 + [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64,
+                                        _PTR, _PTR, _I64, _I64, _INT], _I64),
     "ss_set_attention_avx512": ([_INT], _INT),
     "ss_set_linear_avx512": ([_INT], _INT),
     "ss_set_attention_kt": ([_INT], _INT),
@@ -457,6 +459,55 @@ def build_index(scores: torch.Tensor, length: int, budget: int, n_sink: int, n_r
     library().ss_build_index(A, H, scores.data_ptr(), scores.stride(0), scores.stride(1), length, n_sink, n_recent,
                              budget, out.data_ptr(), out.stride(0), out.stride(1), torch.get_num_threads())
     return out
+
+
+def compact_update(index: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor, n_cur: int, k_row: torch.Tensor,
+                   v_row: torch.Tensor, ck_row: torch.Tensor, cv_row: torch.Tensor) -> int:
+    """Bring one batch row's compact draft KV up to its new index, copying only what changed.
+
+    The state (``pos``, ``slot``, ``n_cur``) says which cache position each compact slot holds:
+    per (layer, KV head), ``pos[l, h, :n_cur]`` ascending with their slots ``slot[l, h, :n_cur]``,
+    the slots in use being ``0 .. n_cur - 1``. Afterwards it describes ``index`` (``N`` positions
+    per list, slots ``0 .. N - 1``): a position kept keeps its slot (or moves down when the index
+    shrank), a new one is copied from the cache into a freed slot. The compact rows are in no
+    particular order; attention over them is the same sum in another order.
+
+    Args:
+        index: ``[L, H_kv, N]`` int64, ascending and unique per list, each ``< k_row.shape[2]``.
+        pos, slot: ``[L, H_kv, >= max(N, n_cur)]`` int32 (last dim contiguous), updated in place.
+        n_cur: the positions the state holds now (0: none, e.g. a new request: every row is copied).
+        k_row, v_row: ``[L, H_kv, S, D]`` the cache of this batch row (rows of D contiguous).
+        ck_row, cv_row: ``[L, H_kv, >= N, D]`` its compact rows (rows of D contiguous), same strides.
+
+    Returns:
+        The rows copied (moves included).
+
+    Raises:
+        ValueError: mismatched shapes, dtypes or strides. RuntimeError: a thread could not allocate
+        its scratch (the state is then partly updated: call again with ``n_cur = 0``).
+    """
+    L, H, N = index.shape
+    D = k_row.shape[-1]
+    if index.dtype != torch.int64 or index.stride(-1) != 1:
+        raise ValueError("index must be int64 [L, H_kv, N] with a contiguous last dim")
+    if pos.dtype != torch.int32 or slot.dtype != torch.int32 or pos.stride() != slot.stride() or pos.stride(-1) != 1:
+        raise ValueError("pos and slot must be int32 with the same strides and a contiguous last dim")
+    if pos.shape[:2] != (L, H) or pos.shape[-1] < max(N, n_cur) or slot.shape != pos.shape:
+        raise ValueError(f"pos/slot {tuple(pos.shape)} cannot hold {max(N, n_cur)} positions of [{L}, {H}] lists")
+    for t in (k_row, v_row, ck_row, cv_row):
+        if t.dtype != torch.float32 or t.shape[:2] != (L, H) or t.shape[-1] != D or t.stride(-1) != 1 or t.stride(-2) != D:
+            raise ValueError("k_row, v_row, ck_row, cv_row must be float32 [L, H_kv, *, D] with rows of D contiguous")
+    if k_row.stride() != v_row.stride() or ck_row.stride() != cv_row.stride() or ck_row.shape[2] < N:
+        raise ValueError("k_row/v_row and ck_row/cv_row must share strides, and the compact rows hold N")
+    if N and (int(index.max()) >= k_row.shape[2] or int(index.min()) < 0):
+        raise ValueError(f"index positions must lie in [0, {k_row.shape[2]})")
+    got = library().ss_compact_update(L, H, D, index.data_ptr(), index.stride(0), index.stride(1), N, pos.data_ptr(),
+                                      slot.data_ptr(), pos.stride(0), pos.stride(1), n_cur, k_row.data_ptr(),
+                                      v_row.data_ptr(), k_row.stride(0), k_row.stride(1), ck_row.data_ptr(),
+                                      cv_row.data_ptr(), ck_row.stride(0), ck_row.stride(1), torch.get_num_threads())
+    if got < 0:
+        raise RuntimeError("ss_compact_update: out of memory for its scratch")
+    return int(got)
 
 
 def attention_supported(head_dim: int) -> bool:

@@ -51,7 +51,7 @@
 #error "sparsespec_cpu.c needs AVX2 and FMA (the loader falls back to torch without them)"
 #endif
 
-SS_API int ss_abi_version(void) { return 12; }
+SS_API int ss_abi_version(void) { return 13; }
 
 
 /* ------------------------------------------------------------------ vector helpers (AVX2) */
@@ -798,7 +798,8 @@ SS_INLINE void sc512_pack_pairs(const float *qs, int64_t R2, const int64_t D, fl
 }
 
 /* MR (1..6) rows x NV (1..4) vectors of 16 columns of o = P.V over kn keys (p[r, j] at P[r * pr + j * pj],
- * value rows ldv apart): gemm_tile's chains in 16 lanes, from 0; with alpha (the prefill's online
+ * value rows ldv apart; or, with vp, key j's value columns at vp[j]: the draft's indexed rows
+ * read where they lie): gemm_tile's chains in 16 lanes, from 0; with alpha (the prefill's online
  * softmax), o = alpha[r] * o + P.V instead */
 #define PV_ACC(i)                                                                     \
     __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = c##i##0, c##i##2 = c##i##0, c##i##3 = c##i##0; \
@@ -827,10 +828,11 @@ SS_INLINE void sc512_pack_pairs(const float *qs, int64_t R2, const int64_t D, fl
         if (NV > 3) _mm512_storeu_ps(o + 48, c##i##3);                                \
     }
 SS_INLINE void pv512_tile_g(const int MR, const int NV, int64_t kn, const float *P, int64_t pr, int64_t pj,
-                            const float *v, int64_t ldv, float *out, int64_t ldo, const float *alpha) {
+                            const float *v, int64_t ldv, const float *const *vp, float *out, int64_t ldo,
+                            const float *alpha) {
     PV_ACC(0) PV_ACC(1) PV_ACC(2) PV_ACC(3) PV_ACC(4) PV_ACC(5)
     for (int64_t j = 0; j < kn; ++j) {
-        const float *vj = v + j * ldv;
+        const float *vj = vp ? vp[j] : v + j * ldv;
         const __m512 v0 = _mm512_loadu_ps(vj);
         const __m512 v1 = NV > 1 ? _mm512_loadu_ps(vj + 16) : v0;
         const __m512 v2 = NV > 2 ? _mm512_loadu_ps(vj + 32) : v0;
@@ -841,27 +843,31 @@ SS_INLINE void pv512_tile_g(const int MR, const int NV, int64_t kn, const float 
 }
 
 SS_INLINE void pv512_tile(const int MR, const int NV, int64_t kn, const float *P, int64_t ldp, const float *v,
-                          int64_t ldv, float *out, int64_t ldo) {
-    pv512_tile_g(MR, NV, kn, P, ldp, 1, v, ldv, out, ldo, NULL);
+                          int64_t ldv, const float *const *vp, float *out, int64_t ldo) {
+    pv512_tile_g(MR, NV, kn, P, ldp, 1, v, ldv, vp, out, ldo, NULL);
 }
 
 #define PV_CASE(MR_)                                                                  \
     case MR_:                                                                         \
         switch (NV) {                                                                 \
-            case 4: pv512_tile(MR_, 4, kn, Pr, ldp, vd, ldv, o, ldo); break;          \
-            case 3: pv512_tile(MR_, 3, kn, Pr, ldp, vd, ldv, o, ldo); break;          \
-            case 2: pv512_tile(MR_, 2, kn, Pr, ldp, vd, ldv, o, ldo); break;          \
-            default: pv512_tile(MR_, 1, kn, Pr, ldp, vd, ldv, o, ldo); break;         \
+            case 4: pv512_tile(MR_, 4, kn, Pr, ldp, vd, ldv, vp ? vpd : NULL, o, ldo); break;          \
+            case 3: pv512_tile(MR_, 3, kn, Pr, ldp, vd, ldv, vp ? vpd : NULL, o, ldo); break;          \
+            case 2: pv512_tile(MR_, 2, kn, Pr, ldp, vd, ldv, vp ? vpd : NULL, o, ldo); break;          \
+            default: pv512_tile(MR_, 1, kn, Pr, ldp, vd, ldv, vp ? vpd : NULL, o, ldo); break;         \
         }                                                                             \
         break;
-/* o [R, D] (rows ldo apart) = P [R, kn] . V [kn, D], D % 16 == 0 */
-static void pv512_rows(int64_t R, int64_t kn, const float *P, int64_t ldp, const float *v, int64_t ldv, int64_t D,
-                       float *out, int64_t ldo) {
+/* o [R, D] (rows ldo apart) = P [R, kn] . V [kn, D], D % 16 == 0; value row j at v + j * ldv, or
+ * with vp (kn <= SS_CHUNK) at vp[j] */
+static void pv512_rows(int64_t R, int64_t kn, const float *P, int64_t ldp, const float *v, int64_t ldv,
+                       const float *const *vp, int64_t D, float *out, int64_t ldo) {
+    const float *vpd[vp ? SS_CHUNK : 1];
     for (int64_t d0 = 0; d0 < D; d0 += 64) {
         const int NV = (int)((D - d0) / 16 < 4 ? (D - d0) / 16 : 4);
+        if (vp)
+            for (int64_t j = 0; j < kn; ++j) vpd[j] = vp[j] + d0;
         for (int64_t r = 0; r < R; r += 6) {
             const int MR = (int)(R - r < 6 ? R - r : 6);
-            const float *Pr = P + r * ldp, *vd = v + d0;
+            const float *Pr = P + r * ldp, *vd = vp ? NULL : v + d0;
             float *o = out + r * ldo + d0;
             switch (MR) { PV_CASE(6) PV_CASE(5) PV_CASE(4) PV_CASE(3) PV_CASE(2) PV_CASE(1) }
         }
@@ -1212,17 +1218,20 @@ SS_INLINE void att_chunk_d(const attn_t *a, int64_t b, int64_t kv, int64_t c, co
      *    remainder of 3 rows (a decode step's G = 3 rows: half the broadcasts) */
     const float *vrows = att_val(a, b, kv, j0, nv, idx);
     const int64_t kn = j1 - j0;
+#if SS_HAVE512
+    if (ss_att512) {  /* the draft's value rows read where they lie (index positions, then the tail) */
+        const float *vp[a->sparse ? SS_CHUNK : 1];
+        if (a->sparse)
+            for (int64_t u = 0; u < kn; ++u) vp[u] = att_val(a, b, kv, j0 + u, nv, idx);
+        pv512_rows(R, kn, S + j0, ld, vrows, D, a->sparse ? vp : NULL, D, part, D);
+        return;
+    }
+#endif
     if (a->sparse) {  /* gather the chunk's value rows (index positions, then the draft tail) */
         float *vt = part + R * D;  /* the item's gather room (sparse mode only) */
         for (int64_t u = 0; u < kn; ++u) memcpy(vt + u * D, att_val(a, b, kv, j0 + u, nv, idx), (size_t)D * 4);
         vrows = vt;
     }
-#if SS_HAVE512
-    if (ss_att512) {
-        pv512_rows(R, kn, S + j0, ld, vrows, D, D, part, D);
-        return;
-    }
-#endif
     const int wide3 = R % 6 == 3 && D % 32 == 0;
     const int64_t R6 = wide3 ? R - 3 : R;
     for (int64_t d0 = 0; d0 < D; d0 += SS_NB)
@@ -1398,10 +1407,10 @@ SS_INLINE void pf_scores(const int NR, const float *qT, const float *k, const in
 #define PO_CASE(MR_)                                                                  \
     case MR_:                                                                         \
         switch (NV) {                                                                 \
-            case 4: pv512_tile_g(MR_, 4, nk, Pr, 1, ld, vd, D, Or, D, al); break; \
-            case 3: pv512_tile_g(MR_, 3, nk, Pr, 1, ld, vd, D, Or, D, al); break; \
-            case 2: pv512_tile_g(MR_, 2, nk, Pr, 1, ld, vd, D, Or, D, al); break; \
-            default: pv512_tile_g(MR_, 1, nk, Pr, 1, ld, vd, D, Or, D, al); break;\
+            case 4: pv512_tile_g(MR_, 4, nk, Pr, 1, ld, vd, D, NULL, Or, D, al); break; \
+            case 3: pv512_tile_g(MR_, 3, nk, Pr, 1, ld, vd, D, NULL, Or, D, al); break; \
+            case 2: pv512_tile_g(MR_, 2, nk, Pr, 1, ld, vd, D, NULL, Or, D, al); break; \
+            default: pv512_tile_g(MR_, 1, nk, Pr, 1, ld, vd, D, NULL, Or, D, al); break;\
         }                                                                             \
         break;
 
@@ -1766,4 +1775,99 @@ SS_API void ss_build_index(int64_t R0, int64_t R1, const double *scores, int64_t
         free(key);
         free(cand);
     }
+}
+
+/* ------------------------------------------------------------------ the draft's compact KV
+ * One batch row's indexed keys and values, kept in a compact buffer across rebuilds of its index,
+ * so that every draft step streams N contiguous rows instead of reading N scattered ones (random
+ * 256-byte rows of K and V: about half the streaming rate on the AMD EPYC of benchmarks/RESULTS.md),
+ * and a rebuild copies only the positions that entered the index (about a tenth of them per round
+ * of sparsespec-l on book text).
+ *
+ * Per (layer, KV head) list: the state is the positions now held, ascending (pos[0 .. n_cur)), and
+ * the compact slot of each (slot[...]); the slots in use are exactly 0 .. n_cur - 1. Given the new
+ * index (idx[0 .. n), ascending, unique), a position in both keeps its slot unless that slot is >= n
+ * (the index shrank: its row moves down into a free slot); a position only in the new index is
+ * copied from the cache into a free slot below n. Afterwards the state describes the new index and
+ * the slots in use are 0 .. n - 1. Order of the compact rows: arbitrary (attention over them is
+ * the same sum in another order; only the draft reads them).
+ *
+ * idx: [L, H] lists (strides x_sl, x_sh) of int64; pos, slot: [L, H, >= max(n, n_cur)] int32 (strides
+ * s_sl, s_sh); k, v: the cache row [L, H, S, D] (strides c_sl, c_sh, rows of D contiguous); ck, cv:
+ * the compact row [L, H, >= n, D] (strides p_sl, p_sh). Returns the rows copied (moves included),
+ * or -1 where a thread could not allocate its scratch (then the state is unchanged for the lists it
+ * did not reach: call again with n_cur = 0 to rebuild from scratch). */
+static int64_t compact_list(const int64_t *idx, int64_t n, int32_t *pos, int32_t *slot, int64_t n_cur,
+                            const float *k, const float *v, int64_t c_row, float *ck, float *cv, int64_t D,
+                            unsigned char *used, int32_t *out) {
+    const size_t row = (size_t)D * 4;
+    const int64_t top = n > n_cur ? n : n_cur;
+    memset(used, 0, (size_t)top);
+    for (int64_t i = 0, j = 0; i < n_cur && j < n;) {  /* 1. the slots below n that kept positions hold */
+        const int64_t a = pos[i], b = idx[j];
+        if (a == b) {
+            if (slot[i] < n) used[slot[i]] = 1;
+            ++i, ++j;
+        } else if (a < b) {
+            ++i;
+        } else {
+            ++j;
+        }
+    }
+    int64_t f = 0, copied = 0;  /* 2. assign: kept (moved down where needed), added into free slots */
+    for (int64_t i = 0, j = 0; j < n; ++j) {
+        const int64_t b = idx[j];
+        while (i < n_cur && pos[i] < b) ++i;
+        int64_t s;
+        if (i < n_cur && pos[i] == b) {
+            s = slot[i++];
+            if (s >= n) {
+                while (used[f]) ++f;
+                used[f] = 1;
+                memcpy(ck + f * D, ck + s * D, row);
+                memcpy(cv + f * D, cv + s * D, row);
+                s = f;
+                ++copied;
+            }
+        } else {
+            while (used[f]) ++f;
+            used[f] = 1;
+            s = f;
+            memcpy(ck + s * D, k + b * c_row, row);
+            memcpy(cv + s * D, v + b * c_row, row);
+            ++copied;
+        }
+        out[j] = (int32_t)s;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+        pos[j] = (int32_t)idx[j];
+        slot[j] = out[j];
+    }
+    return copied;
+}
+
+SS_API int64_t ss_compact_update(int64_t L, int64_t H, int64_t D, const int64_t *idx, int64_t x_sl, int64_t x_sh,
+                                 int64_t n, int32_t *pos, int32_t *slot, int64_t s_sl, int64_t s_sh, int64_t n_cur,
+                                 const float *k, const float *v, int64_t c_sl, int64_t c_sh, float *ck, float *cv,
+                                 int64_t p_sl, int64_t p_sh, int nthreads) {
+    const int64_t top = n > n_cur ? n : n_cur;
+    int64_t copied = 0;
+    int failed = 0;
+#pragma omp parallel num_threads(ss_threads(nthreads)) reduction(+ : copied) reduction(| : failed)
+    {
+        unsigned char *used = (unsigned char *)malloc((size_t)(top > 0 ? top : 1));
+        int32_t *out = (int32_t *)malloc((size_t)(n > 0 ? n : 1) * 4);
+        failed = used == NULL || out == NULL;
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t r = 0; r < L * H; ++r) {
+            if (failed) continue;
+            const int64_t l = r / H, h = r % H;
+            copied += compact_list(idx + l * x_sl + h * x_sh, n, pos + l * s_sl + h * s_sh, slot + l * s_sl + h * s_sh,
+                                   n_cur, k + l * c_sl + h * c_sh, v + l * c_sl + h * c_sh, D, ck + l * p_sl + h * p_sh,
+                                   cv + l * p_sl + h * p_sh, D, used, out);
+        }
+        free(used);
+        free(out);
+    }
+    return failed ? -1 : copied;
 }
