@@ -40,7 +40,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--tiles", default=None,
-                    help="comma-separated attention tiles to time side by side (avx512-kt, avx512, avx2; "
+                    help="comma-separated attention tiles to time side by side (avx512-kt, avx512-kt-late: the "
+                         "value rows fetched late, avx512, avx2; "
                          "bitwise the same results); default: what the library runs now")
     a = ap.parse_args(argv)
     if a.threads:
@@ -62,13 +63,14 @@ def main(argv=None) -> int:
     v = torch.randn_like(k)
     starts = torch.full((B,), S, dtype=torch.int64)
     tiles = a.tiles.split(",") if a.tiles else [kc.attention_isa()]
-    bad = [t for t in tiles if t not in ("avx512-kt", "avx512", "avx2")]
+    bad = [t for t in tiles if t not in ("avx512-kt", "avx512-kt-late", "avx512", "avx2")]
     if bad:
-        ap.error(f"--tiles: unknown {bad} (avx512-kt, avx512, avx2)")
+        ap.error(f"--tiles: unknown {bad} (avx512-kt, avx512-kt-late, avx512, avx2)")
 
     def use(tile):
         kc.set_attention_avx512(tile != "avx2")
-        if kc.set_attention_kt(1 if tile == "avx512-kt" else 0) != tile:
+        kc.set_attention_kt_vprefetch(tile != "avx512-kt-late")
+        if kc.set_attention_kt(1 if tile.startswith("avx512-kt") else 0) != tile.removesuffix("-late"):
             raise SystemExit(f"attention_cpu: tiles {tile!r} are not available in this build ({kc.attention_isa()})")
 
     calls = {}

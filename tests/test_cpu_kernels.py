@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from sparsespec.kernels import cpu
-from sparsespec.kernels.plan import (LINEAR_RANGES, TIE_MARGIN, KernelPlan, choose, kt_rows_from_trial, ours_plan,
-                                    range_worst, tune_plan)
+from sparsespec.kernels.plan import (LINEAR_RANGES, TIE_MARGIN, KernelPlan, apply_tiles, choose, kt_rows_from_trial,
+                                    kt_variant_from_trial, ours_plan, range_worst, tune_plan)
 from sparsespec.kernels.reference import sparse_attention_ref, verify_attention_ref
 from sparsespec.kv.cache import KVCache
 from sparsespec.shapes import random_transformer
@@ -583,10 +583,13 @@ def test_tune_measures_caches_and_reads_back(tmp_path, monkeypatch):
         assert sorted(base) == ["T1", "T9"] and sorted(att) == ["T1", "T17", "T3", "T5", "T9"]
         ss, avx2 = (sum(att[s][be] for s in base) for be in ("ss", "ss-avx2"))
         want = "avx2" if avx2 < ss else "avx512"
-        rows = 0 if want == "avx2" else kt_rows_from_trial(att, model.cfg.num_heads // model.cfg.num_kv_heads)
+        assert all("ss-kt" in v and "ss-kt-late" in v for v in att.values())
+        kt = kt_variant_from_trial(att)
+        rows = 0 if want == "avx2" else kt_rows_from_trial(att, model.cfg.num_heads // model.cfg.num_kv_heads, kt)
         want = "avx512-kt" if rows else want
         assert plan.attention_tiles == (want if plan.attention == "ss" else "")
         assert plan.attention_kt_rows == (rows if plan.attention == "ss" else 0)
+        assert plan.attention_kt_vprefetch == (kt == "ss-kt" or not plan.attention_kt_rows)
     else:
         assert plan.attention_tiles == "" and all("ss-avx2" not in v for v in att.values())
     pre = plan.timings["prefill"]  # our prefill attention against PyTorch's flash, where ours runs
@@ -599,6 +602,7 @@ def test_tune_measures_caches_and_reads_back(tmp_path, monkeypatch):
     assert again.prefill_attention == plan.prefill_attention
     assert again.source == "cache" and again.linear == plan.linear and again.attention == plan.attention
     assert again.attention_tiles == plan.attention_tiles and again.linear_tiles == plan.linear_tiles
+    assert again.attention_kt_vprefetch == plan.attention_kt_vprefetch
     files[0].write_text("{not json")  # a corrupt entry is measured again, not an error
     assert tune_plan(model, reps=1).source == "measured"
 
@@ -615,7 +619,7 @@ def test_choose_switches_the_attention_tiles_and_the_environment_keeps_them_off(
         assert plan.describe()["attention_tiles"] == plan.attention_tiles
         assert plan.describe()["linear_tiles"] == plan.linear_tiles
         plan = dataclasses.replace(plan, attention_tiles="avx512", linear_tiles="avx512",
-                                   attention_kt_rows=0)
+                                   attention_kt_rows=0, attention_kt_vprefetch=True)
         assert plan.summary().count("(avx512)") == 2
         cpu.set_attention_avx512(False)  # a plan that says avx512 switches them back on
         cpu.set_linear_avx512(False)
@@ -721,6 +725,46 @@ def test_the_keys_in_lanes_rows_are_where_the_trial_measured_them_faster_at_ever
     t["T17"]["ss-kt"] = 9.0  # a tie at the widest: never
     assert kt_rows_from_trial(t, 3) == 0
     assert kt_rows_from_trial({"T1": {"ss": 1.0, "torch": 2.0}}, 3) == 0  # not timed (no AVX-512)
+    late = {s: {**v, "ss-kt-late": v["ss-kt"] * 0.5} for s, v in t.items()}  # the late fetch: faster
+    assert kt_variant_from_trial(late) == "ss-kt-late" and kt_rows_from_trial(late, 3, "ss-kt-late") == 3
+    late["T17"]["ss-kt-late"] = 100.0  # slower in all
+    assert kt_variant_from_trial(late) == "ss-kt" and kt_variant_from_trial(t) == "ss-kt"
+
+
+def test_the_late_value_fetch_is_a_speed_choice_only_and_follows_the_plan():
+    """The keys-in-lanes path with its value rows fetched early or late gives the same bits; a
+    plan's choice is applied, summarised and described, and is valid only with those tiles."""
+    if not (cpu.set_attention_avx512(True) or "").startswith("avx512"):
+        pytest.skip("this CPU's build has no AVX-512 tiles")
+    g = _gen(60)
+    B, Hkv, G, T, D, S = 2, 3, 3, 9, 64, 700
+    q = torch.randn(B, Hkv * G, T, D, generator=g)
+    kc, vc = torch.randn(B, Hkv, S + T, D, generator=g), torch.randn(B, Hkv, S + T, D, generator=g)
+    starts = torch.tensor([S, S - 99])
+    got = []
+    try:
+        cpu.set_attention_kt(1)
+        for early in (True, False):
+            assert cpu.set_attention_kt_vprefetch(early) is early and cpu.attention_kt_vprefetch() is early
+            rows = torch.zeros(B, Hkv, T, S + T)
+            got.append((cpu.attention(q, kc, vc, starts, S, 0.125, rows), rows))
+    finally:
+        cpu.set_attention_kt(0)
+        cpu.set_attention_kt_vprefetch(True)
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+    plan = KernelPlan(((None, "ss"),), "ss", True, 2, "user", attention_tiles="avx512-kt", linear_tiles="avx512",
+                      attention_kt_rows=9,
+                      attention_kt_vprefetch=False)
+    try:
+        assert apply_tiles(plan) == plan and cpu.attention_kt_vprefetch() is False
+        assert "values fetched late" in plan.summary() and plan.describe()["attention_kt_vprefetch"] is False
+        early = dataclasses.replace(plan, attention_kt_vprefetch=True)
+        assert apply_tiles(early) == early and cpu.attention_kt_vprefetch() is True
+    finally:
+        cpu.set_attention_kt(0)
+        cpu.set_attention_kt_vprefetch(True)
+    other = KernelPlan(attention="ss", attention_tiles="avx512", attention_kt_vprefetch=False)  # meaningless there
+    assert "late" not in other.summary() and other.describe()["attention_kt_vprefetch"] is None
 
 
 def test_a_library_keeps_a_range_only_where_whole_forwards_are_faster_at_every_width():

@@ -173,6 +173,7 @@ _SIGNATURES = {
     "ss_set_attention_avx512": ([_INT], _INT),
     "ss_set_linear_avx512": ([_INT], _INT),
     "ss_set_attention_kt": ([_INT], _INT),
+    "ss_set_attention_kt_vprefetch": ([_INT], _INT),
     "ss_sparse_attention": ([_I64] * 5 + [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR,
                                           _PTR, _I64, _I64, _I64, _F32, _PTR, _I64, _I64, _PTR, _I64, _INT], None),
 }
@@ -202,6 +203,7 @@ def library() -> ctypes.CDLL | None:
                 for key in _TILE_SWITCHES:
                     _switch_tiles(lib, key, True)
                 _state["attention_kt"] = int(lib.ss_set_attention_kt(0))  # the plan's trial switches it on
+                _state["kt_vprefetch"] = bool(lib.ss_set_attention_kt_vprefetch(1))
                 _state["path"] = str(path)
             except (RuntimeError, OSError, AttributeError) as e:
                 lib, reason = None, str(e)
@@ -267,6 +269,25 @@ def set_attention_kt(min_rows: int) -> str | None:
     with _lock:
         _state["attention_kt"] = int(lib.ss_set_attention_kt(max(0, int(min_rows))))
     return attention_isa()
+
+
+def set_attention_kt_vprefetch(on: bool) -> bool | None:
+    """Whether the keys-in-lanes path fetches each block's value rows into L2 while it computes
+    the block's scores (True, the library's default) or leaves them to the P.V phase (False):
+    a speed choice (the same results), which the kernel plan's trial measures at load. Returns the
+    setting (None: no kernels)."""
+    lib = library()
+    if lib is None:
+        return None
+    with _lock:
+        _state["kt_vprefetch"] = bool(lib.ss_set_attention_kt_vprefetch(int(bool(on))))
+    return _state["kt_vprefetch"]
+
+
+def attention_kt_vprefetch() -> bool:
+    """The keys-in-lanes path's early fetch of value rows (``set_attention_kt_vprefetch``)."""
+    library()
+    return bool(_state.get("kt_vprefetch", True))
 
 
 def attention_kt_rows() -> int:

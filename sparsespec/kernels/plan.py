@@ -12,8 +12,9 @@ A ``KernelPlan`` names, for one model on one device:
 * ``attention_tiles`` / ``linear_tiles``: which tiles our attention and our packed linear run where
   the kernels were built with AVX-512: ``"avx512"`` (16 lanes) or ``"avx2"``, and for the attention
   also ``"avx512-kt"`` (the AVX-512 tiles, with a verify's score phase in keys-in-lanes tiles: 32
-  keys transposed once, then GEMM-like tiles of up to 12 query rows without horizontal sums); all
-  give bitwise the same results, so this is a speed choice only (``""``: not applicable);
+  keys transposed once, then GEMM-like tiles of up to 12 query rows without horizontal sums, and
+  ``attention_kt_vprefetch``: whether that path fetches a block's value rows early); all give
+  bitwise the same results, so this is a speed choice only (``""``: not applicable);
 * ``fused``: RMSNorm, RoPE and SiLU-and-multiply through our kernels (one call each instead of
   four to eight PyTorch ops);
 * ``prefill_attention``: a prefill chunk's causal attention (hundreds of queries per row): ``"ss"``
@@ -78,7 +79,7 @@ RANGE_UPPER = tuple(u for u, _ in LINEAR_RANGES)
 FORWARD_TRIAL_K, FORWARD_TRIAL_CONTEXT, FORWARD_TRIAL_UPTO = 8, 256, 128
 _KERNELS_ENV, _LINEAR_ENV, _KT_ENV = "SPARSESPEC_KERNELS", "SPARSESPEC_LINEAR", "SPARSESPEC_ATTENTION_KT"
 _PREFILL_ENV = "SPARSESPEC_PREFILL_ATTENTION"
-TUNE_VERSION = 11
+TUNE_VERSION = 12
 #: the prefill trial's chunk: ``PREFILL_TRIAL_T`` queries after ``PREFILL_TRIAL_START`` keys (a chunk
 #: of the engine's 512 inside a 2K prompt), over ``PREFILL_TRIAL_LAYERS`` layers' caches
 PREFILL_TRIAL_T, PREFILL_TRIAL_START, PREFILL_TRIAL_LAYERS = 512, 1536, 4
@@ -112,6 +113,9 @@ class KernelPlan:
     #: with ``attention_tiles="avx512-kt"``: the fewest query rows per KV head (G * T) whose scores
     #: run in the keys-in-lanes tiles (measured by the trial; 0 otherwise)
     attention_kt_rows: int = 0
+    #: with ``attention_tiles="avx512-kt"``: whether that path fetches each block's value rows into
+    #: L2 during its scores (measured by the trial; without those tiles it means nothing)
+    attention_kt_vprefetch: bool = True
     #: a prefill chunk's attention: "ss" (ours, where built with AVX-512) or "torch"
     prefill_attention: str = "torch"
 
@@ -161,6 +165,7 @@ class KernelPlan:
         return {"linear": {("inf" if u is None else str(u)): be for u, be in self.linear},
                 "attention": self.attention, "attention_tiles": self.attention_tiles or None,
                 "attention_kt_rows": self.attention_kt_rows or None,
+                "attention_kt_vprefetch": self.attention_kt_vprefetch if self.attention_kt_rows else None,
                 "linear_tiles": self.linear_tiles or None, "prefill_attention": self.prefill_attention,
                 "fused": self.fused, "threads": self.threads,
                 "source": self.source, "tune_s": round(self.tune_s, 3), "batch_invariant": self.batch_invariant,
@@ -173,6 +178,7 @@ class KernelPlan:
         lin = " ".join(f"{be}{'' if u is None else '<=' + str(u)}" for u, be in self.linear)
         lin += f" ({self.linear_tiles})" if self.linear_tiles and self.uses_panels else ""
         kt = f" from {self.attention_kt_rows} rows" if self.attention_kt_rows else ""
+        kt += "" if self.attention_kt_vprefetch or not self.attention_kt_rows else ", values fetched late"
         tiles = f" ({self.attention_tiles}{kt})" if self.attention_tiles else ""
         return (f"linear {lin}, attention {self.attention}{tiles}, prefill {self.prefill_attention}"
                 f"{', fused' if self.fused else ''}, "
@@ -305,14 +311,19 @@ def apply_tiles(plan: KernelPlan) -> KernelPlan:
                 rows = int(env)
                 want = "avx2" if want == "avx2" else ("avx512-kt" if rows else "avx512")
             cpu.set_attention_kt(rows)
+            cpu.set_attention_kt_vprefetch(plan.attention_kt_vprefetch if plan.attention_tiles else
+                                           cpu.attention_kt_vprefetch())
         att = (cpu.set_attention_avx512(want != "avx2") or "") if want else ""
     if plan.uses_panels:
         want = plan.linear_tiles or cpu.linear_isa() or ""
         lin = (cpu.set_linear_avx512(want == "avx512") or "") if want else ""
     kt_rows = cpu.attention_kt_rows() if att == "avx512-kt" else 0
-    if (att, lin, kt_rows) == (plan.attention_tiles, plan.linear_tiles, plan.attention_kt_rows):
+    vpf = cpu.attention_kt_vprefetch() if kt_rows else plan.attention_kt_vprefetch  # without kt tiles: moot
+    if (att, lin, kt_rows, vpf) == (plan.attention_tiles, plan.linear_tiles, plan.attention_kt_rows,
+                                    plan.attention_kt_vprefetch):
         return plan
-    return dataclasses.replace(plan, attention_tiles=att, linear_tiles=lin, attention_kt_rows=kt_rows)
+    return dataclasses.replace(plan, attention_tiles=att, linear_tiles=lin, attention_kt_rows=kt_rows,
+                               attention_kt_vprefetch=vpf)
 
 
 # --------------------------------------------------------------------------- the trial
@@ -399,7 +410,8 @@ def _attention_trial(model, reps: int, context: int = 2048, k: int = 8) -> dict[
     """Our attention against the PyTorch path at batch 1, a decode (T = 1) and a verify (T = k + 1,
     with its importance rows), over every layer's cache of ``context`` keys. Where built with
     AVX-512, our AVX2 tiles (``ss-avx2``) at those two widths, and the keys-in-lanes score tiles
-    (``ss-kt``) against the AVX-512 ones (``ss``) at every width of ``KT_TRIAL_T``."""
+    (``ss-kt``; ``ss-kt-late``: fetching the value rows late) against the AVX-512 ones (``ss``) at
+    every width of ``KT_TRIAL_T``."""
     from sparsespec.kernels.reference import grouped_attention
 
     cfg = model.cfg
@@ -440,14 +452,18 @@ def _attention_trial(model, reps: int, context: int = 2048, k: int = 8) -> dict[
                         finally:
                             cpu.set_attention_avx512(True)
                     fns["ss-avx2"] = ours_avx2
-            if both_tiles:  # the keys-in-lanes score tiles for every row count (the same results)
-                def ours_kt(ours=ours):
+            if both_tiles:  # the keys-in-lanes score tiles for every row count (the same results), with
+                # the value rows fetched early (ss-kt) and late (ss-kt-late)
+                def ours_kt(ours=ours, early=True):
                     cpu.set_attention_kt(1)
+                    cpu.set_attention_kt_vprefetch(early)
                     try:
                         ours()
                     finally:
                         cpu.set_attention_kt(0)
+                        cpu.set_attention_kt_vprefetch(True)
                 fns["ss-kt"] = ours_kt
+                fns["ss-kt-late"] = lambda ours_kt=ours_kt: ours_kt(early=False)
             res[f"T{T}"] = _best_of(fns, reps)
     return res
 
@@ -481,16 +497,26 @@ def _prefill_trial(model, reps: int) -> dict[str, float]:
         return _best_of({"ss": ours, "torch": ref}, reps)
 
 
-def kt_rows_from_trial(att: Mapping[str, Mapping[str, float]], group: int) -> int:
-    """The fewest query rows per KV head (``group`` x T) from which the keys-in-lanes tiles measured
-    faster than the AVX-512 ones at every wider trial width; 0 where they lost at the widest."""
-    widths = sorted(int(s[1:]) for s, v in att.items() if "ss-kt" in v and "ss" in v)
+def kt_rows_from_trial(att: Mapping[str, Mapping[str, float]], group: int, kt: str = "ss-kt") -> int:
+    """The fewest query rows per KV head (``group`` x T) from which the keys-in-lanes tiles (timed
+    as ``kt``) measured faster than the AVX-512 ones at every wider trial width; 0 where they lost
+    at the widest."""
+    widths = sorted(int(s[1:]) for s, v in att.items() if kt in v and "ss" in v)
     rows = 0
     for T in reversed(widths):
-        if att[f"T{T}"]["ss-kt"] >= att[f"T{T}"]["ss"]:
+        if att[f"T{T}"][kt] >= att[f"T{T}"]["ss"]:
             break
         rows = group * T
     return rows
+
+
+def kt_variant_from_trial(att: Mapping[str, Mapping[str, float]]) -> str:
+    """``"ss-kt-late"`` where the keys-in-lanes path with its value rows fetched late measured faster
+    in all over the trial's widths than with them fetched early, else ``"ss-kt"``."""
+    both = [v for v in att.values() if "ss-kt" in v and "ss-kt-late" in v]
+    if both and sum(v["ss-kt-late"] for v in both) < sum(v["ss-kt"] for v in both):
+        return "ss-kt-late"
+    return "ss-kt"
 
 
 def range_worst(lin: Mapping[int, Mapping[str, float]], widths: tuple[int, ...]) -> dict[str, float]:
@@ -571,7 +597,8 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
             return KernelPlan(tuple((u, be) for u, be in data["linear"]), data["attention"], data["fused"],
                               threads, "cache", data.get("tune_s", 0.0), data.get("timings", {}), data.get("note", ""),
                               data.get("attention_tiles", ""), data.get("linear_tiles", ""),
-                              int(data.get("attention_kt_rows", 0)), data.get("prefill_attention", "torch"))
+                              int(data.get("attention_kt_rows", 0)), bool(data.get("attention_kt_vprefetch", True)),
+                              data.get("prefill_attention", "torch"))
         except (OSError, ValueError, KeyError, TypeError):
             pass  # a corrupt cache entry: measure again
     if progress:
@@ -601,20 +628,22 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
     base = [s for s in att if "torch" in att[s]]  # the decode and verify widths
     att_total = {be: sum(att[s][be] for s in base) for be in ("ss", "torch")}
     attention = min(att_total, key=att_total.get)
-    tiles, kt_rows = "", 0
+    tiles, kt_rows, kt_vprefetch = "", 0, True
     if all("ss-avx2" in att[s] for s in base):  # the AVX-512 tiles unless the AVX2 ones measured faster
         tiles = "avx2" if sum(att[s]["ss-avx2"] for s in base) < att_total["ss"] else "avx512"
         if tiles == "avx2":
             att_total["ss"] = sum(att[s]["ss-avx2"] for s in base)
         else:  # and the keys-in-lanes score tiles from the row count where they measured faster
             group = model.cfg.num_heads // model.cfg.num_kv_heads
-            kt_rows = kt_rows_from_trial(att, group)
+            kt = kt_variant_from_trial(att)
+            kt_rows = kt_rows_from_trial(att, group, kt)
             if kt_rows:
-                tiles = "avx512-kt"
-                att_total["ss"] = sum(att[s]["ss-kt" if group * int(s[1:]) >= kt_rows else "ss"] for s in base)
+                tiles, kt_vprefetch = "avx512-kt", kt == "ss-kt"
+                att_total["ss"] = sum(att[s][kt if group * int(s[1:]) >= kt_rows else "ss"] for s in base)
         attention = min(att_total, key=att_total.get)
         cpu.set_attention_avx512(tiles != "avx2")  # before the whole forwards below
         cpu.set_attention_kt(kt_rows)
+        cpu.set_attention_kt_vprefetch(kt_vprefetch)
     pre = _prefill_trial(model, reps) if attention == "ss" else {}
     prefill = "ss" if pre and pre["ss"] < pre["torch"] else "torch"
     fwd: dict[str, dict[str, float]] = {}
@@ -634,13 +663,16 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
     plan = KernelPlan(tuple(ranges), attention, True, threads, "measured", tune_s, timings,
                       attention_tiles=tiles if attention == "ss" else "",
                       linear_tiles=linear_tiles if any(be == "ss" for _, be in ranges) else "",
-                      attention_kt_rows=kt_rows if attention == "ss" else 0, prefill_attention=prefill)
+                      attention_kt_rows=kt_rows if attention == "ss" else 0,
+                      attention_kt_vprefetch=kt_vprefetch if attention == "ss" and kt_rows else True,
+                      prefill_attention=prefill)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps({"linear": [list(r) for r in plan.linear], "attention": plan.attention,
                                    "attention_tiles": plan.attention_tiles, "linear_tiles": plan.linear_tiles,
                                    "attention_kt_rows": plan.attention_kt_rows,
+                                   "attention_kt_vprefetch": plan.attention_kt_vprefetch,
                                    "prefill_attention": plan.prefill_attention,
                                    "fused": plan.fused, "tune_s": tune_s, "timings": timings,
                                    "cpu": cpu.cpu_model(), "isa": cpu.isa_summary(), "threads": threads,

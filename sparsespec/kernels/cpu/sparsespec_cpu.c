@@ -999,6 +999,18 @@ static int ss_att512 = SS_HAVE512;
 /* the fewest query rows of a (b, kv) pair whose scores run in the keys-in-lanes tiles (kt_tile;
  * with the AVX-512 tiles on; the same results either way); 0: none */
 static int ss_att_kt = 0;
+/* 1: the keys-in-lanes path fetches each block's value rows into L2 while it computes the block's
+ * scores; 0: it leaves them to the P.V phase (the hardware prefetcher). Measured at load by the
+ * kernel plan: on the AMD EPYC of benchmarks/RESULTS.md the early fetch made a batch 8 x 8K
+ * verify's attention 11-13 % slower (the fetches compete with the block's key reads). */
+static int ss_kt_vpf = 1;
+
+/* Switch the keys-in-lanes path's early fetch of value rows on (1) or off (0); returns the setting
+ * (the results are the same either way). */
+SS_API int ss_set_attention_kt_vprefetch(int on) {
+    ss_kt_vpf = on != 0;
+    return ss_kt_vpf;
+}
 
 /* Set the fewest rows for the keys-in-lanes score tiles (0: off); returns what is now in use (0
  * where the library was built without AVX-512). The kernel plan measures it at load: the tiles
@@ -1117,7 +1129,7 @@ SS_INLINE void att_chunk_d(const attn_t *a, int64_t b, int64_t kv, int64_t c, co
             const int64_t groups = (R + KT_RB - 1) / KT_RB;
             for (int64_t g = 0, r = 0; g < groups; ++g) {
                 for (int64_t u = g * 32 / groups; u < (g + 1) * 32 / groups; ++u) {
-                    if (u < nk) {
+                    if (u < nk && ss_kt_vpf) {
                         const char *vp = (const char *)att_val(a, b, kv, j + u, nv, idx);
                         for (int64_t o = 0; o < D * 4; o += SS_VPF_STEP) _mm_prefetch(vp + o, _MM_HINT_T1);
                     }
