@@ -268,6 +268,14 @@ MUTANTS = [
       "the model never runs the prefill attention the plan chose",
       ('if ours and self.kernel_plan.prefill_attention == "ss" and cpu.prefill_attention_supported(q.shape[-1]):',
        'if False:')),
+    M("kernel_kt_vprefetch_ignored", "sparsespec/kernels/plan.py",
+      "a plan's choice of the keys-in-lanes value fetch is never applied",
+      ("            cpu.set_attention_kt_vprefetch(plan.attention_kt_vprefetch if plan.attention_tiles else\n"
+       "                                           cpu.attention_kt_vprefetch())", "            pass")),
+    M("kernel_kt_variant_inverted", "sparsespec/kernels/plan.py",
+      "the trial keeps the slower of the two value fetches",
+      ('    if both and sum(v["ss-kt-late"] for v in both) < sum(v["ss-kt"] for v in both):',
+       '    if both and sum(v["ss-kt-late"] for v in both) > sum(v["ss-kt"] for v in both):')),
     # ---- the draft's compact KV (sparsespec/drafters/sparse_self.py CompactDraftKV, ss_compact_update)
     M("compact_kept_not_moved", "sparsespec/kernels/cpu/sparsespec_cpu.c",
       "a kept position whose slot lies past a shrunk index stays there (slot >= N)",
