@@ -263,7 +263,7 @@ class _IndexedSelfDrafter(ABC):
     def prefill_row(self, b: int, cache: KVCache, rows: torch.Tensor | None, prompt: Sequence[int] = ()) -> None:
         self._forget(b)
         self._rebuild(cache, b)
-        self._refresh(cache)
+        self._refresh(cache, [b])  # this row only: the pool's other slots may be free or staged
 
     def commit(self, cache: KVCache, rows: torch.Tensor | None, counts: Sequence[int]) -> None:
         for b in range(cache.batch_size):
@@ -285,11 +285,11 @@ class _IndexedSelfDrafter(ABC):
         if self.compact is not None:
             self.compact.forget(b)
 
-    def _refresh(self, cache: KVCache) -> None:
-        """The compact KV of every running row built from its current index (rows whose index
-        did not change since: nothing to do)."""
+    def _refresh(self, cache: KVCache, rows: Sequence[int] | None = None) -> None:
+        """The compact KV of every row of ``cache`` (the running rows), or of ``rows``, built from
+        its current index (rows whose index did not change since: nothing to do)."""
         if self.compact is not None:
-            for b in range(cache.batch_size):
+            for b in range(cache.batch_size) if rows is None else rows:
                 if self.index[b] is not None:
                     self.compact.refresh(b, self.index[b], cache)
 
@@ -370,7 +370,7 @@ class SparseSelfDrafter(_IndexedSelfDrafter):
             self.window.push_row(b, rows[:, 0])
         self._forget(b)
         self._rebuild(cache, b)
-        self._refresh(cache)
+        self._refresh(cache, [b])  # this row only: the pool's other slots may be free or staged
 
     def importance_target(self, batch: int, num_rows: int, width: int) -> RowsTarget:
         """Where the next verify forward writes its ``num_rows`` query rows (``width`` columns):

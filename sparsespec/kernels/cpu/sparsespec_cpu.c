@@ -1789,26 +1789,6 @@ SS_API void ss_build_index(int64_t R0, int64_t R1, const double *scores, int64_t
     }
 }
 
-/* ------------------------------------------------------------------ the draft's compact KV
- * One batch row's indexed keys and values, kept in a compact buffer across rebuilds of its index,
- * so that every draft step streams N contiguous rows instead of reading N scattered ones (random
- * 256-byte rows of K and V: about half the streaming rate on the AMD EPYC of benchmarks/RESULTS.md),
- * and a rebuild copies only the positions that entered the index (about a tenth of them per round
- * of sparsespec-l on book text).
- *
- * Per (layer, KV head) list: the state is the positions now held, ascending (pos[0 .. n_cur)), and
- * the compact slot of each (slot[...]); the slots in use are exactly 0 .. n_cur - 1. Given the new
- * index (idx[0 .. n), ascending, unique), a position in both keeps its slot unless that slot is >= n
- * (the index shrank: its row moves down into a free slot); a position only in the new index is
- * copied from the cache into a free slot below n. Afterwards the state describes the new index and
- * the slots in use are 0 .. n - 1. Order of the compact rows: arbitrary (attention over them is
- * the same sum in another order; only the draft reads them).
- *
- * idx: [L, H] lists (strides x_sl, x_sh) of int64; pos, slot: [L, H, >= max(n, n_cur)] int32 (strides
- * s_sl, s_sh); k, v: the cache row [L, H, S, D] (strides c_sl, c_sh, rows of D contiguous); ck, cv:
- * the compact row [L, H, >= n, D] (strides p_sl, p_sh). Returns the rows copied (moves included),
- * or -1 where a thread could not allocate its scratch (then the state is unchanged for the lists it
- * did not reach: call again with n_cur = 0 to rebuild from scratch). */
 /* the distance (rows) at which the copies fetch their source and destination rows ahead: scattered
  * rows waited for one at a time ran at 3-10 GB/s on the AMD EPYC */
 #ifndef SS_COPY_PF
@@ -1832,6 +1812,26 @@ SS_INLINE void copy_rows_prefetched(int64_t m, const float *const *sk, const flo
     }
 }
 
+/* ------------------------------------------------------------------ the draft's compact KV
+ * One batch row's indexed keys and values, kept in a compact buffer across rebuilds of its index,
+ * so that every draft step streams N contiguous rows instead of reading N scattered ones (random
+ * 256-byte rows of K and V: about half the streaming rate on the AMD EPYC of benchmarks/RESULTS.md),
+ * and a rebuild copies only the positions that entered the index (about a tenth of them per round
+ * of sparsespec-l on book text).
+ *
+ * Per (layer, KV head) list: the state is the positions now held, ascending (pos[0 .. n_cur)), and
+ * the compact slot of each (slot[...]); the slots in use are exactly 0 .. n_cur - 1. Given the new
+ * index (idx[0 .. n), ascending, unique), a position in both keeps its slot unless that slot is >= n
+ * (the index shrank: its row moves down into a free slot); a position only in the new index is
+ * copied from the cache into a free slot below n. Afterwards the state describes the new index and
+ * the slots in use are 0 .. n - 1. Order of the compact rows: arbitrary (attention over them is
+ * the same sum in another order; only the draft reads them).
+ *
+ * idx: [L, H] lists (strides x_sl, x_sh) of int64; pos, slot: [L, H, >= max(n, n_cur)] int32 (strides
+ * s_sl, s_sh); k, v: the cache row [L, H, S, D] (strides c_sl, c_sh, rows of D contiguous); ck, cv:
+ * the compact row [L, H, >= n, D] (strides p_sl, p_sh). Returns the rows copied (moves included),
+ * or -1 where a thread could not allocate its scratch (then the state is unchanged for the lists it
+ * did not reach: call again with n_cur = 0 to rebuild from scratch). */
 static int64_t compact_list(const int64_t *idx, int64_t n, int32_t *pos, int32_t *slot, int64_t n_cur,
                             const float *k, const float *v, int64_t c_row, float *ck, float *cv, int64_t D,
                             unsigned char *used, int32_t *out, const float **sk, const float **sv, float **dk,
