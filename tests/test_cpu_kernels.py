@@ -365,7 +365,7 @@ def test_compact_update_keeps_every_indexed_row_and_copies_only_what_entered():
     n_max = 120
     ck, cv = torch.full((L, H, n_max, D), float("nan")), torch.full((L, H, n_max, D), float("nan"))
     pos, slot = torch.zeros(L, H, n_max, dtype=torch.int32), torch.zeros(L, H, n_max, dtype=torch.int32)
-    n_cur, held = 0, [[set() for _ in range(H)] for _ in range(L)]
+    n_cur = 0
 
     def rand_index(N):
         return torch.stack([torch.stack([torch.randperm(S, generator=g)[:N].sort().values for _ in range(H)])
