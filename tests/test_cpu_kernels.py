@@ -440,6 +440,7 @@ def test_the_compact_draft_kv_follows_the_index_through_rebuilds_and_moves(metho
         monkeypatch.setenv(ssd.ENV_COMPACT, env)
         drafters[env] = cls(model, spec, P + 4 * (K + 1), B, K)
     assert drafters["1"].compact is not None and drafters["0"].compact is None
+    assert drafters["1"].index_buf is None and drafters["0"].index_buf is not None  # no unused padded index
     cache = KVCache(cfg, B, P + 4 * (K + 1), model.dtype, "cpu")
     _fill(cache, P + 4 * (K + 1), _gen(30))
     cache.lengths = [P, P - 30, P - 61]

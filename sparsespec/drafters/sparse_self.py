@@ -243,15 +243,15 @@ class _IndexedSelfDrafter(ABC):
             torch.zeros(shape, dtype=model.dtype, device=model.device),
             0,
         )
-        self.index_buf = None  # [L, B, H_kv, N_max] int32, the rows' indices padded (Triton path)
-        if self.gather_in_kernel:
-            self.index_buf = torch.zeros(cfg.num_layers, batch_size, cfg.num_kv_heads, max(1, self.n_max),
-                                         dtype=torch.int32, device=model.device)
         self.index: list[torch.Tensor | None] = [None] * batch_size  # per slot [L, 1, H_kv, N_b] int64
         self.compact: CompactDraftKV | None = None
         if self.gather_in_kernel and self.compact_kv and model.attention_backend() == "ss" and compact_draft_kv_enabled():
             self.compact = CompactDraftKV(cfg.num_layers, batch_size, cfg.num_kv_heads, self.n_max, cfg.head_dim,
                                           model.dtype)
+        self.index_buf = None  # [L, B, H_kv, N_max] int32, the rows' indices padded (read in place)
+        if self.gather_in_kernel and self.compact is None:
+            self.index_buf = torch.zeros(cfg.num_layers, batch_size, cfg.num_kv_heads, max(1, self.n_max),
+                                         dtype=torch.int32, device=model.device)
 
     def _max_index(self, capacity: int) -> int:
         return self.spec.budget(capacity)

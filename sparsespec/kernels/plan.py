@@ -511,8 +511,8 @@ def kt_rows_from_trial(att: Mapping[str, Mapping[str, float]], group: int, kt: s
 
 
 def kt_variant_from_trial(att: Mapping[str, Mapping[str, float]]) -> str:
-    """``"ss-kt-late"`` where the keys-in-lanes path with its value rows fetched late measured faster
-    in all over the trial's widths than with them fetched early, else ``"ss-kt"``."""
+    """``"ss-kt-late"`` where the keys-in-lanes path with its value rows fetched late measured faster,
+    summed over the trial's widths, than with them fetched early; else ``"ss-kt"``."""
     both = [v for v in att.values() if "ss-kt" in v and "ss-kt-late" in v]
     if both and sum(v["ss-kt-late"] for v in both) < sum(v["ss-kt"] for v in both):
         return "ss-kt-late"
