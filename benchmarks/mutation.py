@@ -33,7 +33,7 @@ FAST_TESTS = ["tests/test_engine_core.py", "tests/test_rejection.py", "tests/tes
               "tests/test_adaptive.py", "tests/test_engine_units.py", "tests/test_baselines.py",
               "tests/test_draft_model.py", "tests/test_engine_min_tokens.py", "tests/test_sampling_engine.py",
               "tests/test_kernels.py", "tests/test_perf_paths.py", "tests/test_cpu_kernels.py",
-              "tests/test_engine_spec_tiny.py"]
+              "tests/test_engine_spec_tiny.py", "tests/test_draft_model_catch_up.py"]
 
 
 @dataclass(frozen=True)
@@ -289,6 +289,17 @@ MUTANTS = [
     M("compact_not_forgotten", "sparsespec/drafters/sparse_self.py",
       "a new request in a slot keeps the previous request's compact rows",
       ("        self.n[b], self.built_from[b] = 0, None", "        self.built_from[b] = None")),
+    # ---- draft-model's catch-up (sparsespec/drafters/draft_model.py DraftModelDrafter._catch_up)
+    M("draft_catch_up_rows_advance_by_padding", "sparsespec/drafters/draft_model.py",
+      "after the padded catch-up every row's length advances by the longest catch-up",
+      ("            dc.lengths = [s + len(x) for s, x in zip(starts, lack)]",
+       "            dc.lengths = [s + T for s in starts]")),
+    M("draft_catch_up_pads_past_capacity", "sparsespec/drafters/draft_model.py",
+      "the padded catch-up runs where the padding does not fit the draft cache",
+      ("2 * len(lagging) >= B and max(dc.lengths) + T <= dc.capacity:", "2 * len(lagging) >= B:")),
+    M("draft_catch_up_never_padded", "sparsespec/drafters/draft_model.py",
+      "every lagging row catches up alone (one weight read per row)",
+      ("        if len(lagging) >= 2 and 2 * len(lagging) >= B", "        if len(lagging) >= 99 and 2 * len(lagging) >= B")),
     M("compact_move_state_only", "sparsespec/drafters/sparse_self.py",
       "a moved row takes the state but not the compact rows",
       ("        self.k[:, dst, :, :n] = self.k[:, src, :, :n]\n        self.v[:, dst, :, :n] = self.v[:, src, :, :n]\n", "")),

@@ -233,3 +233,4 @@ def test_draft_cache_catch_up_and_rollback(tmp_path):
     assert torch.equal(drafter.dcache.k[:, 0, :, : drafter.dcache.lengths[0]],
                        drafter.dcache.k[:, 1, :, : drafter.dcache.lengths[1]])
     assert drafter.nbytes == drafter.dcache.nbytes > 0
+

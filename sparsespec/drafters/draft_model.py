@@ -16,7 +16,9 @@ have identical vocabularies and the two configs equal ``vocab_size`` (``ValueErr
 Draft cache. It mirrors the target's: every committed token of a row but the pending one. A step
 (``propose``) first catches up the committed tokens the draft cache lacks (after a fully accepted
 step the last draft token's KV was never computed) and feeds the pending token in the same
-forward, then drafts with one ``T = 1`` forward per token over the ragged batch. ``commit`` rolls
+forward, then drafts with one ``T = 1`` forward per token over the ragged batch. Rows that lack
+more (steps that drafted nothing: ``k="auto"`` declining) first catch up in one padded forward over
+the batch (``_catch_up``). ``commit`` rolls
 each row back to ``min(draft length, target committed length)``: accepted drafts are exactly the
 committed tokens, so the kept prefix is valid; rejected drafts are forgotten by length.
 
@@ -185,20 +187,15 @@ class DraftModelDrafter:
         if max(row_limits, default=0) == 0:
             return empty_draft(pending)
         dc = self.dcache.head(B)  # the running rows' slots
+        for b in range(B):
+            if not self.retired[b]:
+                dc.lengths[b] = min(dc.lengths[b], len(history[b]) - 1)
+        self._catch_up(dc, history)
 
-        # catch-up: row b feeds history[b][dlen_b:] (lacking committed tokens + the pending one)
+        # row b feeds history[b][dlen_b:]: at most its last committed token and the pending one
         feed: list[list[int]] = []
         for b in range(B):
-            if self.retired[b]:
-                feed.append([int(history[b][-1])])
-                continue
-            dlen = min(dc.lengths[b], len(history[b]) - 1)
-            dc.lengths[b] = dlen
-            if len(history[b]) - dlen > 2:  # rare (a step without propose): its own chunked prefill
-                view = dc.row(b)
-                self.draft.prefill(torch.tensor([list(history[b][dlen:-1])], dtype=torch.long, device=dev), view)
-                dc.lengths[b] = dlen = view.lengths[0]
-            feed.append([int(t) for t in history[b][dlen:]])
+            feed.append([int(history[b][-1])] if self.retired[b] else [int(t) for t in history[b][dc.lengths[b]:]])
         T = max(len(f) for f in feed)  # 1, or 2 after a fully accepted step
         inp = torch.tensor([f + [f[-1]] * (T - len(f)) for f in feed], dtype=torch.long, device=dev)  # [B, T]
         starts = list(dc.lengths)
@@ -217,6 +214,36 @@ class DraftModelDrafter:
             return draft_loop(step, pending, row_limits, policies, sampling)  # limits: budget, window, retired
         finally:
             self.dcache.lengths[:B] = dc.lengths
+
+    def _catch_up(self, dc: KVCache, history: Sequence[Sequence[int]]) -> None:
+        """Feed each running row that lacks more than its last committed token (after ``r`` steps
+        that drafted nothing, e.g. ``k="auto"`` declining, it lacks ``r + 1``) all its lacking
+        committed tokens, ``history[b][len_b:-1]``, so that its feed is the pending token alone.
+
+        Where at least half the rows lag (after declined steps every row does), one forward over
+        the batch, each row padded to the longest catch-up: one read of the draft's weights
+        instead of one per row. Padding is written past a row's length (never read, overwritten
+        later), so a batch whose longest row would overflow the draft cache, or where few rows
+        lag, catches up row by row. ``dc``: the running rows' view; its ``lengths`` advance."""
+        B = len(history)
+        lack = [[] if self.retired[b] or len(history[b]) - dc.lengths[b] <= 2
+                else [int(t) for t in history[b][dc.lengths[b]:-1]] for b in range(B)]
+        lagging = [b for b in range(B) if lack[b]]
+        if not lagging:
+            return
+        dev = self.draft.device
+        T = max(len(x) for x in lack)
+        if len(lagging) >= 2 and 2 * len(lagging) >= B and max(dc.lengths) + T <= dc.capacity:
+            filler = [x + [x[-1]] * (T - len(x)) if x else [int(h[-1])] * T for x, h in zip(lack, history)]
+            starts = list(dc.lengths)
+            self.draft.forward_dense(torch.tensor(filler, dtype=torch.long, device=dev), dc,
+                                     logits_for="last")  # [B, T] in, logits not needed
+            dc.lengths = [s + len(x) for s, x in zip(starts, lack)]
+            return
+        for b in lagging:  # row by row: a chunked prefill of its own
+            view = dc.row(b)
+            self.draft.prefill(torch.tensor([lack[b]], dtype=torch.long, device=dev), view)
+            dc.lengths[b] = view.lengths[0]
 
     def commit(self, cache: KVCache, rows: torch.Tensor | None, counts: Sequence[int]) -> None:
         for b in range(cache.batch_size):
