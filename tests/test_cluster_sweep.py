@@ -98,8 +98,14 @@ def _args(argv):
     return p.parse_args(argv)
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "cpu_two_models.yaml", "paper_llama8b.yaml", "quant_four_way.yaml",
-                                  "seed_table_cpu.yaml", "policy_crossover.yaml"])
+SWEEP_CONFIGS = sorted(p.name for p in (ROOT / "configs").glob("*.yaml") if p.name != "serve.yaml")  # serve: Ray Serve's
+
+
+def test_every_shipped_sweep_config_is_checked():
+    assert {"demo.yaml", "seed_table_cpu.yaml", "pair_map_cpu.yaml", "paper_llama8b.yaml"} <= set(SWEEP_CONFIGS)
+
+
+@pytest.mark.parametrize("name", SWEEP_CONFIGS)
 def test_shipped_configs_validate(name):
     spec = load_spec(ROOT / "configs" / name)
     assert spec.methods and list(spec.methods)[0] == "ar"
@@ -124,6 +130,28 @@ def test_planner_keys_are_stable_and_cover_every_sample(tiny, tmp_path, capsys):
         assert sweep.plan(_spec(tiny, db, **patch))[0][0].run_id != cells[0].run_id
     # batch 3 over 4 samples: a full batch and the remainder
     assert [len(s.samples) for s in plan_shards(sweep.plan(_spec(tiny, db, batch_sizes=[3]))[0][0])] == [3, 1, 3, 1]
+
+
+def test_cells_of_one_batch_each_do_not_all_run_the_same_method_first(tiny, tmp_path):
+    """A batch x context map with one batch per cell: every shard has batch index 0, so the method
+    order must rotate with the run too (it used to put ar first in every cell); the batches of one
+    cell still rotate one by one."""
+    from cluster.sweep.worker import method_order
+
+    db = f"sqlite:///{tmp_path}/x.db"
+    bench = [{"name": "speed", "num_samples": 1, "context_lengths": [256, 320, 384, 448, 512, 576, 640, 704]}]
+    methods = {"sparsespec-l": {"k": 2}, "magicdec-streaming": {"k": 2}}
+    cells = sweep.plan(_spec(tiny, db, benchmarks=bench, batch_sizes=[1], methods=methods))[0]
+    shards = [sh for c in cells for sh in plan_shards(c)]
+    assert len(shards) == 8 and all(sh.batch_index == 0 for sh in shards)
+    firsts = [method_order(sh.methods, sh.rotation)[0] for sh in shards]
+    assert len(set(firsts)) >= 2, firsts
+    assert {sh.rotation % 2 for sh in shards} == {0, 1}  # vLLM's phase before and after ours
+    # one cell of several batches: consecutive batches start one method further on
+    (cell,) = sweep.plan(_spec(tiny, db, batch_sizes=[1]))[0][:1]
+    rots = [sh.rotation for sh in plan_shards(cell) if sh.task == "niah_single_1"]
+    assert rots == list(range(rots[0], rots[0] + 4))
+    assert [method_order(("a", "b", "c"), r) for r in (3, 4)] == [["a", "b", "c"], ["b", "c", "a"]]
 
 
 def test_a_benchmark_may_set_its_own_batch_sizes(tiny, tmp_path):

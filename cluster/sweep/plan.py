@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,10 +45,20 @@ class Shard:
     method_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     quantize: str = "none"  # the target's weights (cluster.sweep.schema.QUANTIZE): the worker quantises at load
     sampling: Mapping[str, Any] = field(default_factory=dict)  # temperature, top_p, top_k, seed
-    batch_index: int = 0  # index of this batch within (run, task): sets the method rotation
+    batch_index: int = 0  # index of this batch within (run, task): with the run id, sets the method rotation
     sample_offset: int = 0  # index of samples[0] within its task: sets the sampling seeds
     #: how errors name the shard: ``shard <key> (<model>, <n> sample(s): <first ids>)``
     label: str = field(init=False, repr=False, compare=False)
+
+    @property
+    def rotation(self) -> int:
+        """Where the batch's method order starts (``cluster.sweep.worker.method_order``): the batch
+        index plus an offset drawn from the run id (CRC-32). Consecutive batches of a cell rotate;
+        cells of a single batch (a batch x context map) no longer all run the same method first,
+        which under ``schedule="run"`` put ``ar`` first in every cell of a measured map, where the
+        first method's batch ran slower in most cells (benchmarks/RESULTS.md, 2026-12-05,
+        twentieth session)."""
+        return self.batch_index + zlib.crc32(self.run_id.encode())
 
     def __post_init__(self) -> None:
         ids = [s.sample_id for s in self.samples]

@@ -16,12 +16,17 @@ Measurement discipline:
   shared machine lands on every method alike. Sequential whole batches, each method's a minute
   or two after the other's, moved the paired speedup of one cell from 0.71 to 1.11 across demo
   runs on the 2-core CPU machines. ``schedule="run"``: each method's whole batch back to back
-  (order rotating with the batch index), one method's KV pool in memory at a time (large
-  batches x long contexts on a GPU);
+  (order rotating with ``Shard.rotation``: the batch index plus a per-run offset, so the cells
+  of a map with one batch each do not all run the same method first), one method's KV pool in
+  memory at a time (large batches x long contexts on a GPU). Its speedups carry the machine's
+  drift between the methods' batches: on the 2-core CPU a map run this way had ``ar``'s steps
+  up to 1.5x slower than the same steps of the method after it (benchmarks/RESULTS.md,
+  twentieth session); use it only where ``step`` does not fit in memory, and read its cells
+  against the ledger;
 - a method of vLLM (``vllm:ar``, ``vllm:ngram``, ...) decodes the same batch on one persistent
   vLLM engine per (worker, method, options) (``cluster.peers.engine.VllmMethods``), started
   (never timed) and warmed up on its first batch of each size; it cannot step in turn with our
-  cores, so its whole batch runs right after ours (before ours on odd batch indices, so drift
+  cores, so its whole batch runs right after ours (before ours on odd rotations, so drift
   favours neither engine), timed on vLLM's own engine-core clock;
 - a batch's B samples are added to one ``EngineCore`` with ``max_num_seqs=B`` and stepped to
   completion; each row keeps its own stats, and every row also records the batch's wall time
@@ -57,12 +62,13 @@ WARMUP_PROMPT_TOKENS = 256
 SCHEDULES = ("step", "run")
 
 
-def method_order(methods: Sequence[str], batch_index: int) -> list[str]:
-    """Rotation of ``methods`` used for the batch with this index (drift favours no method)."""
+def method_order(methods: Sequence[str], rotation: int) -> list[str]:
+    """``methods`` rotated by ``rotation`` (a shard's ``Shard.rotation``: its batch index plus a
+    per-run offset), so that drift and position favour no method."""
     methods = list(methods)
     if not methods:
         return methods
-    r = batch_index % len(methods)
+    r = rotation % len(methods)
     return methods[r:] + methods[:r]
 
 
@@ -280,11 +286,11 @@ class EngineWorker:
             if s.task != shard.task:
                 raise ValueError(f"{shard.label}: sample {s.sample_id} has task {s.task!r}")
         methods, unavailable = self.available(shard)
-        order = method_order([m for m in methods if not is_vllm_method(m)], shard.batch_index)
-        vllm_order = method_order([m for m in methods if is_vllm_method(m)], shard.batch_index)
+        order = method_order([m for m in methods if not is_vllm_method(m)], shard.rotation)
+        vllm_order = method_order([m for m in methods if is_vllm_method(m)], shard.rotation)
         prompts = [s.prompt_ids for s in shard.samples]
-        # vLLM's batches after ours on even batch indices, before them on odd ones
-        phases = ("vllm", "ours") if shard.batch_index % 2 else ("ours", "vllm")
+        # vLLM's batches after ours on even rotations, before them on odd ones
+        phases = ("vllm", "ours") if shard.rotation % 2 else ("ours", "vllm")
         timeline = (vllm_order + order) if phases[0] == "vllm" else (order + vllm_order)
         rows: list[dict[str, Any]] = []
         for phase in phases:
