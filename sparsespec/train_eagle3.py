@@ -92,9 +92,14 @@ def pack(streams: Sequence[Sequence[int]], seq_len: int) -> torch.Tensor:
 
 @torch.inference_mode()
 def teacher_pass(model: Transformer, windows: torch.Tensor, aux_layers: Sequence[int], batch_size: int = 8,
-                 progress: bool = False):
+                 progress: bool = False, store_dtype: torch.dtype = torch.float32):
     """The target over ``windows`` ``[N, T]``: features ``[N, T, 3 E]`` of ``aux_layers``, the
-    final hidden state ``[N, T, E]`` (after the final norm) and the greedy next token ``[N, T]``."""
+    final hidden state ``[N, T, E]`` (after the final norm), both stored in ``store_dtype``
+    (``torch.bfloat16`` halves the 9.2 KB per token of SmolLM2's fp32 teacher, so three times the
+    data fits in memory; ``ttt_loss`` computes in fp32 either way), and the greedy next token
+    ``[N, T]`` (from the fp32 logits)."""
+    if store_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"store_dtype must be torch.float32 or torch.bfloat16, got {store_dtype}")
     from tqdm.auto import tqdm
 
     N, T = windows.shape
@@ -106,8 +111,8 @@ def teacher_pass(model: Transformer, windows: torch.Tensor, aux_layers: Sequence
         cache = KVCache(model.cfg, ids.shape[0], T, model.dtype, model.device)
         logits, _, f = model.forward_dense_features(ids, cache, layers)
         E = model.cfg.hidden_size
-        feats.append(f[..., : 3 * E].float().cpu())
-        finals.append(model._rms(f[..., 3 * E :], model.norm).float().cpu())
+        feats.append(f[..., : 3 * E].float().to(store_dtype).cpu())
+        finals.append(model._rms(f[..., 3 * E :], model.norm).float().to(store_dtype).cpu())
         argmax.append(logits.argmax(-1).cpu())
     return torch.cat(feats), torch.cat(finals), torch.cat(argmax)
 
@@ -197,6 +202,7 @@ def ttt_loss(head: Eagle3Head, feats, finals, ids, steps: int, target_lm_head: t
     per-step valid counts [steps])."""
     B, T = ids.shape
     Tq = T - 1
+    feats, finals = feats.float(), finals.float()  # a bf16 teacher (``teacher_pass``'s store_dtype) in fp32
     logits = ttt_forward(head, feats, ids, steps)
     with torch.no_grad():
         teacher = F.linear(finals, target_lm_head).float()  # [B, T, V_d]
@@ -388,6 +394,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--draft-vocab", type=int, default=TrainConfig.draft_vocab)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--feature-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="how the teacher's features and final hidden states are held in memory for training "
+                         "(bfloat16: half the memory, for larger --chats / --book-tokens)")
     ap.add_argument("--export", default=None, metavar="HEAD",
                     help="no training: write the trained head folder HEAD to --out in bf16 with a manifest "
                          "(size, sha256, target) for shipping, then measure the exported head")
@@ -455,9 +464,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     texts = [_strip_gutenberg(t) for _, t in books]
     prompts = chat_prompts(tok, texts, args.chats, args.seed)
     chats = []
-    for s in range(0, len(prompts), 16):
-        outs = engine.generate(prompts[s : s + 16], method="ar", max_new_tokens=args.chat_tokens)
-        chats += [p + o.token_ids for p, o in zip(prompts[s : s + 16], outs)]
+    from tqdm.auto import tqdm
+
+    gen_batch = 32  # decode reads the weights once per step for the whole batch
+    for s in tqdm(range(0, len(prompts), gen_batch), desc="chat answers", unit="batch"):
+        outs = engine.generate(prompts[s : s + gen_batch], method="ar", max_new_tokens=args.chat_tokens)
+        chats += [p + o.token_ids for p, o in zip(prompts[s : s + gen_batch], outs)]
     print(f"generated {len(chats)} chat answers ({sum(len(c) for c in chats)} tokens) "
           f"in {time.perf_counter() - t_start:.0f} s")
     per_book = args.book_tokens // max(1, len(texts))
@@ -471,7 +483,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     windows = pack(streams, cfg.seq_len)
 
     # 2. teacher pass
-    feats, finals, argmax = teacher_pass(model, windows, aux, progress=True)
+    feats, finals, argmax = teacher_pass(model, windows, aux, progress=True,
+                                         store_dtype=getattr(torch, args.feature_dtype))
     h_feats, h_finals, _ = teacher_pass(model, held, aux)
     draft_ids = choose_draft_vocab(argmax, cfg.draft_vocab, model.cfg.vocab_size, model.cfg.eos_token_ids)
     coverage = float(torch.isin(argmax, draft_ids).float().mean())

@@ -250,6 +250,30 @@ def test_training_raises_agreement_over_the_untrained_head(engine, head):
     assert after[0] > before[0] + 0.1 and after[1] > before[1] + 0.1, (before, after)
 
 
+def test_a_bf16_teacher_is_the_fp32_teacher_rounded_and_trains_the_same_loss(engine, head):
+    """``teacher_pass(store_dtype=bfloat16)`` (the trainer's ``--feature-dtype``) holds exactly the
+    fp32 teacher rounded to bf16, the same greedy tokens; ``ttt_loss`` on it equals the loss on the
+    rounded values computed in fp32 (not a bf16 forward); other dtypes are refused."""
+    from sparsespec.train_eagle3 import ttt_loss
+
+    model = engine.model
+    ids = greedy_windows(model, 4, 32, seed=7)
+    f32, fin32, am32 = teacher_pass(model, ids, head.cfg.aux_layers)
+    f16, fin16, am16 = teacher_pass(model, ids, head.cfg.aux_layers, store_dtype=torch.bfloat16)
+    assert f16.dtype == fin16.dtype == torch.bfloat16 and f32.dtype == torch.float32
+    assert torch.equal(f16, f32.to(torch.bfloat16)) and torch.equal(fin16, fin32.to(torch.bfloat16))
+    assert torch.equal(am16, am32)
+    assert not torch.equal(f16.float(), f32)  # the rounding is real: the check below can tell them apart
+    with torch.no_grad():
+        got, agree, _ = ttt_loss(head, f16, fin16, ids, 2, head.lm_head)
+        want, agree_w, _ = ttt_loss(head, f16.float(), fin16.float(), ids, 2, head.lm_head)
+        exact, _, _ = ttt_loss(head, f32, fin32, ids, 2, head.lm_head)
+    assert got.dtype == torch.float32 and torch.equal(got, want) and agree == agree_w
+    assert abs(float(got) - float(exact)) < 0.05 * float(exact)
+    with pytest.raises(ValueError, match="store_dtype"):
+        teacher_pass(model, ids, head.cfg.aux_layers, store_dtype=torch.float16)
+
+
 # ------------------------------------------------------------------ losslessness and rollback
 @pytest.mark.parametrize("k", [1, 3, "auto"])
 def test_greedy_is_token_identical_to_ar(engine, head_dir, k):
