@@ -47,23 +47,22 @@ class Shard:
     sampling: Mapping[str, Any] = field(default_factory=dict)  # temperature, top_p, top_k, seed
     batch_index: int = 0  # index of this batch within (run, task): with the run id, sets the method rotation
     sample_offset: int = 0  # index of samples[0] within its task: sets the sampling seeds
+    #: where the batch's method order starts (``cluster.sweep.worker.method_order``); default: the
+    #: batch index plus an offset drawn from the run id (CRC-32). Consecutive batches of a cell
+    #: rotate; cells of a single batch (a batch x context map) no longer all run the same method
+    #: first, which under ``schedule="run"`` put ``ar`` first in every cell of a measured map, where
+    #: the first method's batch ran slower in most cells (benchmarks/RESULTS.md, 2026-12-05,
+    #: twentieth session)
+    rotation: int | None = None
     #: how errors name the shard: ``shard <key> (<model>, <n> sample(s): <first ids>)``
     label: str = field(init=False, repr=False, compare=False)
-
-    @property
-    def rotation(self) -> int:
-        """Where the batch's method order starts (``cluster.sweep.worker.method_order``): the batch
-        index plus an offset drawn from the run id (CRC-32). Consecutive batches of a cell rotate;
-        cells of a single batch (a batch x context map) no longer all run the same method first,
-        which under ``schedule="run"`` put ``ar`` first in every cell of a measured map, where the
-        first method's batch ran slower in most cells (benchmarks/RESULTS.md, 2026-12-05,
-        twentieth session)."""
-        return self.batch_index + zlib.crc32(self.run_id.encode())
 
     def __post_init__(self) -> None:
         ids = [s.sample_id for s in self.samples]
         shown = ", ".join(ids[:4]) + (f", ... (+{len(ids) - 4})" if len(ids) > 4 else "")
         object.__setattr__(self, "label", f"shard {self.key} ({self.model}, {len(ids)} sample(s): {shown})")
+        if self.rotation is None:
+            object.__setattr__(self, "rotation", self.batch_index + zlib.crc32(self.run_id.encode()))
 
 
 @dataclass(frozen=True)

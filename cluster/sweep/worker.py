@@ -63,7 +63,7 @@ SCHEDULES = ("step", "run")
 
 
 def method_order(methods: Sequence[str], rotation: int) -> list[str]:
-    """``methods`` rotated by ``rotation`` (a shard's ``Shard.rotation``: its batch index plus a
+    """``methods`` rotated by ``rotation`` (a shard's ``rotation``: its batch index plus a
     per-run offset), so that drift and position favour no method."""
     methods = list(methods)
     if not methods:
