@@ -1,6 +1,7 @@
 """The ``draft-model`` baseline on the real model: greedy losslessness (batch 1 and ragged batch 3,
 K in {1, 4, auto}) with the target as its own draft model (alpha = 1) and with a tiny random draft
 model (mostly rejections: rollback), the short-window fallback, tokenizer checks, sampling."""
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -27,6 +28,33 @@ def _tiny_llama(folder, vocab_size=49152, max_pos=4096, seed=0, copy_tokenizer=T
             if (src / name).is_file():
                 shutil.copy(src / name, folder / name)
     return folder
+
+
+def _sharp_tiny_model(folder):
+    """The tiny Llama in ``folder`` with sharper attention (the drafts depend on the whole
+    context), its packed copies refreshed after the in-place change."""
+    from sparsespec.model import Transformer
+
+    model = Transformer.from_folder(folder)
+    for layer in model.layers:
+        layer.wqkv.data *= 10
+        layer.wo.data *= 10
+    model.embed.data *= 10
+    model.prepack_()  # the weights changed in place: refresh their prepacked copies
+    return model
+
+
+def _fresh_greedy(model, hist, k):
+    """The oracle: ``k`` greedy tokens after ``hist`` from a fresh dense decode of ``model``."""
+    from sparsespec.kv.cache import KVCache
+
+    cache = KVCache(model.cfg, 1, len(hist) + k, model.dtype, "cpu")
+    out, h = [], list(hist)
+    for _ in range(k):
+        logits, _ = model.forward_dense(torch.tensor([h[cache.length:]]), cache, logits_for="last")
+        h.append(int(logits[0, -1].argmax()))
+        out.append(h[-1])
+    return out
 
 
 def _self_draft_with_window(folder, max_pos):
@@ -175,26 +203,12 @@ def test_draft_cache_catch_up_and_rollback(tmp_path):
     from sparsespec.config import SamplingParams
     from sparsespec.drafters.draft_model import DraftModelDrafter, DraftModelOptions
     from sparsespec.kv.cache import KVCache
-    from sparsespec.model import Transformer
     from sparsespec.sampling import BatchSampling
 
     folder = _tiny_llama(tmp_path / "t", seed=1)
-    model = Transformer.from_folder(folder)
-    for layer in model.layers:  # sharper attention: the drafts depend on the whole context
-        layer.wqkv.data *= 10
-        layer.wo.data *= 10
-    model.embed.data *= 10
-    model.prepack_()  # the weights changed in place: refresh their prepacked copies
+    model = _sharp_tiny_model(folder)
     V = model.cfg.vocab_size
-
-    def fresh_greedy(hist, k):
-        cache = KVCache(model.cfg, 1, len(hist) + k, model.dtype, "cpu")
-        out, h = [], list(hist)
-        for _ in range(k):
-            logits, _ = model.forward_dense(torch.tensor([h[cache.length:]]), cache, logits_for="last")
-            h.append(int(logits[0, -1].argmax()))
-            out.append(h[-1])
-        return out
+    fresh_greedy = functools.partial(_fresh_greedy, model)
 
     g = torch.Generator().manual_seed(0)
     hist = [torch.randint(0, V, (n,), generator=g).tolist() for n in (40, 25)]

@@ -1,10 +1,12 @@
 """``draft-model``'s catch-up on a tiny model (fast): the committed tokens a draft cache lacks after
 steps that drafted nothing, fed in one padded forward over the batch or row by row, against a
 fresh greedy decode of each row's history."""
+import functools
+
 import pytest
 import torch
 
-from tests.test_draft_model import _tiny_llama
+from tests.test_draft_model import _fresh_greedy, _sharp_tiny_model, _tiny_llama
 
 
 @pytest.mark.parametrize("extra, capacity, padded", [
@@ -22,26 +24,12 @@ def test_draft_catch_up_is_one_padded_forward_where_rows_lag(tmp_path, monkeypat
     from sparsespec.config import SamplingParams
     from sparsespec.drafters.draft_model import DraftModelDrafter, DraftModelOptions
     from sparsespec.kv.cache import KVCache
-    from sparsespec.model import Transformer
     from sparsespec.sampling import BatchSampling
 
     folder = _tiny_llama(tmp_path / "t", seed=2)
-    model = Transformer.from_folder(folder)
-    for layer in model.layers:  # sharper attention: the drafts depend on the whole context
-        layer.wqkv.data *= 10
-        layer.wo.data *= 10
-    model.embed.data *= 10
-    model.prepack_()
+    model = _sharp_tiny_model(folder)
     V = model.cfg.vocab_size
-
-    def fresh_greedy(hist, k):
-        cache = KVCache(model.cfg, 1, len(hist) + k, model.dtype, "cpu")
-        out, h = [], list(hist)
-        for _ in range(k):
-            logits, _ = model.forward_dense(torch.tensor([h[cache.length:]]), cache, logits_for="last")
-            h.append(int(logits[0, -1].argmax()))
-            out.append(h[-1])
-        return out
+    fresh_greedy = functools.partial(_fresh_greedy, model)
 
     g = torch.Generator().manual_seed(3)
     lens = (20, 33, 12) if capacity == 100 else (20, 33, 56)
