@@ -88,6 +88,18 @@ def test_cli_flags_override_the_spec(tmp_path):
     assert spec.sampling.temperature == 0.5 and spec.workers.threads == 1
 
 
+def test_methods_flag_selects_methods_and_keeps_their_spec_options():
+    # the pair map's draft-model names its draft in the spec; --methods draft-model (a split sweep)
+    # used to drop it ("draft-model needs method_options={'draft_model': ...}")
+    spec = load_spec(ROOT / "configs" / "pair_map_cpu.yaml", sweep.overrides_from(_args(
+        ["x", "--methods", "draft-model"])))
+    assert spec.methods == {"ar": {}, "draft-model": {"draft_model": "qwen2.5-coder-0.5b"}}
+    seed = load_spec(ROOT / "configs" / "seed_table_cpu.yaml", sweep.overrides_from(_args(
+        ["x", "--methods", "sparsespec-l,ngram"])))
+    assert set(seed.methods) == {"ar", "sparsespec-l", "ngram"} and seed.methods["ngram"] == {}
+    assert [v.get("k") for v in seed.method_variants["sparsespec-l"]] == [4]  # the list's second set
+
+
 def _args(argv):
     import argparse
 

@@ -379,13 +379,19 @@ def load_spec(path: str | Path, overrides: Mapping[str, Any] | None = None) -> S
 def apply_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
     """``data`` with CLI overrides applied. Keys are top-level spec keys, or dotted
     ``sampling.temperature`` / ``workers.threads``; ``benchmarks.num_samples`` /
-    ``benchmarks.tasks`` apply to every benchmark entry. None values are ignored."""
+    ``benchmarks.tasks`` apply to every benchmark entry; ``methods`` (a list of names) selects
+    methods and keeps the options the spec gives them (``--methods draft-model`` on a spec whose
+    ``draft-model`` names its draft still names it). None values are ignored."""
     out: dict[str, Any] = {k: v for k, v in data.items()}
     for key, value in overrides.items():
         if value is None:
             continue
         head, _, tail = key.partition(".")
-        if not tail:
+        if head == "methods" and not tail and isinstance(out.get("methods"), Mapping) \
+                and not isinstance(value, Mapping):
+            given = out["methods"]
+            out["methods"] = {m: given.get(m, {}) for m in value}
+        elif not tail:
             out[head] = value
         elif head == "benchmarks":
             out["benchmarks"] = [{**(b if isinstance(b, Mapping) else {"name": b}), tail: value}
