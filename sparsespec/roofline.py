@@ -23,8 +23,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["geometry", "geometry_roofline", "kv_bytes", "machine_desc", "max_speedup", "measure_machine", "roofline",
-           "roofline_speedup", "step_flops", "time_call", "weight_bytes", "x_roofline"]
+__all__ = ["ReadProbe", "geometry", "geometry_roofline", "kv_bytes", "machine_desc", "max_speedup", "measure_machine",
+           "roofline", "roofline_speedup", "step_flops", "time_call", "weight_bytes", "x_roofline"]
 
 
 # --------------------------------------------------------------------------- probes
@@ -35,9 +35,11 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize()
 
 
-def time_call(fn: Callable[[], Any], device: Any, reps: int, warmup: int) -> float:
+def time_call(fn: Callable[[], Any], device: Any, reps: int, warmup: int,
+              between: Callable[[], Any] | None = None) -> float:
     """Median wall seconds of ``fn()`` over ``reps`` calls after ``warmup`` untimed ones
-    (the device is synchronised before each clock read)."""
+    (the device is synchronised before each clock read). ``between`` (e.g. a ``ReadProbe``) is
+    called, untimed, after each timed call: a sample of the machine beside every rep."""
     for _ in range(warmup):
         fn()
     times = []
@@ -47,7 +49,49 @@ def time_call(fn: Callable[[], Any], device: Any, reps: int, warmup: int) -> flo
         fn()
         _sync(device)
         times.append(time.perf_counter() - t0)
+        if between is not None:
+            between()
     return statistics.median(times)
+
+
+class ReadProbe:
+    """The memory read bandwidth beside timed work: each call times one ``x.sum()`` over a
+    float32 buffer of ``nbytes`` (256 MiB: far larger than any CPU cache, ~3 ms at 80 GB/s) and
+    keeps the rate (bytes/s) in ``samples``.
+
+    Why: a shared host's bandwidth drops for seconds at a time (on the 2-core AMD EPYC of
+    benchmarks/RESULTS.md, from 80-85 to 48-55 GB/s in every buffer at once, the model's own
+    weights included, for about 4 s), and a step timed then looks 1.4x slower against a roofline
+    at the run's best rate. Sampled between the reps of the step it judges, ``median`` is the
+    rate that step ran at, and ``spread`` (max / min) says whether the host moved meanwhile.
+    """
+
+    def __init__(self, device: Any = "cpu", nbytes: int = 256 << 20) -> None:
+        import torch
+
+        if nbytes < 4:
+            raise ValueError(f"nbytes must be at least 4, got {nbytes}")
+        self.device = device
+        self.nbytes = nbytes // 4 * 4
+        self._x = torch.ones(self.nbytes // 4, dtype=torch.float32, device=device)
+        self.samples: list[float] = []
+
+    def __call__(self) -> float:
+        _sync(self.device)
+        t0 = time.perf_counter()
+        self._x.sum()
+        _sync(self.device)
+        rate = self.nbytes / max(time.perf_counter() - t0, 1e-9)
+        self.samples.append(rate)
+        return rate
+
+    def median(self) -> float | None:
+        """Median of the samples (bytes/s); None before the first."""
+        return statistics.median(self.samples) if self.samples else None
+
+    def spread(self) -> float | None:
+        """max / min of the samples; None before the first."""
+        return max(self.samples) / min(self.samples) if self.samples else None
 
 
 def measure_machine(device: str, dtype: Any, reps: int = 7) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from cluster.speed.measure import BenchConfig
 from cluster.results.report import report_rows
 from cluster.results.store import open_store
 from helpers import tiny_model_like
+import sparsespec.roofline as rl
 from sparsespec.roofline import (kv_bytes, max_speedup, roofline, roofline_speedup, step_flops, weight_bytes,
                                  x_roofline)
 from sparsespec.shapes import SHAPES, random_transformer
@@ -94,7 +95,6 @@ def test_the_gemm_rate_is_the_fastest_correct_gemm_here(monkeypatch):
     """measure_machine's compute floor comes from the fastest GEMM this process runs (on an AMD
     CPU MKL's ``a @ b`` runs AVX2 code at half our packed linear's rate), and a backend whose
     product is wrong is no candidate, however fast."""
-    import sparsespec.roofline as rl
     from sparsespec.kernels import cpu
 
     m = rl.measure_machine("cpu", torch.float32, reps=1)
@@ -125,6 +125,34 @@ def test_rooflines_are_recomputed_at_the_best_rates_of_the_run():
     assert best["ar_step_x_mem"] == pytest.approx(2 * slow["ar_step_x_mem"])
     assert best["prefill_x_roofline"] == pytest.approx(0.5 / best["prefill_roofline_s"])
     assert best["gamma_over_roofline"] == pytest.approx(best["gamma"] / best["gamma_roofline"])
+    # no bandwidth sampled beside the steps: nothing to judge them by
+    assert best["ar_step_x_roofline_beside"] is None and best["verify_x_roofline_beside"] is None
+    # sampled at the slow sample's rate: against that floor, not the run's best
+    beside = bench.add_rooflines({**row, "read_beside_bytes_per_s": 1e9}, tiny, bench.best_rates(samples))
+    at_slow = bench.add_rooflines(dict(row), tiny, {**bench.best_rates(samples), "read_bytes_per_s": 1e9})
+    for name in ("ar_step", "verify", "draft_step"):
+        assert beside[f"{name}_x_roofline"] == pytest.approx(best[f"{name}_x_roofline"])
+        assert beside[f"{name}_x_roofline_beside"] == pytest.approx(at_slow[f"{name}_x_roofline"])
+    assert beside["ar_step_x_roofline_beside"] < beside["ar_step_x_roofline"]  # a memory-bound step here
+
+
+def test_the_read_probe_samples_between_reps_and_outside_the_timing():
+    calls: list[str] = []
+    probe = rl.ReadProbe("cpu", nbytes=1 << 20)
+    assert probe.median() is None and probe.spread() is None
+
+    def between():
+        calls.append("probe")
+        probe()
+
+    assert rl.time_call(lambda: calls.append("fn"), "cpu", reps=3, warmup=1, between=between) >= 0
+    assert calls == ["fn", "fn", "probe", "fn", "probe", "fn", "probe"]  # the warm-up has none
+    assert len(probe.samples) == 3 and all(r > 0 for r in probe.samples)
+    assert probe.median() == sorted(probe.samples)[1] and probe.spread() >= 1.0
+    probe.samples[:] = [2e9, 1e9, 4e9]
+    assert probe.median() == 2e9 and probe.spread() == 4.0
+    with pytest.raises(ValueError, match="nbytes"):
+        rl.ReadProbe("cpu", nbytes=2)
 
 
 def test_markdown_has_the_physics_and_reference_columns():
@@ -246,6 +274,11 @@ def test_random_weights_measure_every_step_and_store_them_without_an_e2e_run(tmp
         assert r["read_bytes_per_s"] == m["read_bytes_per_s"]
         assert r["ar_step_mem_roofline_s"] == pytest.approx(r["ar_step_bytes"] / m["read_bytes_per_s"])
         assert r["ar_step_x_roofline"] == pytest.approx(r["ar_step_s"] / r["ar_step_roofline_s"])
+        # the bandwidth read between the judged steps' reps (1 rep each: 3 samples), and the steps against it
+        assert r["read_beside_bytes_per_s"] > 0 and r["read_beside_spread"] >= 1.0
+        for name, key in (("ar_step", "ar_step_s"), ("verify", "verify_importance_s"), ("draft_step", "draft_step_s")):
+            assert r[f"{name}_x_roofline_beside"] > 0, name
+    assert "read beside the steps GB/s" in printed
     assert steps[0]["prefill_s"] > 0 and steps[1]["prefill_s"] is None
     for r in result["rows"]:  # every row says where it ran and with which kernels
         assert r["cpu"] and "read_bytes_per_s" in r and "gemm_flops_per_s" in r and r["kernels"].startswith("linear ")
