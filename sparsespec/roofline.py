@@ -57,13 +57,14 @@ def time_call(fn: Callable[[], Any], device: Any, reps: int, warmup: int,
 class ReadProbe:
     """The memory read bandwidth beside timed work: each call times one ``x.sum()`` over a
     float32 buffer of ``nbytes`` (256 MiB: far larger than any CPU cache, ~3 ms at 80 GB/s) and
-    keeps the rate (bytes/s) in ``samples``.
+    keeps the rate (bytes/s) under the call's ``tag`` in ``samples``.
 
     Why: a shared host's bandwidth drops for seconds at a time (on the 2-core AMD EPYC of
     benchmarks/RESULTS.md, from 80-85 to 48-55 GB/s in every buffer at once, the model's own
-    weights included, for about 4 s), and a step timed then looks 1.4x slower against a roofline
-    at the run's best rate. Sampled between the reps of the step it judges, ``median`` is the
-    rate that step ran at, and ``spread`` (max / min) says whether the host moved meanwhile.
+    weights included, for seconds to minutes), and a step timed then looks 1.4x slower against a
+    roofline at the run's best rate. Sampled between the reps of the step it judges (one tag per
+    step), ``median(tag)`` is the rate that step ran at, and ``spread(tag)`` (max / min) says
+    whether the host moved meanwhile.
     """
 
     def __init__(self, device: Any = "cpu", nbytes: int = 256 << 20) -> None:
@@ -74,24 +75,33 @@ class ReadProbe:
         self.device = device
         self.nbytes = nbytes // 4 * 4
         self._x = torch.ones(self.nbytes // 4, dtype=torch.float32, device=device)
-        self.samples: list[float] = []
+        self.samples: dict[str, list[float]] = {}
 
-    def __call__(self) -> float:
+    def __call__(self, tag: str = "") -> float:
         _sync(self.device)
         t0 = time.perf_counter()
         self._x.sum()
         _sync(self.device)
         rate = self.nbytes / max(time.perf_counter() - t0, 1e-9)
-        self.samples.append(rate)
+        self.samples.setdefault(tag, []).append(rate)
         return rate
 
-    def median(self) -> float | None:
-        """Median of the samples (bytes/s); None before the first."""
-        return statistics.median(self.samples) if self.samples else None
+    def tagged(self, tag: str) -> Callable[[], float]:
+        """A call that samples under ``tag`` (``time_call``'s ``between``)."""
+        return lambda: self(tag)
 
-    def spread(self) -> float | None:
-        """max / min of the samples; None before the first."""
-        return max(self.samples) / min(self.samples) if self.samples else None
+    def _of(self, tag: str | None) -> list[float]:
+        return [x for v in self.samples.values() for x in v] if tag is None else self.samples.get(tag, [])
+
+    def median(self, tag: str | None = None) -> float | None:
+        """Median of ``tag``'s samples (bytes/s; every sample for None); None before the first."""
+        xs = self._of(tag)
+        return statistics.median(xs) if xs else None
+
+    def spread(self, tag: str | None = None) -> float | None:
+        """max / min of ``tag``'s samples (every sample for None); None before the first."""
+        xs = self._of(tag)
+        return max(xs) / min(xs) if xs else None
 
 
 def measure_machine(device: str, dtype: Any, reps: int = 7) -> dict[str, Any]:

@@ -128,12 +128,16 @@ def test_rooflines_are_recomputed_at_the_best_rates_of_the_run():
     # no bandwidth sampled beside the steps: nothing to judge them by
     assert best["ar_step_x_roofline_beside"] is None and best["verify_x_roofline_beside"] is None
     # sampled at the slow sample's rate: against that floor, not the run's best
-    beside = bench.add_rooflines({**row, "read_beside_bytes_per_s": 1e9}, tiny, bench.best_rates(samples))
+    # each step against the rate sampled between its own reps (here: AR in a slow second, the others not)
+    beside = bench.add_rooflines({**row, "ar_step_read_beside_bytes_per_s": 1e9, "verify_read_beside_bytes_per_s": 2e9,
+                                  "draft_step_read_beside_bytes_per_s": 2e9}, tiny, bench.best_rates(samples))
     at_slow = bench.add_rooflines(dict(row), tiny, {**bench.best_rates(samples), "read_bytes_per_s": 1e9})
     for name in ("ar_step", "verify", "draft_step"):
         assert beside[f"{name}_x_roofline"] == pytest.approx(best[f"{name}_x_roofline"])
-        assert beside[f"{name}_x_roofline_beside"] == pytest.approx(at_slow[f"{name}_x_roofline"])
+    assert beside["ar_step_x_roofline_beside"] == pytest.approx(at_slow["ar_step_x_roofline"])
     assert beside["ar_step_x_roofline_beside"] < beside["ar_step_x_roofline"]  # a memory-bound step here
+    for name in ("verify", "draft_step"):
+        assert beside[f"{name}_x_roofline_beside"] == pytest.approx(best[f"{name}_x_roofline"])
 
 
 def test_the_read_probe_samples_between_reps_and_outside_the_timing():
@@ -143,14 +147,16 @@ def test_the_read_probe_samples_between_reps_and_outside_the_timing():
 
     def between():
         calls.append("probe")
-        probe()
+        probe.tagged("a")()
 
     assert rl.time_call(lambda: calls.append("fn"), "cpu", reps=3, warmup=1, between=between) >= 0
     assert calls == ["fn", "fn", "probe", "fn", "probe", "fn", "probe"]  # the warm-up has none
-    assert len(probe.samples) == 3 and all(r > 0 for r in probe.samples)
-    assert probe.median() == sorted(probe.samples)[1] and probe.spread() >= 1.0
-    probe.samples[:] = [2e9, 1e9, 4e9]
-    assert probe.median() == 2e9 and probe.spread() == 4.0
+    assert len(probe.samples["a"]) == 3 and all(r > 0 for r in probe.samples["a"])
+    assert probe.median("a") == sorted(probe.samples["a"])[1] and probe.spread("a") >= 1.0
+    probe.samples = {"a": [2e9, 1e9, 4e9], "b": [8e9]}
+    assert probe.median("a") == 2e9 and probe.spread("a") == 4.0  # one step's samples
+    assert probe.median() == 3e9 and probe.spread() == 8.0  # every sample
+    assert probe.median("c") is None and probe.spread("c") is None
     with pytest.raises(ValueError, match="nbytes"):
         rl.ReadProbe("cpu", nbytes=2)
 
@@ -276,8 +282,8 @@ def test_random_weights_measure_every_step_and_store_them_without_an_e2e_run(tmp
         assert r["ar_step_x_roofline"] == pytest.approx(r["ar_step_s"] / r["ar_step_roofline_s"])
         # the bandwidth read between the judged steps' reps (1 rep each: 3 samples), and the steps against it
         assert r["read_beside_bytes_per_s"] > 0 and r["read_beside_spread"] >= 1.0
-        for name, key in (("ar_step", "ar_step_s"), ("verify", "verify_importance_s"), ("draft_step", "draft_step_s")):
-            assert r[f"{name}_x_roofline_beside"] > 0, name
+        for name in ("ar_step", "verify", "draft_step"):
+            assert r[f"{name}_read_beside_bytes_per_s"] > 0 and r[f"{name}_x_roofline_beside"] > 0, name
     assert "read beside the steps GB/s" in printed
     assert steps[0]["prefill_s"] > 0 and steps[1]["prefill_s"] is None
     for r in result["rows"]:  # every row says where it ran and with which kernels

@@ -17,8 +17,8 @@ hold ``L - --gen-tokens`` tokens), it measures, after warm-up:
   step), and the compute floor ``flops / GEMM throughput``; each step is reported as a multiple
   of ``max`` of the two (``x_roofline``) and of the memory term alone (``x_mem``); the AR,
   verify and draft steps also against the floor at the bandwidth sampled between their own reps
-  (``read_beside_bytes_per_s``, ``*_x_roofline_beside``; ``read_beside_spread`` = max / min of
-  those samples): a shared host's bandwidth drops for seconds at a time, and a step timed in such
+  (``{step}_read_beside_bytes_per_s``, ``{step}_x_roofline_beside``; ``read_beside_bytes_per_s``
+  and ``read_beside_spread``: the median and max / min of the cell's samples): a shared host's bandwidth drops for seconds at a time, and a step timed in such
   a drop is slow against the run's best rate by the host's doing, not ours;
 * end to end (unless ``--steps-only``; needs a real model with a tokenizer, so never with
   ``--random-weights``): a sweep (``cluster.sweep.run.run_sweep``) of the ``speed`` benchmark
@@ -359,14 +359,14 @@ def bench_steps(model, prompts: list[list[int]], cfg: BenchConfig, machine: dict
     # the read bandwidth between the reps of the three steps judged against their roofline
     probe = ReadProbe(dev, (1 << 30) if torch.device(dev).type == "cuda" else (256 << 20))
     t = {
-        "ar_step_s": time_call(ar_step, dev, reps, warm, between=probe),
+        "ar_step_s": time_call(ar_step, dev, reps, warm, between=probe.tagged("ar_step")),
         "verify_s": time_call(verify_plain, dev, reps, warm),
-        "verify_importance_s": time_call(verify_imp, dev, reps, warm, between=probe),
+        "verify_importance_s": time_call(verify_imp, dev, reps, warm, between=probe.tagged("verify")),
         "index_update_s": time_call(index_update, dev, reps, warm),
         "index_rebuild_s": time_call(index_rebuild, dev, reps, warm),
         "gather_s": time_call(gather, dev, reps, warm),
     }
-    phase = time_call(draft_phase, dev, reps, warm, between=probe)
+    phase = time_call(draft_phase, dev, reps, warm, between=probe.tagged("draft_step"))
     t["draft_step_s"] = max(0.0, phase - t["gather_s"]) / K
     phase8 = time_call(draft_phase_int8, dev, reps, warm)
     t["draft_step_int8_s"] = max(0.0, phase8 - t["gather_s"]) / K
@@ -376,7 +376,8 @@ def bench_steps(model, prompts: list[list[int]], cfg: BenchConfig, machine: dict
                            "n_index": n_index, "prefill_s": prefill_s, **t,
                            "ar_linears_s": parts_ar["linears_s"], "ar_attention_s": parts_ar["attention_s"],
                            "verify_linears_s": parts["linears_s"], "verify_attention_s": parts["attention_s"],
-                           "read_beside_bytes_per_s": probe.median(), "read_beside_spread": probe.spread()}
+                           "read_beside_bytes_per_s": probe.median(), "read_beside_spread": probe.spread(),
+                           **{f"{n}_read_beside_bytes_per_s": probe.median(n) for n in ("ar_step", "verify", "draft_step")}}
     del probe
     out["ar_rest_s"] = t["ar_step_s"] - parts_ar["linears_s"] - parts_ar["attention_s"]
     out["verify_rest_s"] = t["verify_importance_s"] - parts["linears_s"] - parts["attention_s"]
@@ -420,11 +421,11 @@ def add_rooflines(out: dict[str, Any], model, machine: Mapping[str, float]) -> d
         out[f"{name}_bytes"] = r["bytes"]
         out[f"{name}_x_roofline"] = x_roofline(out[key], r["roofline_s"])
         out[f"{name}_x_mem"] = x_roofline(out[key], r["mem_s"])
-    # the same three steps against the floor at the bandwidth sampled between their reps
-    # (``read_beside_bytes_per_s``): what is left is ours, not a slow minute of the host's
-    beside = out.get("read_beside_bytes_per_s")
+    # the same three steps against the floor at the bandwidth sampled between their own reps
+    # (``{step}_read_beside_bytes_per_s``): what is left is ours, not a slow minute of the host's
     for name, key, T, keys in (("ar_step", "ar_step_s", 1, P), ("verify", "verify_importance_s", K + 1, P),
                                ("draft_step", "draft_step_s", 1, n_index + K / 2)):
+        beside = out.get(f"{name}_read_beside_bytes_per_s")
         floor = roofline(model, {**machine, "read_bytes_per_s": beside}, B, T, keys)["roofline_s"] if beside else None
         out[f"{name}_x_roofline_beside"] = x_roofline(out[key], floor) if floor else None
     if out.get("prefill_s") is not None:
