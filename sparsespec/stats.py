@@ -9,6 +9,7 @@ per-round costs it is given, see ``sparsespec.adaptive.StepCosts``).
 from __future__ import annotations
 
 import math
+import statistics
 import resource
 import time
 from collections import Counter
@@ -281,6 +282,23 @@ def batch_tpot(rows: Iterable[Mapping[str, Any]]) -> float | None:
     else:
         dec = sum(_num(r, "decode_s") for r in rows)
     return dec / toks if toks > 0 and dec > 0 else None
+
+
+def batch_straggle(rows: Iterable[Mapping[str, Any]]) -> float | None:
+    """How evenly one static batch's rows shared its rounds: the mean over the rows (their
+    stats, all from the same batch) of their rounds (``num_steps``) over the most any row took.
+
+    A static batch decodes until its slowest row is done, so its rounds are the maximum, while
+    the ledger's ``S`` (``derive``) is per row, at the rows' pooled tau. Rows whose acceptance
+    differs need different numbers of rounds, and the batch pays for the slowest: against an
+    ``ar`` batch of the same rows, ``S x straggle(method) / straggle(ar)`` is what the ledger
+    predicts for the batch (``ar`` rows of equal length: 1.0). 1.0 for a batch of one; None
+    without steps.
+    """
+    steps = [_num(r, "num_steps") for r in rows]
+    if not steps or max(steps) <= 0:
+        return None
+    return statistics.fmean(steps) / max(steps)
 
 
 def itl_percentiles(gaps: Any) -> dict[str, float | None]:

@@ -307,6 +307,38 @@ def test_an_int8_draft_is_its_own_cell_paired_with_the_same_ar():
     assert _cell(cells, method="x", draft_weights="int8")["n_pairs"] == 1
 
 
+def test_a_static_batch_keeps_the_ledger_times_its_straggle():
+    """A batch runs until its slowest row is done: rows needing 30, 34, 46 and 32 rounds keep
+    mean / max = 35.5 / 46 of the per-row ledger; a batch whose rows all need 40 keeps it all;
+    ar's rows of unequal length (an early stop) straggle too, and the ratio is against theirs."""
+    from sparsespec.stats import batch_straggle
+
+    assert batch_straggle([{"num_steps": s} for s in (30, 34, 46, 32)]) == pytest.approx(35.5 / 46)
+    assert batch_straggle([{"num_steps": 12}]) == 1.0 and batch_straggle([{"num_steps": 0}]) is None
+    assert batch_straggle([]) is None
+
+    def r(method, batch, i, steps, **stats):
+        row = _row(method, i, 0.1)
+        row["batch_size"] = 4
+        row["stats"].update(batch_key=f"b{batch}", num_steps=steps, **stats)
+        return row
+
+    spec = dict(num_drafted=30, num_accepted=20, num_drafting_steps=30, num_draft_forwards=30, num_emitted=50,
+                draft_s=0.3, verify_s=3.0)
+    rows = [r("ar", 0, i, 63) for i in range(4)] + [r("ar", 1, i, s) for i, s in enumerate((63, 63, 63, 50))]
+    rows += [r("x", 0, i, s, **spec) for i, s in enumerate((30, 34, 46, 32))]
+    rows += [r("x", 1, i, 40, **spec) for i in range(4)]
+    want = float(np.median([35.5 / 46, 1.0 / (59.75 / 63)]))
+    assert q.paired_straggle([x for x in rows if x["method"] == "x"], [x for x in rows if x["method"] == "ar"]) \
+        == pytest.approx(want)
+    cells = q.cell_table(rows)
+    x, ar = _cell(cells, method="x"), _cell(cells, method="ar")
+    assert x["straggle"] == pytest.approx(want)
+    assert x["batch_predicted_speedup"] == pytest.approx(x["predicted_speedup"] * want)
+    assert ar["straggle"] == 1.0 and ar["batch_predicted_speedup"] == 1.0
+    assert q.paired_straggle([x for x in rows if x["method"] == "x"], []) is None  # nothing paired
+
+
 def test_runs_that_differ_in_other_options_are_cells_of_their_own_each_against_its_run_ar():
     """Two runs of x k=auto, budget_frac 0.1 and 0.2 (run configs), plus a third option every run
     shares: two cells, named by the option they differ in, each paired with its own run's ar."""

@@ -32,8 +32,8 @@ import numpy as np
 
 from cluster.results.events import UNAVAILABLE_EVENT  # noqa: F401 - re-exported (the reports read it here)
 from sparsespec.registry import AR
-from sparsespec.stats import (_num, batch_tpot, bootstrap_means, bootstrap_medians, derive,  # noqa: F401
-                              drafting_steps, ledger_speedup, mean_acceptance_length, percentile_ci, pool,
+from sparsespec.stats import (_num, batch_straggle, batch_tpot, bootstrap_means, bootstrap_medians,  # noqa: F401
+                              derive, drafting_steps, ledger_speedup, mean_acceptance_length, percentile_ci, pool,
                               request_tpot)
 
 MIN_CI_PAIRS = 5
@@ -200,6 +200,26 @@ def paired_batches(rows: Sequence[Mapping[str, Any]], ar_rows: Sequence[Mapping[
     return pairs
 
 
+def paired_straggle(rows: Sequence[Mapping[str, Any]], ar_rows: Sequence[Mapping[str, Any]],
+                    key: Callable[[Mapping[str, Any]], tuple] = _batch_key) -> float | None:
+    """Median over the batches decoded by both of ``batch_straggle(method) / batch_straggle(ar)``
+    (``sparsespec.stats.batch_straggle``): the share of the ledger's per-row ``S`` a static batch
+    keeps when it waits for its slowest row. None without a paired batch."""
+    def by_batch(rs: Iterable[Mapping[str, Any]]) -> dict[tuple, list[Mapping[str, Any]]]:
+        out: dict[tuple, list[Mapping[str, Any]]] = defaultdict(list)
+        for r in rs:
+            out[key(r)].append(r.get("stats") or {})
+        return out
+
+    mine, ref = by_batch(rows), by_batch(ar_rows)
+    ratios = []
+    for k, st in mine.items():
+        s_m, s_ar = batch_straggle(st), batch_straggle(ref.get(k, ()))
+        if s_m is not None and s_ar:
+            ratios.append(s_m / s_ar)
+    return float(np.median(ratios)) if ratios else None
+
+
 def paired_speedup(rows: Sequence[Mapping[str, Any]], ar_rows: Sequence[Mapping[str, Any]], *,
                    n_boot: int = N_BOOT, seed: int = 0, confidence: float = 0.95,
                    key: Callable[[Mapping[str, Any]], tuple] = _batch_key) -> dict[str, Any]:
@@ -287,7 +307,9 @@ def cell_table(rows: Iterable[Mapping[str, Any]], by: Sequence[str] = CELL_KEYS,
     Keys: ``by``, ``variant``, ``n``, ``n_pairs``, ``score``, ``score_ar`` (mean over the same
     samples' ar rows), ``score_delta`` (paired: mean of method - ar per sample), ``speedup``,
     ``speedup_total``, ``ci_low``, ``ci_high``, ``alpha``, ``tau``, ``mean_k``, ``gamma``,
-    ``predicted_speedup`` (ledger), ``predicted_speedup_round`` (``tau * T_AR / T_round``), the
+    ``predicted_speedup`` (ledger), ``straggle`` (``paired_straggle``: the share of it a static
+    batch keeps, waiting for its slowest row) and ``batch_predicted_speedup`` (the two
+    multiplied), ``predicted_speedup_round`` (``tau * T_AR / T_round``), the
     round costs (``c_draft``, ``c_verify``, ``c_other`` relative to an AR step,
     ``draft_forwards_per_round``), ``lossless_rate`` / ``n_conclusive`` (the stored verdicts of
     samples paired with an ar row of the cell; None when none), ``n_sampling``
@@ -351,7 +373,8 @@ def cell_table(rows: Iterable[Mapping[str, Any]], by: Sequence[str] = CELL_KEYS,
         row["score_delta"] = statistics.fmean(deltas) if deltas else None
         if method == AR:
             row.update(speedup=1.0, speedup_total=1.0, ci_low=None, ci_high=None, n_pairs=len(rs),
-                       alpha=None, tau=1.0, mean_k=None, gamma=None, predicted_speedup=1.0,
+                       alpha=None, tau=1.0, mean_k=None, gamma=None, predicted_speedup=1.0, straggle=1.0,
+                       batch_predicted_speedup=1.0,
                        predicted_speedup_round=1.0, lossless_rate=None, n_conclusive=0, score_delta=0.0
                        if scores else None)
             row.update(_round_costs(p, ar_round))
@@ -359,8 +382,11 @@ def cell_table(rows: Iterable[Mapping[str, Any]], by: Sequence[str] = CELL_KEYS,
             row.update(paired_speedup(rs, ar_rows, n_boot=n_boot, seed=seed))
             # over samples paired with an ar row of the cell (the reference the verdict is against)
             verdicts = [bool(r["lossless"]) for r in rs if r.get("lossless") is not None and _pair_key(r) in ar_by_pair]
+            straggle = paired_straggle(rs, ar_rows)
+            ledger = ledger_speedup(d["alpha"], d["mean_k"], d["gamma"])
             row.update(alpha=d["alpha"], tau=d["tau"], mean_k=d["mean_k"], gamma=d["gamma"],
-                       predicted_speedup=ledger_speedup(d["alpha"], d["mean_k"], d["gamma"]),
+                       predicted_speedup=ledger, straggle=straggle,
+                       batch_predicted_speedup=ledger * straggle if ledger is not None and straggle else None,
                        predicted_speedup_round=d["predicted_speedup_round"],
                        lossless_rate=(sum(verdicts) / len(verdicts)) if verdicts else None,
                        n_conclusive=len(verdicts))

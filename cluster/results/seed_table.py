@@ -1,6 +1,7 @@
 """The seed's central table in kind: per target and (context, batch), ``ar``, an independent
 draft model, MagicDec-SnapKV, EAGLE-3 and SparseSpec-L (``k="auto"`` and every fixed k that
-ran), each with alpha, mean k, gamma and the median paired speedup, beside the ledger ``S``, the
+ran), each with alpha, mean k, gamma and the median paired speedup, beside the ledger ``S`` (per
+row, and for the batch: times the ``straggle`` of its rows' rounds), the
 roofline ``S`` at the measured acceptance and k, and the seed's own figures.
 
     python -m cluster.results.report --seed-table --db URL
@@ -54,7 +55,8 @@ NO_DRAFT_FORWARD = ("ngram",)
 SEED_KEYS = ("model", "quantize", "context_length", "batch_size", "method", "k", "draft_weights")
 
 SEED_TABLE_KEYS = ("model", "quantize", "context_length", "batch_size", "method", "k", "status", "n", "n_pairs",
-                   "alpha", "mean_k", "gamma", "speedup", "ci_low", "ci_high", "ledger_s", "roofline_s",
+                   "alpha", "mean_k", "gamma", "speedup", "ci_low", "ci_high", "ledger_s", "straggle",
+                   "batch_ledger_s", "roofline_s",
                    "lossless_rate", "seed_speedup", "seed_alpha", "seed_mean_k", "note")
 
 
@@ -152,7 +154,8 @@ def seed_table(rows: Iterable[Mapping[str, Any]], runs: Sequence[Mapping[str, An
                 out.append({**base, "k": c["k"], "status": "ok", "n": c["n"], "n_pairs": c["n_pairs"],
                             "alpha": c["alpha"], "mean_k": c["mean_k"], "gamma": c["gamma"],
                             "speedup": c["speedup"], "ci_low": c["ci_low"], "ci_high": c["ci_high"],
-                            "ledger_s": c["predicted_speedup"], "roofline_s": roof,
+                            "ledger_s": c["predicted_speedup"], "straggle": c.get("straggle"),
+                            "batch_ledger_s": c.get("batch_predicted_speedup"), "roofline_s": roof,
                             "lossless_rate": c["lossless_rate"], "note": note})
     return out
 
@@ -186,14 +189,18 @@ def format_seed_table(table: Sequence[Mapping[str, Any]]) -> str:
                     f"{r['seed_speedup']:.2f}x / {r['seed_alpha']:g} / {r['seed_mean_k']:g}")
             status = r["status"] if r["status"] != "ok" else ""
             body.append([label, status or f(r["n"]), f(r["n_pairs"]), f(r["alpha"]), f(r["mean_k"], 2), f(r["gamma"]),
-                         sp, f(r["ledger_s"]), f(r["roofline_s"]), f(r["lossless_rate"]), seed, r.get("note") or ""])
+                         sp, f(r["ledger_s"]), f(r.get("straggle")), f(r.get("batch_ledger_s")), f(r["roofline_s"]),
+                         f(r["lossless_rate"]), seed, r.get("note") or ""])
         out.append(tabulate(body, headers=["method", "n", "pairs", "alpha", "mean k", "gamma",
-                                           "speedup (median, 95% CI)", "ledger S", "roofline S", "lossless",
+                                           "speedup (median, 95% CI)", "ledger S", "straggle", "batch ledger S",
+                                           "roofline S", "lossless",
                                            "seed: speedup / alpha / mean k", "note"],
                             tablefmt="github", disable_numparse=True))
         out.append("")
     out.append("speedup: median over paired batches of TPOT_ar / TPOT_method (interval: bootstrap, >= 5 pairs); "
-               "ledger S = (alpha*k + 1)/(k*gamma + 1) at the measured alpha, mean k, gamma; roofline S: what "
+               "ledger S = (alpha*k + 1)/(k*gamma + 1) at the measured alpha, mean k, gamma (per row); straggle: "
+               "a static batch waits for its slowest row, so it keeps mean / max of its rows' rounds (over ar's), "
+               "and batch ledger S = ledger S x straggle; roofline S: what "
                "the step floors (this run's measured bandwidth and GEMM rate) allow at the measured tau and mean k. "
                "The seed's figures are Llama-3.1-8B-Instruct on GPUs at long context, not this target: compare "
                "the ordering and the regime, not the values.")
