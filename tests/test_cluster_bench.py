@@ -174,9 +174,9 @@ def test_markdown_has_the_physics_and_reference_columns():
                         "decode_tokens_per_s": 10.0, "speedup": 0.9, "speedup_runs": [0.9], "alpha": 0.8,
                         "tau": 2.0, "mean_k": 2.0, "gamma": 0.3, "roofline_speedup": 1.2,
                         "measured_over_roofline": 0.75, "roofline_best_k": 3, "roofline_best_speedup": 1.31,
-                        "lossless_rate": 1.0}]}
+                        "straggle": 0.9, "lossless_rate": 1.0}]}
     md = bench.markdown(result)
-    assert "| measured / roofline | roofline k (S) |" in md and "| 0.75 | 3 (1.31) |" in md
+    assert "| measured / roofline | roofline k (S) | straggle |" in md and "| 0.75 | 3 (1.31) | 0.900 | 100 % |" in md
     assert "| 256 | 4 | vllm:ngram | 20.0 | 1.25 | yes | accept rate 0.50 |" in md
     assert "| 256 | 4 | vllm:ar | - | - | - | no .venv-peers: run make peers |" in md
 
@@ -433,6 +433,7 @@ def test_tiny_bench_times_the_steps_and_runs_the_e2e_part_as_a_sweep(tiny_bench)
             assert r["speedup"] > 0 and r["speedup_runs"] == [pytest.approx(r["speedup"])]
             assert r["roofline_speedup"] > 0 and r["step_predicted_speedup"] > 0
             assert r["cycle_predicted_speedup"] > 0
+            assert r["straggle"] > 0 and (B > 1 or r["straggle"] == 1.0)  # a batch of one keeps it all
     peers = {(r["method"], r["batch_size"]): r for r in result["rows"] if r["kind"] == "peer"}
     assert {m for m, _ in peers} == {"sparsespec:ar", "sparsespec:ngram", "transformers:ar", "transformers:prompt-lookup"}
     assert peers[("sparsespec:ar", 1)]["same_tokens_as_ours"] is True

@@ -781,6 +781,8 @@ def e2e_rows(results: Sequence[Mapping[str, Any]], steps: Sequence[Mapping[str, 
         if method != AR:
             tau, mean_k = rep["tau"], rep["mean_k"]
             row["ledger_speedup"] = rep["predicted_speedup"]
+            # a static batch waits for its slowest row: the share of the per-row figures it keeps
+            row["straggle"] = rep.get("straggle")
             # the run's own round times instead of the ledger's assumptions (verify == AR step,
             # nothing else per step): tau tokens per round of draft + verify + the rest
             row["cycle_predicted_speedup"] = rep["predicted_speedup_round"]
@@ -993,8 +995,9 @@ def markdown(result: dict[str, Any]) -> str:
             f"{len(info.get('failed') or {})} failed; speedup = median over paired batches (`cluster.results.report`)",
             "",
             "| ctx | B | method | n | decode tok/s | speedup (per batch) | alpha | tau | mean k | gamma | ledger S | "
-            "cycle-predicted S | step-predicted S | roofline S | measured / roofline | roofline k (S) | lossless |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "cycle-predicted S | step-predicted S | roofline S | measured / roofline | roofline k (S) | straggle "
+            "| lossless |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in e2e:
             runs = ", ".join(f"{x:.2f}" for x in r.get("speedup_runs") or [])
@@ -1006,7 +1009,8 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {_f(r.get('mean_k'), '.2f')} | {_f(r.get('gamma'))} | {_f(r.get('ledger_speedup'))} "
                 f"| {_f(r.get('cycle_predicted_speedup'))} | {_f(r.get('step_predicted_speedup'))} "
                 f"| {_f(r.get('roofline_speedup'))} | {_f(r.get('measured_over_roofline'), '.2f')} "
-                f"| {_f(r.get('roofline_best_k'))} ({_f(r.get('roofline_best_speedup'), '.2f')}) | {lossless} |"
+                f"| {_f(r.get('roofline_best_k'))} ({_f(r.get('roofline_best_speedup'), '.2f')}) "
+                f"| {_f(r.get('straggle'))} | {lossless} |"
             )
     return "\n".join(lines)
 
