@@ -38,8 +38,8 @@ def _sync(device: Any) -> None:
 def time_call(fn: Callable[[], Any], device: Any, reps: int, warmup: int,
               between: Callable[[], Any] | None = None) -> float:
     """Median wall seconds of ``fn()`` over ``reps`` calls after ``warmup`` untimed ones
-    (the device is synchronised before each clock read). ``between`` (e.g. a ``ReadProbe``) is
-    called, untimed, after each timed call: a sample of the machine beside every rep."""
+    (the device is synchronised before each clock read). ``between`` (e.g. ``ReadProbe.tagged``)
+    is called, untimed, after each timed call: a sample of the machine beside every rep."""
     for _ in range(warmup):
         fn()
     times = []

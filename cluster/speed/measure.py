@@ -18,8 +18,9 @@ hold ``L - --gen-tokens`` tokens), it measures, after warm-up:
   of ``max`` of the two (``x_roofline``) and of the memory term alone (``x_mem``); the AR,
   verify and draft steps also against the floor at the bandwidth sampled between their own reps
   (``{step}_read_beside_bytes_per_s``, ``{step}_x_roofline_beside``; ``read_beside_bytes_per_s``
-  and ``read_beside_spread``: the median and max / min of the cell's samples): a shared host's bandwidth drops for seconds at a time, and a step timed in such
-  a drop is slow against the run's best rate by the host's doing, not ours;
+  and ``read_beside_spread``: the median and max / min of the cell's samples): a shared host's
+  bandwidth drops for seconds at a time, and a step timed in such a drop is slow against the
+  run's best rate by the host's doing, not ours;
 * end to end (unless ``--steps-only``; needs a real model with a tokenizer, so never with
   ``--random-weights``): a sweep (``cluster.sweep.run.run_sweep``) of the ``speed`` benchmark
   (``evals.benchmarks.speed``: consecutive windows of a public-domain book, ``ignore_eos``, so
@@ -66,6 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from sparsespec.roofline import (  # noqa: F401 - re-exported for ``from cluster.speed.measure import ...``
+    ReadProbe,
     _sync,
     kv_bytes,
     machine_desc,
@@ -78,7 +80,6 @@ from sparsespec.roofline import (  # noqa: F401 - re-exported for ``from cluster
     time_call,
     weight_bytes,
     x_roofline,
-    ReadProbe,
 )
 from sparsespec.registry import AR
 
@@ -377,7 +378,8 @@ def bench_steps(model, prompts: list[list[int]], cfg: BenchConfig, machine: dict
                            "ar_linears_s": parts_ar["linears_s"], "ar_attention_s": parts_ar["attention_s"],
                            "verify_linears_s": parts["linears_s"], "verify_attention_s": parts["attention_s"],
                            "read_beside_bytes_per_s": probe.median(), "read_beside_spread": probe.spread(),
-                           **{f"{n}_read_beside_bytes_per_s": probe.median(n) for n in ("ar_step", "verify", "draft_step")}}
+                           **{f"{n}_read_beside_bytes_per_s": probe.median(n)
+                              for n in ("ar_step", "verify", "draft_step")}}
     del probe
     out["ar_rest_s"] = t["ar_step_s"] - parts_ar["linears_s"] - parts_ar["attention_s"]
     out["verify_rest_s"] = t["verify_importance_s"] - parts["linears_s"] - parts["attention_s"]
@@ -650,7 +652,7 @@ def measure_steps(cfg: BenchConfig, *, progress: Callable[[str], None] = log.inf
             rows.append(steps)
             progress(f"ctx {L} B {B}: AR {steps['ar_step_s'] * 1e3:.1f} ms ({steps['ar_step_x_roofline']:.2f}x roofline "
                      f"at the rates so far, {_f(steps['ar_step_x_roofline_beside'], '.2f')}x at the "
-                     f"{_f(steps['read_beside_bytes_per_s'] and steps['read_beside_bytes_per_s'] / 1e9, '.1f')} GB/s "
+                     f"{_f((steps['ar_step_read_beside_bytes_per_s'] or 0) / 1e9, '.1f')} GB/s "
                      "read beside its reps), "
                      f"verify {steps['verify_importance_s'] * 1e3:.1f} ms, draft {steps['draft_step_s'] * 1e3:.1f} ms, "
                      f"gamma {steps['gamma']:.3f} (roofline {steps['gamma_roofline']:.3f})")
