@@ -238,13 +238,15 @@ def four_way_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
 
 
 LEDGER_PAGE_COLUMNS = ["benchmark", "task", "model", "context_length", "batch_size", "variant", "n", "alpha",
-                       "mean_k", "gamma", "tau", "predicted_speedup", "predicted_speedup_round", "speedup",
+                       "mean_k", "gamma", "tau", "predicted_speedup", "straggle", "batch_predicted_speedup",
+                       "predicted_speedup_round", "speedup",
                        "speedup_total", "draft_forwards_per_round", "c_draft", "c_verify", "c_other", "gap"]
 
 
 def ledger_page_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     """Per speculative cell: the ledger's three numbers, both predictions next to the measured
-    speedup, and the round costs that explain the gap (``gap`` = measured / ledger - 1)."""
+    speedup, the static batch's ``straggle`` and the batch ledger (``batch_predicted_speedup``),
+    and the round costs that explain the gap (``gap`` = measured / ledger - 1)."""
     df = cells_frame(rows)
     if df.empty:
         return pd.DataFrame(columns=LEDGER_PAGE_COLUMNS)

@@ -42,6 +42,8 @@ def test_frames_on_the_seeded_store(db):
     row = led[led["variant"].str.startswith("sparsespec-l")].iloc[0]
     assert row["predicted_speedup"] == pytest.approx((0.75 * 2 + 1) / (2 * 0.1 + 1))
     assert row["gap"] == pytest.approx(1.25 / row["predicted_speedup"] - 1)
+    assert row["straggle"] > 0 and row["batch_predicted_speedup"] == pytest.approx(
+        row["predicted_speedup"] * row["straggle"])  # the report's batch ledger, not one of its own
     samples = queries.sample_rows(data, "ruler-L1024-B1")
     assert len(samples) == 6 and list(samples.columns) == queries.SAMPLE_COLUMNS
     assert samples[samples["method"] == "ar"]["speedup_vs_ar"].tolist() == [1.0, 1.0]

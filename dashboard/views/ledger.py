@@ -17,7 +17,9 @@ st.caption("alpha: accepted / drafted tokens; k: mean draft length of drafting s
            "time / one verify step's. The ledger S assumes a verify costs one AR step and nothing else runs per "
            "round; the full-round model uses the measured costs relative to one AR step (T_AR): f_d draft forwards "
            "per round at c_draft each, the verify (c_verify) and the rest of the round (c_other: sampling, "
-           "acceptance, cache and index upkeep). gap = measured / ledger - 1.")
+           "acceptance, cache and index upkeep). straggle: a static batch decodes until its slowest row is done, so "
+           "it keeps mean / max of its rows' rounds (over ar's) of the per-row ledger; batch ledger S = ledger S x "
+           "straggle. gap = measured / ledger - 1.")
 led = dq.ledger_page_frame(rows)
 if led.empty:
     st.info("Only ar in the selection: nothing to predict.")
@@ -27,12 +29,12 @@ else:
     led = led.assign(setting=led["model"] + " · " + led["benchmark"] + "/" + led["task"] + " L="
                      + led["context_length"].astype(str) + " B=" + led["batch_size"].astype(str))
     long = led
-    long = long.melt(id_vars=["setting", "variant"], value_vars=["predicted_speedup", "predicted_speedup_round",
-                                                                 "speedup"], var_name="kind", value_name="S")
+    long = long.melt(id_vars=["setting", "variant"], value_vars=["predicted_speedup", "batch_predicted_speedup",
+                                                                 "predicted_speedup_round", "speedup"], var_name="kind", value_name="S")
     long = long.dropna(subset=["S"])
     if not long.empty:
         fig = px.bar(long, x="setting", y="S", color="kind", barmode="group", facet_row="variant",
-                     title="Ledger, full-round model and measured speedup",
+                     title="Ledger (per row and per batch), full-round model and measured speedup",
                      labels={"kind": ""})
         fig.add_hline(y=1.0, line_dash="dot", line_color="grey")
         fig.update_layout(height=max(320, 260 * long["variant"].nunique()))
