@@ -9,8 +9,8 @@ per-round costs it is given, see ``sparsespec.adaptive.StepCosts``).
 from __future__ import annotations
 
 import math
-import statistics
 import resource
+import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass, field

@@ -29,8 +29,9 @@ else:
     led = led.assign(setting=led["model"] + " · " + led["benchmark"] + "/" + led["task"] + " L="
                      + led["context_length"].astype(str) + " B=" + led["batch_size"].astype(str))
     long = led
-    long = long.melt(id_vars=["setting", "variant"], value_vars=["predicted_speedup", "batch_predicted_speedup",
-                                                                 "predicted_speedup_round", "speedup"], var_name="kind", value_name="S")
+    long = long.melt(id_vars=["setting", "variant"],
+                     value_vars=["predicted_speedup", "batch_predicted_speedup", "predicted_speedup_round", "speedup"],
+                     var_name="kind", value_name="S")
     long = long.dropna(subset=["S"])
     if not long.empty:
         fig = px.bar(long, x="setting", y="S", color="kind", barmode="group", facet_row="variant",
