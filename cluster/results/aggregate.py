@@ -176,19 +176,22 @@ def shared_batch_key(r: Mapping[str, Any]) -> tuple:
             int(r.get("repetition") or 0), tail)
 
 
+def _stats_by_batch(rows: Iterable[Mapping[str, Any]], key: Callable[[Mapping[str, Any]], tuple]
+                    ) -> dict[tuple, list[Mapping[str, Any]]]:
+    """The rows' stats grouped by ``key`` (a batch's identity)."""
+    out: dict[tuple, list[Mapping[str, Any]]] = defaultdict(list)
+    for r in rows:
+        out[key(r)].append(r.get("stats") or {})
+    return out
+
+
 def paired_batches(rows: Sequence[Mapping[str, Any]], ar_rows: Sequence[Mapping[str, Any]],
                    key: Callable[[Mapping[str, Any]], tuple] = _batch_key) -> list[tuple[float, float, float]]:
     """``(tpot_ar, tpot_method, decoded_tokens)`` per batch decoded by both (``rows``: one
     method's rows; ``ar_rows``: the reference's rows of the same cells). ``key``: a batch's
     identity (default: within one run; ``shared_batch_key``: across runs). Batches without
     decode time or decoded tokens are skipped."""
-    def by_batch(rs: Iterable[Mapping[str, Any]]) -> dict[tuple, list[Mapping[str, Any]]]:
-        out: dict[tuple, list[Mapping[str, Any]]] = defaultdict(list)
-        for r in rs:
-            out[key(r)].append(r.get("stats") or {})
-        return out
-
-    mine, ref = by_batch(rows), by_batch(ar_rows)
+    mine, ref = _stats_by_batch(rows, key), _stats_by_batch(ar_rows, key)
     pairs = []
     for key, st in mine.items():
         if key not in ref:
@@ -205,13 +208,7 @@ def paired_straggle(rows: Sequence[Mapping[str, Any]], ar_rows: Sequence[Mapping
     """Median over the batches decoded by both of ``batch_straggle(method) / batch_straggle(ar)``
     (``sparsespec.stats.batch_straggle``): the share of the ledger's per-row ``S`` a static batch
     keeps when it waits for its slowest row. None without a paired batch."""
-    def by_batch(rs: Iterable[Mapping[str, Any]]) -> dict[tuple, list[Mapping[str, Any]]]:
-        out: dict[tuple, list[Mapping[str, Any]]] = defaultdict(list)
-        for r in rs:
-            out[key(r)].append(r.get("stats") or {})
-        return out
-
-    mine, ref = by_batch(rows), by_batch(ar_rows)
+    mine, ref = _stats_by_batch(rows, key), _stats_by_batch(ar_rows, key)
     ratios = []
     for k, st in mine.items():
         s_m, s_ar = batch_straggle(st), batch_straggle(ref.get(k, ()))
