@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--policy-model", default=None, help="the model's key in the policy (default --model)")
     p.add_argument("--spec-options", default='{"k": 2}', help="the sparsespec-l arm's options (JSON)")
-    p.add_argument("--lengths", default="992,8160", help="prompt lengths in tokens, interleaved (comma list)")
+    p.add_argument("--lengths", default="992,8160", help="prompt lengths in tokens, interleaved (comma list); a length repeated weights the mix "
+                        "(992,992,992,8160: three short prompts per long one)")
     p.add_argument("--concurrencies", default="1,4", help="closed-loop concurrency levels (comma list)")
     p.add_argument("--num-prompts", type=int, default=8, help="requests per arm per concurrency level")
     p.add_argument("--max-tokens", type=int, default=32)
@@ -158,7 +159,7 @@ def decisions(rows: list[dict], concurrency: int, lengths: list[int]) -> list[di
               f"{1000 * (r['tpot_p50_s'] or float('nan')):.1f} ms, methods {r['method']}")
     strata = [("all", rows)] + [
         (L, [r for r in rows if r.get("prompt_tokens") is not None
-             and min(lengths, key=lambda x: abs(x - r["prompt_tokens"])) == L]) for L in lengths]
+             and min(lengths, key=lambda x: abs(x - r["prompt_tokens"])) == L]) for L in dict.fromkeys(lengths)]
     for label, rs in strata:
         print(f"  -- prompts: {label}" + ("" if label == "all" else " tokens"))
         if label != "all":

@@ -211,8 +211,9 @@ def cells_frame(rows: Sequence[Mapping[str, Any]], by: Sequence[str] = cq.CELL_K
     return _k_text(pd.DataFrame(cq.cell_table(rows, by=by)))
 
 
-#: A map cell: a (model, target weights, context, batch) and a method variant (k, draft weights, options).
-MAP_KEYS = ("model", "quantize", "context_length", "batch_size", "method", "k", "draft_weights", "options")
+#: A map cell: a (model, target weights, context, batch, queue) and a method variant (k, draft weights, options).
+MAP_KEYS = ("model", "quantize", "context_length", "batch_size", "queue_depth", "method", "k", "draft_weights",
+            "options")
 
 
 def speedup_map(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
@@ -224,8 +225,20 @@ def speedup_map(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
 def best_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     """The fastest lossless variant per (model, target, context, batch) against that target's ar."""
     cells = cq.cell_table(rows, by=MAP_KEYS)
-    return pd.DataFrame(cq.best_per_cell(cells, ("model", "quantize", "context_length", "batch_size")),
-                        columns=["model", "quantize", "context_length", "batch_size", "best", "speedup", "runner_up"])
+    setting = ("model", "quantize", "context_length", "batch_size", "queue_depth")
+    return pd.DataFrame(cq.best_per_cell(cells, setting), columns=[*setting, "best", "speedup", "runner_up"])
+
+
+def batch_labels(frame: pd.DataFrame) -> list[str]:
+    """A frame's ``batch_size`` / ``queue_depth`` as the maps' row labels
+    (``cluster.results.aggregate.batch_label``: "4", "4 (queue 16)")."""
+    q = frame["queue_depth"] if "queue_depth" in frame else [1] * len(frame)
+    return [cq.batch_label(int(b), None if v != v else v) for b, v in zip(frame["batch_size"], q)]
+
+
+def batch_order(labels) -> list[str]:
+    """``batch_labels`` in order: by batch size, then static before queued."""
+    return sorted(set(labels), key=lambda s: (int(s.split()[0]), len(s), s))
 
 
 FOUR_WAY_COLUMNS = list(cq.FOUR_WAY_KEYS)
@@ -237,7 +250,7 @@ def four_way_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     return pd.DataFrame(cq.four_way(rows), columns=FOUR_WAY_COLUMNS)
 
 
-LEDGER_PAGE_COLUMNS = ["benchmark", "task", "model", "context_length", "batch_size", "variant", "n", "alpha",
+LEDGER_PAGE_COLUMNS = ["benchmark", "task", "model", "context_length", "batch_size", "queue_depth", "variant", "n", "alpha",
                        "mean_k", "gamma", "tau", "predicted_speedup", "straggle", "batch_predicted_speedup",
                        "predicted_speedup_round", "speedup",
                        "speedup_total", "draft_forwards_per_round", "c_draft", "c_verify", "c_other", "gap"]

@@ -249,6 +249,7 @@ class EngineCore:
         self.prefilling: _Prefill | None = None  # in slot >= len(running) until its last chunk
         self._ids: set[str] = set()
         self.num_steps = 0
+        self.num_rounds = 0  # steps that ran a decode round (the rest only prefilled)
 
     # ------------------------------------------------------------------ calibration
     @property
@@ -414,6 +415,7 @@ class EngineCore:
         try:
             outputs = self._prefill_new()
             if self.running:
+                self.num_rounds += 1
                 outputs += self._decode_round()
         finally:
             if self.step_clock is not None:

@@ -294,10 +294,19 @@ def batch_straggle(rows: Iterable[Mapping[str, Any]]) -> float | None:
     ``ar`` batch of the same rows, ``S x straggle(method) / straggle(ar)`` is what the ledger
     predicts for the batch (``ar`` rows of equal length: 1.0). 1.0 for a batch of one; None
     without steps.
+
+    A queue (rows with ``batch_rounds``: a core of ``batch_size`` slots that admitted each
+    waiting row as another finished, ``cluster.sweep.worker``): the rows' rounds over the
+    slot-rounds the core ran, ``sum(num_steps) / (batch_size x batch_rounds)``, which is the
+    static formula when every row starts together (then ``batch_rounds`` = the most rounds).
     """
+    rows = list(rows)
     steps = [_num(r, "num_steps") for r in rows]
     if not steps or max(steps) <= 0:
         return None
+    rounds, slots = _num(rows[0], "batch_rounds"), _num(rows[0], "batch_size")
+    if rounds > 0 and slots > 0:
+        return sum(steps) / (slots * rounds)
     return statistics.fmean(steps) / max(steps)
 
 

@@ -339,6 +339,32 @@ def test_a_static_batch_keeps_the_ledger_times_its_straggle():
     assert q.paired_straggle([x for x in rows if x["method"] == "x"], []) is None  # nothing paired
 
 
+def test_a_queue_straggles_by_its_empty_slot_rounds_and_is_a_cell_of_its_own():
+    """A queue (continuous batching): rows of 5, 5, 5 and 3 rounds through 2 slots in 10 decode
+    rounds used 18 of the 20 slot-rounds; four rows of 4 rounds that took 10 rounds (slots idle
+    for 4 slot-rounds) used 16 (mean / max would say 1.0); in 8 rounds, all. Static batches and
+    queues of the same batch size are never pooled, in every view's grouping, and tables print
+    the queue beside the batch size."""
+    from sparsespec.stats import batch_straggle
+
+    def qst(steps, rounds):
+        return [{"num_steps": n, "batch_size": 2, "queue_size": len(steps), "batch_rounds": rounds} for n in steps]
+
+    assert batch_straggle(qst((5, 5, 5, 3), 10)) == pytest.approx(18 / 20)
+    assert batch_straggle(qst((4, 4, 4, 4), 10)) == pytest.approx(16 / 20)
+    assert batch_straggle(qst((4, 4, 4, 4), 8)) == 1.0
+    rows = [_row("ar", i, 0.1) for i in range(2)] + [_row("x", i, 0.05) for i in range(2)]
+    queued = [{**r, "run_id": "q", "queue_depth": 2, "stats": {**r["stats"], "batch_key": "q0"}}
+              for r in (_row("ar", i, 0.1) for i in range(2))]
+    queued += [{**r, "run_id": "q", "queue_depth": 2, "stats": {**r["stats"], "batch_key": "q0"}}
+               for r in (_row("x", i, 0.08) for i in range(2))]
+    for by in (q.CELL_KEYS, q.SETTING_KEYS, q.ENGINE_CELL_KEYS + ("method", "k")):
+        cells = q.cell_table(rows + queued, by=by)
+        got = {(c["queue_depth"], c["method"]): c["speedup"] for c in cells}
+        assert got == pytest.approx({(1, "ar"): 1.0, (1, "x"): 2.0, (2, "ar"): 1.0, (2, "x"): 1.25}), by
+    assert (q.batch_label(4), q.batch_label(4, None), q.batch_label(4, 4)) == ("4", "4", "4 (queue 16)")
+
+
 def test_runs_that_differ_in_other_options_are_cells_of_their_own_each_against_its_run_ar():
     """Two runs of x k=auto, budget_frac 0.1 and 0.2 (run configs), plus a third option every run
     shares: two cells, named by the option they differ in, each paired with its own run's ar."""

@@ -61,7 +61,7 @@ def test_report_known_answers():
     ar, sp = rows
     assert all(tuple(r) == REPORT_KEYS for r in rows)
     assert ar == {"benchmark": "bench", "task": "t", "model": "m", "quantize": "none", "context_length": None, "batch_size": 1,
-                  "method": "ar", "k": None, "draft_weights": None, "options": "", "variant": "ar", "n": 4, "score": 0.5,
+                  "queue_depth": 1, "method": "ar", "k": None, "draft_weights": None, "options": "", "variant": "ar", "n": 4, "score": 0.5,
                   "speedup": 1.0, "alpha": None, "tau": 1.0, "mean_k": None, "gamma": None,
                   "lossless_rate": None}
     assert sp["score"] == pytest.approx(2.5 / 4)  # mean of non-null scores
@@ -175,10 +175,11 @@ def test_leaderboard_markdown_and_csv(tmp_path, capsys):
     assert "- device: cpu (2 cores on vm)" in head and "- commit: abc1234" in head
     assert any(h.startswith("- software:") and "torch 2.13.0+cpu" in h for h in head)
     table = [line for line in md.splitlines() if line.startswith("| ruler ") and "| 2048 " in line and "| 1 " in line]
-    assert table[0].split("|")[5].strip() == "ar"  # the reference row first in its setting
-    assert table[1].split("|")[5].strip() == "sparsespec-l k=2" and "1.964" in table[1]
+    assert table[0].split("|")[6].strip() == "ar"  # the reference row first in its setting
+    assert table[1].split("|")[6].strip() == "sparsespec-l k=2" and "1.964" in table[1]
+    assert table[0].split("|")[5].strip() == "1"  # queue depth: static batches
     df = pd.read_csv(prefix.with_suffix(".csv"), comment="#")
-    assert list(df.columns)[:5] == ["benchmark", "model", "context_length", "batch_size", "variant"]
+    assert list(df.columns)[:6] == ["benchmark", "model", "context_length", "batch_size", "queue_depth", "variant"]
     first = df[(df["benchmark"] == "longbench")].iloc[1]
     assert first["variant"] == "ngram k=3" and first["score_delta"] == pytest.approx(-0.1)
     assert first["speedup"] == pytest.approx(1.2)

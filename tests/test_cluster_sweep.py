@@ -7,6 +7,7 @@ a real local folder, so the real planner, samples, workers and engine run, in mi
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import signal
@@ -18,7 +19,7 @@ import pytest
 import yaml
 
 from cluster.sweep import run as sweep
-from cluster.sweep.coordinator import WorkerStartError, plan_workers, result_rows
+from cluster.sweep.coordinator import WorkerStartError, plan_workers, result_rows, shard_summary
 from cluster.sweep.plan import plan_shards
 from cluster.results.report import batch_speedups, compute_report
 from cluster.sweep.schema import SpecError, load_spec, parse_spec
@@ -58,6 +59,8 @@ def _spec(tiny, db, **kw):
     ({"device": "tpu"}, "device"),
     ({"workers": {"schedule": "batch"}}, "workers.schedule"),
     ({"benchmarks": [{"name": "ruler", "batch_sizes": [2, 2]}]}, "duplicate batch sizes"),
+    ({"queue_depth": 0}, "queue_depth"),
+    ({"benchmarks": [{"name": "ruler", "queue_depth": 0}]}, "queue_depth"),
 ])
 def test_spec_rejects_bad_values_with_the_key(tiny, tmp_path, patch, needle):
     with pytest.raises(SpecError, match=needle):
@@ -176,6 +179,31 @@ def test_a_benchmark_may_set_its_own_batch_sizes(tiny, tmp_path):
     assert sweep.plan(base)[0][0].run_id == cells[0].run_id
 
 
+def test_a_queue_is_planned_as_one_shard_of_queue_depth_batches(tiny, tmp_path):
+    """queue_depth Q: a shard holds Q x batch size samples and a core of batch-size slots; the
+    depth is part of the run id only when > 1 (static runs keep their ids); a benchmark's own
+    depth and the --queue-depth flag override the sweep's."""
+    db = f"sqlite:///{tmp_path}/x.db"
+    static = sweep.plan(_spec(tiny, db))[0]
+    cells = sweep.plan(_spec(tiny, db, queue_depth=2))[0]
+    assert [c.queue_depth for c in cells] == [2] and cells[0].config["queue_depth"] == 2
+    assert "queue_depth" not in static[0].config and cells[0].run_id != static[0].run_id
+    shards = plan_shards(cells[0])
+    # 2 tasks x 4 samples, batch 2, depth 2: one queue of 4 per task, 2 slots each
+    assert [(len(s.samples), s.max_num_seqs, s.slots) for s in shards] == [(4, 2, 2)] * 2
+    assert [(len(s.samples), s.max_num_seqs, s.slots) for s in plan_shards(static[0])] == [(2, None, 2)] * 4
+    bench = [{**_spec(tiny, db).benchmarks[0].model_dump(), "queue_depth": 4}]
+    assert sweep.plan(_spec(tiny, db, queue_depth=2, benchmarks=bench))[0][0].queue_depth == 4
+    spec = load_spec_with_flags(tmp_path, _spec(tiny, db, benchmarks=bench), ["--queue-depth", "3"])
+    assert sweep.plan(spec)[0][0].queue_depth == 3
+
+
+def load_spec_with_flags(tmp_path, spec, argv):
+    path = tmp_path / "q.yaml"
+    path.write_text(yaml.safe_dump(spec.resolved()))
+    return load_spec(path, sweep.overrides_from(_args([str(path), *argv])))
+
+
 def test_dry_run_prints_the_keys_and_runs_nothing(tiny, tmp_path, capsys):
     spec_path = tmp_path / "s.yaml"
     spec_path.write_text(yaml.safe_dump(_spec(tiny, f"sqlite:///{tmp_path}/x.db").resolved()))
@@ -218,6 +246,85 @@ def test_a_batch_of_four_equals_four_batches_of_one(tiny, tmp_path):
         assert sorted(r["stats"]["batch_row"] for r in rs) == [0, 1, 2, 3]
     rows = result_rows(b4, out4, lambda s, p: 0.5)
     assert all(r["lossless"] is True for r in rows if r["method"] != "ar")
+
+
+def test_a_queue_refills_its_slots_and_decodes_the_tokens_of_batches_of_one(tiny, tmp_path):
+    """queue_depth 2 at batch 2: four samples through a core of two slots. Every row's tokens
+    equal its batch-of-one tokens; the core never holds more than two rows; a row admitted as
+    another finished starts decoding before the queue's first rows are all done (a refill, not
+    two static batches in turn); rows record the slots, the queue and the core's decode rounds,
+    whose straggle (rows' rounds over slot-rounds) follows from them."""
+    from cluster.sweep.worker import default_engine_factory
+    from sparsespec.stats import batch_straggle
+
+    held: list[tuple[str, ...]] = []  # the request ids each ar step decoded
+
+    class Core:
+        def __init__(self, core):
+            self._core = core
+
+        def step(self):
+            out = self._core.step()
+            if self._core.method == "ar":
+                held.append(tuple(sorted(r.request_id for r in self._core.running)))
+            return out
+
+        def __getattr__(self, name):
+            return getattr(self._core, name)
+
+    class Eng:
+        def __init__(self, engine):
+            self._engine = engine
+
+        def core(self, *a, **kw):
+            return Core(self._engine.core(*a, **kw))
+
+        def __getattr__(self, name):
+            return getattr(self._engine, name)
+
+    db = f"sqlite:///{tmp_path}/x.db"
+    bench = [{"name": "ruler", "tasks": ["niah_single_1"], "num_samples": 4, "context_lengths": [512]}]
+    (queue,) = plan_shards(sweep.plan(_spec(tiny, db, queue_depth=2, benchmarks=bench))[0][0])
+    ones = plan_shards(sweep.plan(_spec(tiny, db, batch_sizes=[1], benchmarks=bench))[0][0])
+    # the first sample stops after 2 tokens, the others after 6: its slot frees first
+    short = dataclasses.replace(queue.samples[0], max_new_tokens=2)
+    queue = dataclasses.replace(queue, samples=(short, *queue.samples[1:]))
+    ones[0] = dataclasses.replace(ones[0], samples=(short,))
+    w = EngineWorker(tiny, "float32", "cpu", threads=1,
+                     engine_factory=lambda m, d, dev: Eng(default_engine_factory(m, d, dev)))
+    w.warm_up(queue, "ar"), w.warm_up(queue, "sparsespec-l")
+    held.clear()
+    out = w.run_shard(queue)["rows"]
+    assert held and max(len(h) for h in held) == 2
+    # sample 2 took the first sample's slot while sample 1 was still decoding
+    assert ("1", "2") in held
+    out1 = [r for sh in ones for r in w.run_shard(sh)["rows"]]
+    tok = lambda rows: {(r["sample_id"], r["method"]): r["token_ids"] for r in rows}  # noqa: E731
+    assert tok(out) == tok(out1) and len(out) == 8
+    assert sum(r["stats"]["num_drafted"] for r in out if r["method"] == "sparsespec-l") > 0
+    for m in ("ar", "sparsespec-l"):
+        st = [r["stats"] for r in out if r["method"] == m]
+        assert {(s["batch_size"], s["queue_size"]) for s in st} == {(2, 4)}
+        rounds, steps = st[0]["batch_rounds"], [s["num_steps"] for s in st]
+        assert len({s["batch_rounds"] for s in st}) == 1
+        # two slots: at least half the rows' rounds, fewer than the rows' rounds one after another
+        assert sum(steps) / 2 <= rounds < sum(steps)
+        assert batch_straggle(st) == pytest.approx(sum(steps) / (2 * rounds))
+    assert "B=2 queue 4:" in shard_summary(queue, result_rows(queue, out, lambda s, p: 0.5))
+
+
+def test_vllm_methods_skip_a_queue_without_being_marked_unavailable(tiny, tmp_path):
+    """vLLM's engines decode static batches: a queue shard leaves its vllm: methods out with the
+    reason, for that shard only (the worker does not remember them as unavailable)."""
+    db = f"sqlite:///{tmp_path}/x.db"
+    bench = [{"name": "ruler", "tasks": ["niah_single_1"], "num_samples": 2, "context_lengths": [512]}]
+    spec = _spec(tiny, db, batch_sizes=[1], queue_depth=2, benchmarks=bench,
+                 methods={"vllm:ar": {}}, sampling={"max_new_tokens": 3})
+    (shard,) = plan_shards(sweep.plan(spec)[0][0])
+    w = EngineWorker(tiny, "float32", "cpu", threads=1)
+    res = w.run_shard(shard)
+    assert {r["method"] for r in res["rows"]} == {"ar"}
+    assert "static batches" in res["unavailable"]["vllm:ar"] and "vllm:ar" not in w._unavailable
 
 
 def test_result_rows_flags_a_divergent_method_and_missing_rows(tiny, tmp_path):

@@ -78,6 +78,18 @@ def test_inconclusive_too_few_pairs_and_slower_cells_are_off():
     assert _entry(p, 8192, 4).status == "insufficient_pairs" and p.min_pairs == 7
 
 
+def test_a_bucket_measured_as_static_batches_and_as_queues_is_decided_by_the_queues():
+    """The policy arm is served with continuous batching: where a bucket has both, the queued
+    runs (queue_depth > 1) decide it, never pooled with the static batches."""
+    static = _cell(8192, 4, "sparsespec-l", 2, [0.9, 0.92, 0.88, 0.91, 0.9])
+    queued = _cell(8192, 4, "sparsespec-l", 2, FAST, run="queued")
+    for r in queued:
+        r["queue_depth"] = 2
+    e = _entry(build_policy(static + queued), 8192, 4)
+    assert (e.status, e.k, e.n_pairs) == ("speculate", 2, 6) and e.speedup == pytest.approx(1.5)
+    assert _entry(build_policy(static), 8192, 4).status == "off"
+
+
 def test_quantised_targets_are_left_out_and_an_empty_store_is_an_error():
     rows = _cell(8192, 4, "sparsespec-l", 2, FAST)
     for r in rows:

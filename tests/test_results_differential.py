@@ -1,6 +1,7 @@
 """Every view of one store gives the same number for every cell: the CLI report (``--json``), the
 leaderboard CSV and the dashboard's tables, on random stores (several methods, fixed and auto k,
-int8 drafts and int8 targets, batch sizes, cells whose ar is missing, runs pooled).
+int8 drafts and int8 targets, batch sizes, static batches and queues, cells whose ar is missing, runs
+pooled).
 
 The views group differently (the report and the dashboard's cell table per task, the leaderboard
 and the speedup map with tasks pooled), so each is compared with ``cluster.results.aggregate.cell_table``
@@ -50,6 +51,7 @@ def random_store(url: str, seed: int) -> None:
         for ri in range(int(rng.integers(3, 7))):
             L = int(rng.choice([1024, 2048]))
             B = int(rng.choice([1, 2, 4]))
+            Q = int(rng.choice([1, 1, 2]))  # static batches, or queues of 2 batches through B slots
             quantize = str(rng.choice(["none", "int8"]))
             variants = [("ar", None, False)] if rng.random() > 0.25 else []  # some runs lack ar
             for _ in range(int(rng.integers(1, 4))):
@@ -63,12 +65,14 @@ def random_store(url: str, seed: int) -> None:
                       # runs of one cell may differ in a method's other options: never pooled
                       "method_options": {m: ({} if m == "ar" else {"k": k, "budget_frac": float(rng.choice([0.1, 0.2]))})
                                          for m, k, _ in variants}}
+            if Q > 1:
+                config["queue_depth"] = Q
             store.start_run(run_id, benchmark="bench", model="m", methods=config["methods"], config=config)
             tasks = ["t1", "t2"][: int(rng.integers(1, 3))]
             for task in tasks:
-                samples = [f"s{i}" for i in range(int(rng.integers(1, 2 * B + 1)))]
-                for bi in range(0, len(samples), B):
-                    batch = samples[bi:bi + B]
+                samples = [f"s{i}" for i in range(int(rng.integers(1, 2 * B * Q + 1)))]
+                for bi in range(0, len(samples), B * Q):
+                    batch = samples[bi:bi + B * Q]
                     rows = []
                     for m, k, int8 in variants:
                         bkey = f"{run_id}/{task}/{bi}"
@@ -140,18 +144,21 @@ def test_every_view_gives_the_same_number_per_cell(tmp_path, capsys, seed):
     csv_rows = list(csv.DictReader(line for line in io.StringIO(text) if not line.startswith("#")))
     settings = cq.cell_table(rows, by=cq.SETTING_KEYS)
     by_setting = {(str(s["benchmark"]), str(s["model"]), str(s["context_length"]), str(s["batch_size"]),
-                   s["variant"]): s for s in settings}
+                   str(s["queue_depth"]), s["variant"]): s for s in settings}
     assert len(csv_rows) == len(settings)
     for r in csv_rows:
-        s = by_setting[(r["benchmark"], r["model"], r["context_length"], r["batch_size"], r["variant"])]
+        s = by_setting[(r["benchmark"], r["model"], r["context_length"], r["batch_size"], r["queue_depth"],
+                        r["variant"])]
         for name in ("speedup", "speedup_total", "alpha", "tau", "mean_k", "gamma", "lossless_rate", "score", "n"):
             assert _same(r[name] if r[name] != "" else None, s[name]), (r["variant"], name, r[name], s[name])
 
     led = dq.ledger_page_frame(rows).to_dict("records")
-    rep_by_variant = {(r["task"], r["context_length"], r["batch_size"], r["variant"]): r for r in cli}
+    rep_by_variant = {(r["task"], r["context_length"], r["batch_size"], r["queue_depth"], r["variant"]): r
+                      for r in cli}
     assert len(rep_by_variant) == len(cli)
     for row in led:
-        r = rep_by_variant[(row["task"], row["context_length"], row["batch_size"], row["variant"])]
+        r = rep_by_variant[(row["task"], row["context_length"], row["batch_size"], row["queue_depth"],
+                            row["variant"])]
         for name in ("speedup", "alpha", "tau", "mean_k", "gamma"):
             assert _same(row[name], r[name]), (row["variant"], name)
 

@@ -6,12 +6,14 @@ Inputs are the plain dicts the store returns (``Store.results``, ``Store.accepta
 Every ratio comes from the raw counts and seconds through ``sparsespec.stats`` (``pool`` then
 ``derive``, ``batch_tpot``): nothing here averages a ratio twice.
 
-A *cell* is one (benchmark, task, model, context_length, batch_size, method, k) group, where
-``k`` is the draft length the method ran with (``"auto"``, an integer, or None for ``ar``): a
-fixed-k sweep and the adaptive controller are different cells, never pooled together.
+A *cell* is one (benchmark, task, model, context_length, batch_size, queue_depth, method, k)
+group, where ``k`` is the draft length the method ran with (``"auto"``, an integer, or None for
+``ar``): a fixed-k sweep and the adaptive controller are different cells, never pooled together;
+nor are static batches (``queue_depth`` 1) and queues (continuous batching) of the same size.
 
 Speedup (``paired_speedup``), as in ``cluster.results.report``: a pair is one batch (same run, same
-samples, same worker) decoded with ``ar`` and with the method; the batch TPOT is
+samples, same worker; a queue's samples under ``queue_depth`` > 1) decoded with ``ar`` and with
+the method; the batch TPOT is
 ``(batch_wall_s - batch_prefill_s) / sum(output tokens - 1)``. ``speedup`` = median over pairs
 of ``TPOT_ar / TPOT_method``; ``speedup_total`` = total ar decode time / total method decode
 time per decoded token over the same pairs; the 95 % interval is a percentile bootstrap of the
@@ -45,8 +47,8 @@ N_BOOT = 2000
 #: model, whose ar is the reference of its methods (ar's rows of a cell share its quantize).
 #: ``options``: the method's other options in its run (``run_options``; "" for none), so runs of
 #: one method that differ in any of them (``budget_frac``, vLLM's suffix cache, ...) are not pooled.
-CELL_KEYS = ("benchmark", "task", "model", "quantize", "context_length", "batch_size", "method", "k",
-             "draft_weights", "options")
+CELL_KEYS = ("benchmark", "task", "model", "quantize", "context_length", "batch_size", "queue_depth", "method",
+             "k", "draft_weights", "options")
 #: Method options a cell keys on by themselves (``k``, ``draft_weights``), left out of ``options``.
 KEYED_OPTIONS = ("k", "draft_weights")
 
@@ -128,6 +130,13 @@ def variant(method: str, k: int | str | None, draft_weights: str | None = None, 
     return label if quantize in (None, "none") else f"{label} [{quantize} target]"
 
 
+def batch_label(batch_size: int, queue_depth: int | None = 1) -> str:
+    """A cell's batching as tables print it: ``"4"`` (static batches of 4) or ``"4 (queue 16)"``
+    (4 slots fed from queues of 16 samples, ``cluster.sweep.schema.SweepSpec.queue_depth``)."""
+    q = int(queue_depth or 1)
+    return f"{batch_size}" if q <= 1 else f"{batch_size} (queue {batch_size * q})"
+
+
 def cell_key(r: Mapping[str, Any], by: Sequence[str]) -> tuple:
     """A result row's values of the keys ``by`` as ``cell_table`` groups them (``k`` from its
     stats, ``draft_weights``, ``batch_size`` and ``quantize`` with their defaults)."""
@@ -141,8 +150,8 @@ def _cell_key(r: Mapping[str, Any], by: Sequence[str]) -> tuple:
             out.append(run_k(r))
         elif key == "draft_weights":
             out.append(run_draft_weights(r))
-        elif key == "batch_size":
-            out.append(int(r.get("batch_size") or 1))
+        elif key in ("batch_size", "queue_depth"):
+            out.append(int(r.get(key) or 1))
         elif key == "quantize":
             out.append(str(r.get("quantize") or "none"))
         elif key == "options":
@@ -173,7 +182,7 @@ def shared_batch_key(r: Mapping[str, Any]) -> tuple:
     run_id, key = _batch_key(r)
     tail = key.split("/", 1)[1] if key.startswith(run_id + "/") else key
     return (r["benchmark"], r["model"], r.get("context_length"), int(r.get("batch_size") or 1),
-            int(r.get("repetition") or 0), tail)
+            int(r.get("queue_depth") or 1), int(r.get("repetition") or 0), tail)
 
 
 def _stats_by_batch(rows: Iterable[Mapping[str, Any]], key: Callable[[Mapping[str, Any]], tuple]
@@ -704,8 +713,8 @@ def _f(v: float | None) -> str:
     return "-" if v is None else f"{v:.3g}"
 
 
-SETTING_KEYS = ("benchmark", "model", "quantize", "context_length", "batch_size", "method", "k", "draft_weights",
-                "options")
+SETTING_KEYS = ("benchmark", "model", "quantize", "context_length", "batch_size", "queue_depth", "method", "k",
+                "draft_weights", "options")
 
 
 def gates_table(rows: Iterable[Mapping[str, Any]], t: GateThresholds = GateThresholds(), *,
@@ -837,7 +846,7 @@ def device_label(run: Mapping[str, Any]) -> str | None:
 
 
 # --------------------------------------------------------------------------- leaderboard
-LEADERBOARD_KEYS = ("benchmark", "model", "context_length", "batch_size", "variant", "n", "speedup", "ci_low",
+LEADERBOARD_KEYS = ("benchmark", "model", "context_length", "batch_size", "queue_depth", "variant", "n", "speedup", "ci_low",
                     "ci_high", "speedup_total", "alpha", "tau", "mean_k", "gamma", "score", "score_delta",
                     "lossless_rate", "tpot_p50_s", "throughput")
 
@@ -848,7 +857,7 @@ def leaderboard(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     cells = cell_table(rows, by=SETTING_KEYS)
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for c in cells:
-        groups[tuple(c[k] for k in SETTING_KEYS[:5])].append(c)
+        groups[tuple(c[k] for k in SETTING_KEYS[:6])].append(c)
     out = []
     # the full-precision target first within a (benchmark, model): quantize "none" sorts as ""
     for key in sorted(groups, key=lambda t: tuple(_sort_value("" if (i == 2 and v == "none") else v)
@@ -890,7 +899,7 @@ def environment(runs: Sequence[Mapping[str, Any]]) -> Environment:
 
 # --------------------------------------------------------------------------- engines
 #: the keys of an engines-table cell (tasks pooled, like the leaderboard's settings)
-ENGINE_CELL_KEYS = ("benchmark", "model", "quantize", "context_length", "batch_size")
+ENGINE_CELL_KEYS = ("benchmark", "model", "quantize", "context_length", "batch_size", "queue_depth")
 
 
 def engine_of(method: str) -> str:

@@ -378,6 +378,14 @@ def build_policy(rows: Iterable[Mapping[str, Any]], *, min_pairs: int = MIN_CI_P
     rows = [r for r in rows if str(r.get("quantize") or "none") == "none" and r.get("context_length")]
     if not rows:
         raise PolicyError("no full-precision results with a context length in the store: run a sweep first")
+    # a bucket measured both as static batches and as queues (continuous batching, as the policy
+    # arm is served): the deepest queue's runs decide it, never the two pooled
+    deepest: dict[tuple, int] = {}
+    for r in rows:
+        b = (r.get("model"), r.get("context_length"), int(r.get("batch_size") or 1))
+        deepest[b] = max(deepest.get(b, 1), int(r.get("queue_depth") or 1))
+    rows = [r for r in rows if int(r.get("queue_depth") or 1)
+            == deepest[(r.get("model"), r.get("context_length"), int(r.get("batch_size") or 1))]]
     cells = cell_table(rows, by=POLICY_KEYS, n_boot=n_boot)
     groups: dict[tuple[str, int, int], list[dict[str, Any]]] = defaultdict(list)
     for c in cells:

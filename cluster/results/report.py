@@ -55,7 +55,7 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from cluster.results.aggregate import CELL_KEYS, cell_table, paired_batches, with_run_fields
+from cluster.results.aggregate import CELL_KEYS, batch_label, cell_table, paired_batches, with_run_fields
 from cluster.results.store import DEFAULT_DB_URL, StoreError, cli_error, open_store, safe_url
 from sparsespec.stats import derive
 
@@ -117,7 +117,8 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     body = []
     for r in rows:
         score = None if r["score"] is None else 100.0 * r["score"]
-        body.append([r["benchmark"], r["task"], r["model"], r.get("quantize") or "none", _fmt(r["context_length"]), r["batch_size"],
+        body.append([r["benchmark"], r["task"], r["model"], r.get("quantize") or "none", _fmt(r["context_length"]),
+                     batch_label(r["batch_size"], r.get("queue_depth")),
                      r["method"], _fmt(r.get("k")), _fmt(r.get("draft_weights")), r["n"], _fmt(score, 1),
                      _fmt(r["speedup"]), _fmt(r["alpha"]), _fmt(r["tau"]), _fmt(r["mean_k"], 2),
                      _fmt(r["gamma"]), _fmt(r["lossless_rate"])])
@@ -125,7 +126,8 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
 
 LEADERBOARD_HEADERS = {
-    "benchmark": "benchmark", "model": "model", "context_length": "ctx", "batch_size": "batch", "variant": "method",
+    "benchmark": "benchmark", "model": "model", "context_length": "ctx", "batch_size": "batch", "queue_depth": "queue",
+    "variant": "method",
     "n": "n", "speedup": "speedup", "ci_low": "ci_low", "ci_high": "ci_high", "speedup_total": "speedup_total",
     "alpha": "alpha", "tau": "tau", "mean_k": "mean_k", "gamma": "gamma", "score": "score", "score_delta": "score_delta",
     "lossless_rate": "lossless_rate", "tpot_p50_s": "tpot_ms", "throughput": "tokens_per_s",
@@ -378,7 +380,7 @@ def _seed_table_main(args: argparse.Namespace) -> int:
 
 
 ENGINES_HEADERS = {"model": "model", "quantize": "target", "context_length": "ctx", "batch_size": "batch",
-                   "engine": "engine", "variant": "method", "n_pairs": "pairs", "tpot_s": "TPOT ms",
+                   "queue_depth": "queue", "engine": "engine", "variant": "method", "n_pairs": "pairs", "tpot_s": "TPOT ms",
                    "speedup": "vs our ar", "speedup_own_ar": "vs own ar", "speedup_fastest_ar": "vs fastest ar",
                    "fastest_ar": "fastest ar", "alpha": "alpha", "tau": "tau", "lossless_rate": "same tokens as ar"}
 

@@ -31,7 +31,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from cluster.results.aggregate import cell_key, cell_table, unavailable_methods
+from cluster.results.aggregate import batch_label, cell_key, cell_table, unavailable_methods
 from sparsespec.registry import AR
 from sparsespec.roofline import geometry_roofline, roofline_speedup
 from sparsespec.stats import _num, pool
@@ -52,9 +52,9 @@ SELF_SPARSE_DRAFT = ("sparsespec-l", "magicdec-snapkv", "magicdec-streamingllm")
 #: Methods that draft without a forward (their draft costs nothing at the roofline).
 NO_DRAFT_FORWARD = ("ngram",)
 #: The grouping: cells pooled over benchmarks and tasks.
-SEED_KEYS = ("model", "quantize", "context_length", "batch_size", "method", "k", "draft_weights")
+SEED_KEYS = ("model", "quantize", "context_length", "batch_size", "queue_depth", "method", "k", "draft_weights")
 
-SEED_TABLE_KEYS = ("model", "quantize", "context_length", "batch_size", "method", "k", "status", "n", "n_pairs",
+SEED_TABLE_KEYS = ("model", "quantize", "context_length", "batch_size", "queue_depth", "method", "k", "status", "n", "n_pairs",
                    "alpha", "mean_k", "gamma", "speedup", "ci_low", "ci_high", "ledger_s", "straggle",
                    "batch_ledger_s", "roofline_s",
                    "lossless_rate", "seed_speedup", "seed_alpha", "seed_mean_k", "note")
@@ -126,16 +126,17 @@ def seed_table(rows: Iterable[Mapping[str, Any]], runs: Sequence[Mapping[str, An
         by_cell[cell_key(r, SEED_KEYS)].append(r)
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for c in cells:
-        groups[(c["model"], c["quantize"], c["context_length"], c["batch_size"])].append(c)
+        groups[(c["model"], c["quantize"], c["context_length"], c["batch_size"], c["queue_depth"])].append(c)
     out = []
-    for gkey in sorted(groups, key=lambda g: (str(g[0]), str(g[1]), g[2] or 0, g[3])):
-        model, quantize, ctx, batch = gkey
+    for gkey in sorted(groups, key=lambda g: (str(g[0]), str(g[1]), g[2] or 0, g[3], g[4])):
+        model, quantize, ctx, batch, depth = gkey
         present = groups[gkey]
         methods = list(SEED_METHODS) + sorted({c["method"] for c in present} - set(SEED_METHODS))
         for m in methods:
             seed = SEED.get(m, (None, None, None))
             mine = sorted((c for c in present if c["method"] == m), key=lambda c: _k_order(c["k"]))
-            base = {"model": model, "quantize": quantize, "context_length": ctx, "batch_size": batch, "method": m,
+            base = {"model": model, "quantize": quantize, "context_length": ctx, "batch_size": batch,
+                    "queue_depth": depth, "method": m,
                     "seed_speedup": seed[0], "seed_alpha": seed[1], "seed_mean_k": seed[2]}
             if not mine:
                 why = unavailable.get((str(model), m))
@@ -173,10 +174,10 @@ def format_seed_table(table: Sequence[Mapping[str, Any]]) -> str:
     out: list[str] = []
     sections: dict[tuple, list[Mapping[str, Any]]] = defaultdict(list)
     for r in table:
-        sections[(r["model"], r["quantize"], r["context_length"], r["batch_size"])].append(r)
-    for (model, quantize, ctx, batch), rs in sections.items():
+        sections[(r["model"], r["quantize"], r["context_length"], r["batch_size"], r.get("queue_depth"))].append(r)
+    for (model, quantize, ctx, batch, depth), rs in sections.items():
         target = model if quantize in (None, "none") else f"{model} [{quantize} target]"
-        out.append(f"## {target}, context {ctx}, batch {batch}\n")
+        out.append(f"## {target}, context {ctx}, batch {batch_label(batch, depth)}\n")
         body = []
         for r in rs:
             label = r["method"] if r.get("k") in (None, "auto") or r["method"] == AR else f"{r['method']} k={r['k']}"
@@ -199,8 +200,8 @@ def format_seed_table(table: Sequence[Mapping[str, Any]]) -> str:
         out.append("")
     out.append("speedup: median over paired batches of TPOT_ar / TPOT_method (interval: bootstrap, >= 5 pairs); "
                "ledger S = (alpha*k + 1)/(k*gamma + 1) at the measured alpha, mean k, gamma (per row); straggle: "
-               "a static batch waits for its slowest row, so it keeps mean / max of its rows' rounds (over ar's), "
-               "and batch ledger S = ledger S x straggle; roofline S: what "
+               "a static batch waits for its slowest row, so it keeps mean / max of its rows' rounds (a queue: its "
+               "rows' rounds over its slot-rounds), over ar's, and batch ledger S = ledger S x straggle; roofline S: what "
                "the step floors (this run's measured bandwidth and GEMM rate) allow at the measured tau and mean k. "
                "The seed's figures are Llama-3.1-8B-Instruct on GPUs at long context, not this target: compare "
                "the ordering and the regime, not the values.")

@@ -760,8 +760,9 @@ class Store:
         task: str | None = None,
     ) -> list[dict[str, Any]]:
         """Result rows as plain dicts (all columns, plus the run's ``context_length``,
-        ``batch_size`` and ``quantize`` (the target's weights: ``"none"`` or ``"int8"``) from its
-        config), optionally filtered, in insertion order."""
+        ``batch_size``, ``queue_depth`` (1: static batches) and ``quantize`` (the target's
+        weights: ``"none"`` or ``"int8"``) from its config), optionally filtered, in insertion
+        order."""
         if not self._has_tables:
             return []
         stmt = select(Result).order_by(Result.id)
@@ -780,6 +781,7 @@ class Store:
             c = cfg.get(r["run_id"]) or {}
             r["context_length"] = c.get("context_length")
             r["batch_size"] = int(c.get("batch_size") or 1)
+            r["queue_depth"] = int(c.get("queue_depth") or 1)  # 1: static batches (cluster.sweep.schema)
             r["quantize"] = str(c.get("quantize") or "none")
             r["repetition"] = int(c.get("repetition") or 0)
         return out

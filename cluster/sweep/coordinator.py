@@ -306,7 +306,8 @@ def shard_summary(shard: Shard, rows: Sequence[Mapping[str, Any]], unavailable: 
         sp = f"{t_ar / t:.2f}x" if (t and t_ar) else "-"
         alpha = f"{d['alpha']:.2f}" if d["alpha"] is not None else "-"
         parts.append(f"{m} {sp} alpha {alpha} lossless {sum(ok)}/{len(ok)}")
-    return f"{shard.key} B={len(shard.samples)}: " + ", ".join(parts + [f"{m} unavailable" for m in unavailable])
+    size = f"B={shard.slots}" + (f" queue {len(shard.samples)}" if shard.slots < len(shard.samples) else "")
+    return f"{shard.key} {size}: " + ", ".join(parts + [f"{m} unavailable" for m in unavailable])
 
 
 # --------------------------------------------------------------------------- the loop

@@ -13,7 +13,9 @@ local model folder or preset; nothing is downloaded).
 - A **shard** is one batch: up to ``batch_size`` consecutive samples of one task of one cell,
   run together through the engine with *every* method of the sweep (``ar`` first in the list),
   in the same actor, interleaved (the order rotates with the batch index). Speedup is paired
-  per batch; quality and losslessness per sample.
+  per batch; quality and losslessness per sample. With ``queue_depth`` Q > 1 a shard is a queue
+  of up to Q x ``batch_size`` samples that one core of ``batch_size`` slots decodes with
+  continuous batching (``Shard.max_num_seqs``); the pairing is per queue.
 
 Shard keys are ``<run_id>/<task>/<batch index>``: the same spec always gives the same keys.
 """
@@ -54,8 +56,14 @@ class Shard:
     #: the first method's batch ran slower in most cells (benchmarks/RESULTS.md, 2026-12-05,
     #: twentieth session)
     rotation: int | None = None
+    #: slots of the core that decodes the shard; None: one per sample (a static batch). Fewer
+    #: slots than samples: the rest wait, and each finished row's slot takes the next
+    #: (continuous batching, ``SweepSpec.queue_depth``)
+    max_num_seqs: int | None = None
     #: how errors name the shard: ``shard <key> (<model>, <n> sample(s): <first ids>)``
     label: str = field(init=False, repr=False, compare=False)
+    #: rows decoded at once: ``max_num_seqs``, or every sample of a static batch
+    slots: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         ids = [s.sample_id for s in self.samples]
@@ -63,6 +71,9 @@ class Shard:
         object.__setattr__(self, "label", f"shard {self.key} ({self.model}, {len(ids)} sample(s): {shown})")
         if self.rotation is None:
             object.__setattr__(self, "rotation", self.batch_index + zlib.crc32(self.run_id.encode()))
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise ValueError(f"{self.label}: max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        object.__setattr__(self, "slots", min(self.max_num_seqs or len(self.samples), len(self.samples)))
 
 
 @dataclass(frozen=True)
@@ -78,6 +89,7 @@ class Cell:
     config: dict[str, Any]  # what was hashed into run_id (stored as the run's config)
     samples: tuple[Sample, ...]
     quantize: str = "none"  # the target's weights; "int8": every method, ar included, runs quantised
+    queue_depth: int = 1  # batches per shard (SweepSpec.queue_depth): 1 = static batches
 
 
 def samples_digest(samples: Sequence[Sample]) -> str:
@@ -147,6 +159,7 @@ def plan_cells(spec: SweepSpec,
                     raise ValueError(f"{where}: {s.task}/{s.sample_id} has {s.num_input_tokens} prompt tokens + "
                                      f"{s.max_new_tokens} to generate, over the model's window of {window}")
                 digest = samples_digest(samples)
+                depth = b.queue_depth if b.queue_depth is not None else spec.queue_depth
                 for q in spec.quantize:
                     for B in (b.batch_sizes if b.batch_sizes is not None else spec.batch_sizes):
                         for rep, opts in ((r, o) for r in range(spec.repetitions) for o in method_sets):
@@ -160,9 +173,11 @@ def plan_cells(spec: SweepSpec,
                             }
                             if q != "none":
                                 config["quantize"] = q
+                            if depth > 1:  # left out at 1 (static batches), so earlier run ids stay
+                                config["queue_depth"] = depth
                             config = json.loads(json.dumps(config, sort_keys=True, default=str))
                             cells.append(Cell(compute_run_id(b.name, config), model, b.name, L, B, rep, config,
-                                              samples, quantize=q))
+                                              samples, quantize=q, queue_depth=depth))
     ids = [c.run_id for c in cells]
     if len(set(ids)) != len(ids):  # e.g. two context lengths that build identical samples
         seen: set[str] = set()
@@ -172,7 +187,8 @@ def plan_cells(spec: SweepSpec,
 
 def plan_shards(cell: Cell) -> list[Shard]:
     """The cell's batches: consecutive samples of each task, ``batch_size`` at a time (the last
-    batch of a task may be smaller)."""
+    batch of a task may be smaller); with ``queue_depth`` Q > 1, queues of ``Q x batch_size``
+    samples, each decoded by a core of ``batch_size`` slots (``Shard.max_num_seqs``)."""
     by_task: dict[str, list[Sample]] = {}
     for s in cell.samples:
         by_task.setdefault(s.task, []).append(s)
@@ -180,15 +196,15 @@ def plan_shards(cell: Cell) -> list[Shard]:
     opts = cell.config["method_options"]
     sampling = {k: cell.config["sampling"][k] for k in ("temperature", "top_p", "top_k", "seed")}
     shards = []
-    B = cell.batch_size
+    B, n = cell.batch_size, cell.batch_size * cell.queue_depth
     for task, items in by_task.items():
-        for bi, start in enumerate(range(0, len(items), B)):
+        for bi, start in enumerate(range(0, len(items), n)):
             shards.append(Shard(
                 key=f"{cell.run_id}/{task}/{bi}", run_id=cell.run_id, model=cell.model, benchmark=cell.benchmark,
-                task=task, samples=tuple(items[start:start + B]), methods=methods,
+                task=task, samples=tuple(items[start:start + n]), methods=methods,
                 method_options={m: dict(opts.get(m, {})) for m in methods}, sampling=dict(sampling),
                 quantize=cell.quantize,
-                batch_index=bi, sample_offset=start,
+                batch_index=bi, sample_offset=start, max_num_seqs=B if cell.queue_depth > 1 else None,
             ))
     return shards
 

@@ -154,6 +154,9 @@ def add_override_flags(p: argparse.ArgumentParser, *, benchmark_flags: bool = Tr
                    help='comma list of methods; "ar" is always added (the reference)')
     p.add_argument("--batch-sizes", "--batch-size", dest="batch_sizes", type=_ints, default=None,
                    help="comma list of batch sizes")
+    p.add_argument("--queue-depth", dest="queue_depth", type=int, default=None,
+                   help="batches per shard, every benchmark: 1 = static batches; Q > 1 = queues of Q x batch size "
+                        "samples through batch-size slots (continuous batching: a finished row's slot takes the next)")
     p.add_argument("--context-lengths", "--context-length", dest="context_lengths", type=_lengths, default=None,
                    help="comma list of context lengths in tokens (prompt + generation budget; 'default' = the "
                         "benchmark's own)")
@@ -194,6 +197,7 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
         "context_lengths": g("context_lengths"), "repetitions": g("repetitions"), "dtype": g("dtype"),
         "quantize": g("quantize"), "device": g("device"), "db": g("db"),
         "benchmarks.tasks": g("tasks"), "benchmarks.num_samples": g("num_samples"),
+        "benchmarks.queue_depth": g("queue_depth"),
         "sampling.max_new_tokens": g("max_new_tokens"), "sampling.temperature": g("temperature"),
         "sampling.top_p": g("top_p"), "sampling.top_k": g("top_k"), "sampling.seed": g("sampling_seed"),
         "workers.num_workers": g("num_workers"), "workers.threads": g("threads"),

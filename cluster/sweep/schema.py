@@ -16,6 +16,10 @@ Schema (every key except ``name``, ``models`` and ``benchmarks`` is optional; se
       vllm:ngram: {num_speculative_tokens: 4}   # vLLM's own method on the same batches (its
                                           # speculative_config keys; cluster.peers.methods; make peers)
     batch_sizes: [1, 4]               # samples decoded together in one engine batch
+    queue_depth: 1                    # 1: static batches (all rows start together, the batch waits for
+                                      # its slowest); Q > 1: each shard feeds Q x batch size samples
+                                      # through one core of batch-size slots, a finished row's slot
+                                      # taking the next waiting sample (continuous batching, as served)
     context_lengths: [4096]           # tokens (prompt + generation budget); null = the benchmark's default
     benchmarks:
       - name: ruler                   # registry key (evals.registry.BENCHMARKS)
@@ -23,6 +27,7 @@ Schema (every key except ``name``, ``models`` and ``benchmarks`` is optional; se
         num_samples: 1                # per task (default: the benchmark's own)
         context_lengths: [4096]       # overrides the sweep's for this benchmark
         batch_sizes: [1]              # overrides the sweep's for this benchmark
+        queue_depth: 4                # overrides the sweep's for this benchmark
         options: {seed: 42}           # the benchmark's own options (its CLI flags' dest names)
     sampling:
       temperature: 0.0                # 0 = greedy (token-identical losslessness check)
@@ -74,6 +79,8 @@ class BenchmarkSpec(_Frozen):
     num_samples: int | None = Field(default=None, ge=1)
     context_lengths: tuple[int | None, ...] | None = None
     batch_sizes: tuple[int, ...] | None = None
+    #: batches per shard fed through one core (``SweepSpec.queue_depth``); None: the sweep's
+    queue_depth: int | None = Field(default=None, ge=1)
     options: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("batch_sizes")
@@ -148,6 +155,11 @@ class SweepSpec(_Frozen):
     #: ``methods``); each runs as its own run with ``ar`` (``method_sets``)
     method_variants: dict[str, tuple[dict[str, Any], ...]] = Field(default_factory=dict)
     batch_sizes: tuple[int, ...] = (1,)
+    #: 1: static batches (a shard is one batch; its rows start together and it decodes until its
+    #: slowest row is done). Q > 1: a shard is a queue of Q x batch size samples decoded by one
+    #: core of batch-size slots, each freed slot taking the next waiting sample (continuous
+    #: batching, as a server runs; ``cluster.sweep.worker``). Part of the run id when > 1.
+    queue_depth: int = Field(default=1, ge=1)
     context_lengths: tuple[int | None, ...] = (None,)
     benchmarks: tuple[BenchmarkSpec, ...] = Field(min_length=1)
     sampling: SamplingSpec = SamplingSpec()

@@ -32,7 +32,13 @@ Measurement discipline:
   completion; each row keeps its own stats, and every row also records the batch's wall time
   (``batch_wall_s``: the core's own steps), its prefill part (``batch_prefill_s``, the sum of
   the rows' prefills), its size and the schedule, so the speedup can be paired per batch
-  (``cluster.results.report``).
+  (``cluster.results.report``);
+- a queue (``Shard.max_num_seqs`` below the shard's samples, ``SweepSpec.queue_depth``): the
+  same, with ``max_num_seqs`` slots, so the core admits the next waiting sample whenever a row
+  finishes (prefilled whole in the step that admits it, its prefill counted in
+  ``batch_prefill_s``). Rows record ``batch_size`` = the slots, ``queue_size`` = the shard's
+  samples and ``batch_rounds`` = the core's decode rounds, from which
+  ``sparsespec.stats.batch_straggle`` gives the share of slot-rounds that decoded a row.
 """
 from __future__ import annotations
 
@@ -204,7 +210,8 @@ class EngineWorker:
         opts = dict(shard.method_options.get(method, {}) or {})
         window = max(len(p) for p in prompts) + max(
             int(max_new_tokens or s.max_new_tokens) for s in shard.samples)
-        core = self.engine.core(method, None if method == AR else opts, max_num_seqs=len(prompts),
+        slots = min(shard.slots, len(prompts))
+        core = self.engine.core(method, None if method == AR else opts, max_num_seqs=slots,
                                 max_model_len=min(window, self.engine.max_context), own_clock=own_clock)
         seed = shard.sampling.get("seed")
         for i, (sample, prompt) in enumerate(zip(shard.samples, prompts)):
@@ -221,20 +228,21 @@ class EngineWorker:
         return self.engine.clock() - t0
 
     def _run_batch(self, shard: Shard, method: str, prompts: Sequence[Sequence[int]],
-                   max_new_tokens: int | None) -> tuple[list[Any], float]:
-        """One batch through one ``EngineCore``: outputs in sample order and the wall seconds."""
+                   max_new_tokens: int | None) -> tuple[list[Any], float, int]:
+        """One batch through one ``EngineCore``: outputs in sample order, the wall seconds and
+        the core's decode rounds."""
         core = self._core(shard, method, prompts, max_new_tokens)
         outputs: list[Any] = [None] * len(prompts)
         wall = 0.0
         while core.has_unfinished_requests():
             wall += self._step(core, outputs)
-        return outputs, wall
+        return outputs, wall, core.num_rounds
 
     def _run_stepwise(self, shard: Shard, methods: Sequence[str], prompts: Sequence[Sequence[int]]
-                      ) -> dict[str, tuple[list[Any], float]]:
+                      ) -> dict[str, tuple[list[Any], float, int]]:
         """Every method's core holds the batch; the cores step in turn (the order rotating every
-        round) until all are done. Per method: outputs in sample order and its own steps' wall
-        seconds."""
+        round) until all are done. Per method: outputs in sample order, its own steps' wall
+        seconds and its decode rounds."""
         from sparsespec.engine import step_in_turn
 
         cores = [self._core(shard, m, prompts, None, own_clock=True) for m in methods]
@@ -245,14 +253,15 @@ class EngineWorker:
             for out in outs:
                 if out.finished:
                     outputs[methods[i]][int(out.request_id)] = out.output
-        return {m: (outputs[m], wall[m]) for m in methods}
+        return {m: (outputs[m], wall[m], c.num_rounds) for m, c in zip(methods, cores)}
 
     def warm_up(self, shard: Shard, method: str) -> None:
-        """One short unrecorded batch per (method, batch size) per actor."""
-        key = (method, len(shard.samples))
+        """One short unrecorded batch per (method, slots) per actor (a queue's first
+        ``slots`` samples)."""
+        key = (method, shard.slots)
         if key in self._warmed:
             return
-        prompts = [s.prompt_ids[-WARMUP_PROMPT_TOKENS:] for s in shard.samples]
+        prompts = [s.prompt_ids[-WARMUP_PROMPT_TOKENS:] for s in shard.samples[:shard.slots]]
         self._run_batch(shard, method, prompts, min(WARMUP_TOKENS, min(s.max_new_tokens for s in shard.samples)))
         self._warmed.add(key)
 
@@ -288,6 +297,11 @@ class EngineWorker:
         methods, unavailable = self.available(shard)
         order = method_order([m for m in methods if not is_vllm_method(m)], shard.rotation)
         vllm_order = method_order([m for m in methods if is_vllm_method(m)], shard.rotation)
+        if vllm_order and shard.slots < len(shard.samples):  # this shard only: not remembered
+            for m in vllm_order:
+                unavailable[m] = (f"{m}: a queue (queue_depth > 1, continuous batching) runs on our cores only; "
+                                  f"vLLM's methods decode static batches here (queue_depth: 1)")
+            vllm_order = []
         prompts = [s.prompt_ids for s in shard.samples]
         # vLLM's batches after ours on even rotations, before them on odd ones
         phases = ("vllm", "ours") if shard.rotation % 2 else ("ours", "vllm")
@@ -300,10 +314,10 @@ class EngineWorker:
                 else:
                     results = {m: self._run_batch(shard, m, prompts, None) for m in order}
                 for m in order:
-                    outs, wall = results[m]
+                    outs, wall, rounds = results[m]
                     prefill = sum(float((o.stats or {}).get("prefill_s", 0.0) or 0.0) for o in outs)
                     rows += self._rows(shard, m, [(o.token_ids, o.text, o.finish_reason, o.stats) for o in outs],
-                                       wall, prefill, timeline.index(m), self.schedule)
+                                       wall, prefill, timeline.index(m), self.schedule, rounds)
                 continue
             for m in vllm_order:
                 try:
@@ -318,15 +332,20 @@ class EngineWorker:
 
     @staticmethod
     def _rows(shard: Shard, method: str, outs: Sequence[tuple[Sequence[int], str, str | None, Mapping[str, Any]]],
-              wall: float, prefill: float, pos: int, schedule: str) -> list[dict[str, Any]]:
+              wall: float, prefill: float, pos: int, schedule: str, rounds: int | None = None
+              ) -> list[dict[str, Any]]:
         """The shard's rows of one method: per sample ``(token_ids, text, finish_reason, stats)``,
-        with the batch's wall and prefill seconds, its place in the batch's order and schedule."""
+        with the batch's wall and prefill seconds, its place in the batch's order and schedule;
+        a queue's rows also its size and the core's decode ``rounds``."""
         rows = []
+        queue = shard.slots < len(shard.samples)
         for i, (sample, (token_ids, text, finish_reason, st)) in enumerate(zip(shard.samples, outs)):
             stats = _jsonable(dict(st or {}))
             # the batch this row was decoded in (pairing per batch) and provenance
-            stats.update(batch_size=len(shard.samples), batch_row=i, batch_wall_s=wall, batch_prefill_s=prefill,
+            stats.update(batch_size=shard.slots, batch_row=i, batch_wall_s=wall, batch_prefill_s=prefill,
                          worker_pid=os.getpid(), order_in_batch=pos, schedule=schedule)
+            if queue:
+                stats.update(queue_size=len(shard.samples), batch_rounds=rounds)
             rows.append({"task": sample.task, "sample_id": sample.sample_id, "method": method,
                          "token_ids": [int(t) for t in token_ids], "text": str(text),
                          "finish_reason": finish_reason, "stats": stats})

@@ -19,7 +19,7 @@ if spec.empty:
     st.stop()
 
 spec = spec.assign(context=spec["context_length"].map(lambda v: "default" if v is None or v != v else str(int(v))),
-                   batch=spec["batch_size"].astype(int).astype(str))
+                   batch=dq.batch_labels(spec))
 
 
 def _ctx_order(values) -> list[str]:
@@ -27,11 +27,11 @@ def _ctx_order(values) -> list[str]:
 
 
 ctx_order = _ctx_order(spec["context"])
-batch_order = sorted(spec["batch"].unique(), key=int)
+batch_order = dq.batch_order(spec["batch"])
 for model in sorted(spec["model"].unique()):
     st.subheader(f"Paired speedup vs ar · {model}")
     m = spec[spec["model"] == model]
-    m_ctx, m_batch = _ctx_order(m["context"]), sorted(m["batch"].unique(), key=int)
+    m_ctx, m_batch = _ctx_order(m["context"]), dq.batch_order(m["batch"])
     variants = sorted(m["variant"].unique())
     cols = st.columns(min(3, len(variants)))
     for i, v in enumerate(variants):
@@ -49,11 +49,11 @@ best = dq.best_frame(rows)
 st.subheader("Best method per cell")
 st.caption("The fastest lossless method by median paired speedup; `ar` where no method beats 1.0.")
 b = best.assign(context=best["context_length"].map(lambda v: "default" if v is None or v != v else str(int(v))),
-                batch=best["batch_size"].astype(str))
+                batch=dq.batch_labels(best))
 b = b.assign(model=[m if q in (None, "none") else f"{m} [{q} target]" for m, q in zip(b["model"], b["quantize"])])
 for model in sorted(b["model"].unique()):
     bm = b[b["model"] == model]
-    order = dict(index=sorted(bm["batch"].unique(), key=int), columns=_ctx_order(bm["context"]))
+    order = dict(index=dq.batch_order(bm["batch"]), columns=_ctx_order(bm["context"]))
     label = bm.pivot_table(index="batch", columns="context", values="best", aggfunc="first").reindex(**order)
     value = bm.pivot_table(index="batch", columns="context", values="speedup", aggfunc="first").reindex(**order)
     text = label.where(label.notna(), "") + value.map(lambda v: "" if v != v else f"<br>{v:.2f}x")
