@@ -310,6 +310,8 @@ def test_a_queue_refills_its_slots_and_decodes_the_tokens_of_batches_of_one(tiny
         # two slots: at least half the rows' rounds, fewer than the rows' rounds one after another
         assert sum(steps) / 2 <= rounds < sum(steps)
         assert batch_straggle(st) == pytest.approx(sum(steps) / (2 * rounds))
+        if m == "ar":  # 1 and 5 rounds in two slots: sample 2 runs in rounds 2-6, sample 3 in 6-10
+            assert (steps, rounds) == ([1, 5, 5, 5], 10)
     assert "B=2 queue 4:" in shard_summary(queue, result_rows(queue, out, lambda s, p: 0.5))
 
 
