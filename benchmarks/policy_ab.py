@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--policy-model", default=None, help="the model's key in the policy (default --model)")
     p.add_argument("--spec-options", default='{"k": 2}', help="the sparsespec-l arm's options (JSON)")
-    p.add_argument("--lengths", default="992,8160", help="prompt lengths in tokens, interleaved (comma list); a length repeated weights the mix "
+    p.add_argument("--lengths", default="992,8160",
+                   help="prompt lengths in tokens, interleaved (comma list); a length repeated weights the mix "
                         "(992,992,992,8160: three short prompts per long one)")
     p.add_argument("--concurrencies", default="1,4", help="closed-loop concurrency levels (comma list)")
     p.add_argument("--num-prompts", type=int, default=8, help="requests per arm per concurrency level")

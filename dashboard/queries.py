@@ -250,7 +250,8 @@ def four_way_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     return pd.DataFrame(cq.four_way(rows), columns=FOUR_WAY_COLUMNS)
 
 
-LEDGER_PAGE_COLUMNS = ["benchmark", "task", "model", "context_length", "batch_size", "queue_depth", "variant", "n", "alpha",
+LEDGER_PAGE_COLUMNS = ["benchmark", "task", "model", "context_length", "batch_size", "queue_depth", "variant", "n",
+                       "alpha",
                        "mean_k", "gamma", "tau", "predicted_speedup", "straggle", "batch_predicted_speedup",
                        "predicted_speedup_round", "speedup",
                        "speedup_total", "draft_forwards_per_round", "c_draft", "c_verify", "c_other", "gap"]

@@ -846,7 +846,8 @@ def device_label(run: Mapping[str, Any]) -> str | None:
 
 
 # --------------------------------------------------------------------------- leaderboard
-LEADERBOARD_KEYS = ("benchmark", "model", "context_length", "batch_size", "queue_depth", "variant", "n", "speedup", "ci_low",
+LEADERBOARD_KEYS = ("benchmark", "model", "context_length", "batch_size", "queue_depth", "variant", "n", "speedup",
+                    "ci_low",
                     "ci_high", "speedup_total", "alpha", "tau", "mean_k", "gamma", "score", "score_delta",
                     "lossless_rate", "tpot_p50_s", "throughput")
 

@@ -54,7 +54,8 @@ NO_DRAFT_FORWARD = ("ngram",)
 #: The grouping: cells pooled over benchmarks and tasks.
 SEED_KEYS = ("model", "quantize", "context_length", "batch_size", "queue_depth", "method", "k", "draft_weights")
 
-SEED_TABLE_KEYS = ("model", "quantize", "context_length", "batch_size", "queue_depth", "method", "k", "status", "n", "n_pairs",
+SEED_TABLE_KEYS = ("model", "quantize", "context_length", "batch_size", "queue_depth", "method", "k", "status", "n",
+                   "n_pairs",
                    "alpha", "mean_k", "gamma", "speedup", "ci_low", "ci_high", "ledger_s", "straggle",
                    "batch_ledger_s", "roofline_s",
                    "lossless_rate", "seed_speedup", "seed_alpha", "seed_mean_k", "note")
@@ -201,7 +202,8 @@ def format_seed_table(table: Sequence[Mapping[str, Any]]) -> str:
     out.append("speedup: median over paired batches of TPOT_ar / TPOT_method (interval: bootstrap, >= 5 pairs); "
                "ledger S = (alpha*k + 1)/(k*gamma + 1) at the measured alpha, mean k, gamma (per row); straggle: "
                "a static batch waits for its slowest row, so it keeps mean / max of its rows' rounds (a queue: its "
-               "rows' rounds over its slot-rounds), over ar's, and batch ledger S = ledger S x straggle; roofline S: what "
+               "rows' rounds over its slot-rounds), over ar's, and batch ledger S = ledger S x straggle; "
+               "roofline S: what "
                "the step floors (this run's measured bandwidth and GEMM rate) allow at the measured tau and mean k. "
                "The seed's figures are Llama-3.1-8B-Instruct on GPUs at long context, not this target: compare "
                "the ordering and the regime, not the values.")
