@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections import deque
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -616,7 +617,6 @@ class VerifyCostModel:
     def __init__(self, history: int = 64, min_points: int = 3, refit_every: int = 8, refit_tol: float = 0.05):
         """Raises ValueError: ``history``, ``min_points`` or ``refit_every`` not an integer >= 1, or
         ``refit_tol`` not a finite number >= 0."""
-        from collections import deque
 
         for name, v in (("history", history), ("min_points", min_points), ("refit_every", refit_every)):
             if not _is_int(v) or v < 1:
@@ -773,17 +773,20 @@ class CostAwareController:
         T(k) = k * C_d(B, N) + C_v(B, k + 1, S) + C_o
 
     and emits ``sum_b E(alpha_b, min(k, limit_b))`` tokens (``expected_tokens_geometric``). The
-    controller takes ``k* = argmax_k sum_b E_b(k) / T(k)`` over ``0..max_k`` (ties: the shorter)
-    and gives row b ``min(k*, limit_b)``. ``C_v`` is ``VerifyCostModel`` (calibrated at load by
+    controller takes ``k* = argmax_k sum_b E_b(k) / T(k)`` over ``1..max_k`` (ties: the shorter),
+    declines (``k* = 0``) unless that rate beats not drafting by more than ``margin`` (``_argmax``;
+    "pays" below means by that margin), and gives row b ``min(k*, limit_b)``. ``C_v`` is
+    ``VerifyCostModel`` (calibrated at load by
     the engine with a few timed forwards, refitted on every measured round), ``C_d`` is
     ``draft_ratio * C_v(B, 1, N)`` (a draft forward as a fraction of a dense forward over the N
     keys it reads; the drafter's prior until measured, then an EMA of measured ratios), ``C_o``
     an EMA of the measured rest of the round. A row's alpha is its measured one shrunk towards
     the batch's (``alphas``); a row with fewer than ``explore_labels`` acceptance labels makes the
-    step draft at least ``explore_k`` (``exploring``): one round's one or two labels per row do
+    step draft at least ``explore_k`` (``exploring``; ``probe_k`` until a draft forward has been
+    timed): one round's one or two labels per row do
     not decide a request's whole decode (a declined round measures no acceptance, so a low first
     estimate would stick), unless the step is ``hopeless``: not even the rows'
-    ``optimistic_alphas`` (the upper 90 % bound of what each row's labels allow) would pay at the
+    ``optimistic_alphas`` (the upper 90 % bound of what each row's labels and the prior allow) would pay at the
     measured costs, so the rows' own labels already say the exploring rounds lose (batch 1 at 1K-4K on a CPU, where a
     k = 2 round costs about 2.7 AR steps); no row drafts past its ``RowAcceptance.reach`` (the geometric
     model is not trusted beyond twice the run the row was last seen to accept). Every ``probe_every``-th consecutive
@@ -795,7 +798,7 @@ class CostAwareController:
 
     def __init__(self, max_k: int, draft_ratio: float = 1.0, ema: float = 0.2, prior_alpha: float = 0.6,
                  prior_weight: float = 1.0, probe_every: int = 8, probe_k: int = 1, explore_k: int = 2,
-                 explore_labels: int = 6):
+                 explore_labels: int = 6, margin: float = 0.05):
         if not _is_int(max_k) or max_k < 1:
             raise ValueError(f"max_k must be an integer >= 1, got {max_k!r}")
         for name, v in (("draft_ratio", draft_ratio), ("ema", ema), ("prior_alpha", prior_alpha),
@@ -815,7 +818,7 @@ class CostAwareController:
         self.prior_alpha = float(prior_alpha)
         self.prior_weight = float(prior_weight)
         self.learned_prior: float | None = None  # mean alpha measured by earlier cores (``load``)
-        self._alpha_sum, self._alpha_n = 0.0, 0.0  # labels of finished rows: sum of n alpha, sum of n
+        self._alpha_sum, self._alpha_n = 0.0, 0.0  # finished rows' votes: sum of shrunk alphas, count
         self._probe_interval = int(probe_every)
         self.probe_every, self.probe_k = int(probe_every), int(probe_k)
         if not _is_int(explore_k) or explore_k < 1:
@@ -824,7 +827,13 @@ class CostAwareController:
         if not _is_int(explore_labels) or explore_labels < 1:
             raise ValueError(f"explore_labels must be an integer >= 1, got {explore_labels!r}")
         self.explore_labels = int(explore_labels)
+        if not (isinstance(margin, (int, float)) and math.isfinite(margin) and margin >= 0.0):
+            raise ValueError(f"margin must be a finite number >= 0, got {margin!r}")
+        self.margin = float(margin)
         self._zero_run = 0
+        # output lengths (tokens) of the requests finished lately: how long a request of a given
+        # age may still run (``residual``); carried to later cores like the alpha (``export``)
+        self.finished_lengths: deque[int] = deque(maxlen=64)
         self.num_steps = 0
         self.num_skipped = 0  # steps that chose k = 0
         self.k_hist: dict[int, int] = {}
@@ -893,16 +902,23 @@ class CostAwareController:
     def export(self) -> dict[str, Any]:
         """What a later core of the same engine and method may start from (``load``): the
         measured draft ratio and round overhead, the recent verify timings and the alpha of the
-        rows seen: their labels pooled (each row's at most ``1 / ema``, its EMA's memory) and
-        shrunk towards ``prior_alpha`` by ``prior_weight`` pseudo-labels, as ``alphas`` shrinks a
-        row (None if none has a label). Unshrunk, one SmolLM2 row at 1K that accepted its 7 drafts
-        handed on alpha 1.0, and the next core drafted up to k = 8 where drafting loses (0.92x ar;
-        shrunk: 0.95, which declines there)."""
+        requests seen (None if none had a label): one vote per finished row, its own alpha shrunk
+        towards ``prior_alpha`` by ``prior_weight`` pseudo-labels as ``alphas`` shrinks a row
+        (``row_finished``), and the votes' mean shrunk towards ``prior_alpha`` by ``prior_weight``
+        pseudo-requests. The next request is a new draw: acceptance varies between prompts far more
+        than a row's labels pin its own (SmolLM2 at batch 1 x 4K, RULER niah_single_2: 1.0, 0.5
+        and 1.0 on three prompts; ``make demo``'s niah_single_1-3: 1.0, 0.67, 0.0), so many labels
+        of one row do not make its alpha the next request's. Pooled by labels, after a niah row
+        that accepted its 20 remembered drafts the learned alpha read 0.98, and the next prompt
+        drafted 2 at its first step, where a round drafting 2 pays only above alpha ~0.9 (2.7 AR
+        steps), accepted 1 and ran 0.91x ``ar`` (per request it would have read 0.82: declined).
+        Unshrunk, one SmolLM2 row at 1K that accepted its 7 drafts handed on 1.0, and the next
+        core drafted up to k = 8 where drafting loses (0.92x ar)."""
         m = self.prior_weight
         seen = ((self._alpha_sum + m * self.prior_alpha) / (self._alpha_n + m) if self._alpha_n
                 else self.learned_prior)
         return {"draft_ratio": self.draft_ratio if self.draft_measured else None, "other_s": self.other_s,
-                "recent": list(self.verify_cost.recent), "alpha": seen}
+                "recent": list(self.verify_cost.recent), "alpha": seen, "lengths": list(self.finished_lengths)}
 
     def load(self, state: Mapping[str, Any]) -> None:
         """Start from ``export()`` of an earlier core (measurements, not constants)."""
@@ -914,13 +930,19 @@ class CostAwareController:
             self.verify_cost.observe(*pt)
         if state.get("alpha") is not None:
             self.learned_prior = float(state["alpha"])
+        self.finished_lengths.extend(int(n) for n in state.get("lengths") or ())
 
-    def row_finished(self, policy: RowAcceptance) -> None:
-        """Fold a finished row's labels into the alpha ``export`` hands on."""
+    def row_finished(self, policy: RowAcceptance, num_tokens: int | None = None) -> None:
+        """Fold a finished row into what ``export`` hands on: its output length (``num_tokens``,
+        if given; ``residual``) and its vote for the alpha: its alpha over its labels (at most
+        ``1 / ema``, its EMA's memory) shrunk towards ``prior_alpha`` by ``prior_weight``
+        pseudo-labels. A row without labels (it never drafted) has no vote."""
+        if num_tokens is not None:
+            self.finished_lengths.append(int(num_tokens))
         if policy.alpha is not None and policy.num_labels:
-            n = min(float(policy.num_labels), 1.0 / policy.ema)
-            self._alpha_sum += n * policy.alpha
-            self._alpha_n += n
+            n, m = min(float(policy.num_labels), 1.0 / policy.ema), self.prior_weight
+            self._alpha_sum += (n * policy.alpha + m * self.prior_alpha) / (n + m)
+            self._alpha_n += 1.0
 
     def step_costs(self, k_cap: int, B: int, S: float, N: float) -> list[float] | None:
         """``step_cost(k)`` for k = 0 .. ``k_cap`` at once, seconds (None until the verify cost
@@ -956,13 +978,23 @@ class CostAwareController:
                 tokens[k] += e
         return tokens
 
-    @staticmethod
-    def _argmax(rates: Sequence[float]) -> tuple[int, float]:
-        """The first k whose rate beats every shorter k's by more than rounding (ties: the shorter)."""
+    def _argmax(self, rates: Sequence[float]) -> tuple[int, float]:
+        """The drafting k (>= 1) whose rate beats every shorter one's by more than rounding (ties:
+        the shorter), if it beats not drafting (``rates[0]``) by more than ``margin``; else 0.
+
+        The margin is the cost model's own tolerance (``VerifyCostModel``'s ``refit_tol``, 5 %):
+        within it the model cannot tell the two apart, and the alphas that decide are estimates
+        taken after the rounds that were accepted (a row drafts after a run of accepted probes,
+        and regresses towards its mean). Measured at batch 1 x 4K on SmolLM2 (AMD EPYC, 2
+        threads): a round drafting 1 cost 1.9 AR steps (predicted 1.89-1.96), so it pays only
+        above alpha 0.9; fixed k = 1 at alpha 0.96 ran 1.03x ``ar`` and ``k="auto"``, drafting at
+        estimates around the break-even, 0.976-0.977x."""
         best_k, best_rate = 0, float(rates[0])
         for k in range(1, len(rates)):
             if rates[k] > best_rate * (1.0 + 1e-9):
                 best_k, best_rate = k, float(rates[k])
+        if best_k and not best_rate > float(rates[0]) * (1.0 + self.margin):
+            return 0, float(rates[0])
         return best_k, best_rate
 
     def _rate_list(self, alphas: Sequence[float], limits: Sequence[int], B: int, S: float, N: float,
@@ -1007,39 +1039,67 @@ class CostAwareController:
     OPTIMISM_Z = 1.2816
 
     @staticmethod
-    def optimistic_alphas(policies: Sequence[RowAcceptance]) -> list[float]:
-        """Each row's acceptance at the upper end of what its own labels allow: the one-sided 90 %
-        Wilson score bound of ``alpha_b`` over its ``n`` labels (at most ``1 / ema``, the EMA's
-        memory; 1.0 with none). One accepted and one rejected draft allow up to 0.835, two of two
-        1.0, 12 of 20 0.727. Exploring stops when not even these alphas would pay."""
+    def _wilson_upper(a: float, n: float) -> float:
+        """The one-sided 90 % Wilson score upper bound of a rate ``a`` over ``n`` > 0 labels."""
         z2 = CostAwareController.OPTIMISM_Z ** 2
+        a = min(max(float(a), 0.0), 1.0)
+        half = CostAwareController.OPTIMISM_Z * math.sqrt(a * (1.0 - a) / n + z2 / (4.0 * n * n))
+        return min(1.0, (a + z2 / (2.0 * n) + half) / (1.0 + z2 / n))
+
+    def optimistic_alphas(self, policies: Sequence[RowAcceptance]) -> list[float]:
+        """Each row's acceptance at the upper end of what its labels and the prior allow: the
+        one-sided 90 % Wilson score bound over its ``n`` labels (at most ``1 / ema``, the EMA's
+        memory) and ``prior_weight`` pseudo-labels at the prior (the learned one, else
+        ``prior_alpha``), as ``alphas`` shrinks a row. With the defaults (0.6, one pseudo-label):
+        no label 0.929; one accepted draft 0.965 (its own label alone: 1.0), one of two 0.819,
+        two of two 0.977, 12 of 20 0.725. Exploring stops when not even these alphas would pay."""
+        base = self.prior_alpha if self.learned_prior is None else self.learned_prior
+        m = self.prior_weight
         out = []
         for p in policies:
             n = 0.0 if p.alpha is None else min(float(p.num_labels), 1.0 / p.ema)
-            if n <= 0.0:
+            if n + m <= 0.0:
                 out.append(1.0)
                 continue
-            a = min(max(float(p.alpha), 0.0), 1.0)
-            half = CostAwareController.OPTIMISM_Z * math.sqrt(a * (1.0 - a) / n + z2 / (4.0 * n * n))
-            out.append(min(1.0, (a + z2 / (2.0 * n) + half) / (1.0 + z2 / n)))
+            out.append(self._wilson_upper((n * float(p.alpha or 0.0) + m * base) / (n + m), n + m))
         return out
 
     def hopeless(self, policies: Sequence[RowAcceptance], limits: Sequence[int], B: int, S: float, N: float,
                  costs: Sequence[float] | None = None) -> bool:
         """True when, with the draft cost measured, drafting would not pay even at every row's
-        ``optimistic_alphas``: more exploring rounds would cost rounds that the rows' own labels
-        already say lose. (With no labels yet this is ``futile``.)"""
+        ``optimistic_alphas``: more exploring rounds would cost rounds that the rows' labels (and
+        the prior) already say lose. At batch 1 on a CPU a round drafting 2 costs 2.5-2.9 AR steps
+        and pays only above alpha ~0.9: a cold start that explored 2 drafts a round from the
+        prior ran 0.84x and 0.93x ``ar`` on ``make demo``'s first LongBench prompt of a context
+        bucket. (A draft cost that is only a prior decides nothing: the first exploring round
+        measures it, ``plan``.)"""
         if not self.draft_measured or max(limits, default=0) <= 0:
             return False
         return self.best_k(self.optimistic_alphas(policies), limits, B, S, N, costs)[0] == 0
 
+    def residual(self, generated: int) -> float:
+        """How many more tokens a request that has emitted ``generated`` may be expected to emit:
+        the median of ``n - generated`` over the finished requests (``finished_lengths``) that
+        ran longer than it, or infinity where none did (no evidence that it is about to end)."""
+        left = sorted(n - generated for n in self.finished_lengths if n > generated)
+        if not left:
+            return math.inf
+        mid = len(left) // 2
+        return float(left[mid]) if len(left) % 2 else (left[mid - 1] + left[mid]) / 2.0
+
     def plan(self, policies: Sequence[RowAcceptance], limits: Sequence[int], lengths: Sequence[int],
-             index_sizes: Sequence[int], remaining: Sequence[int] | None = None) -> list[int]:
+             index_sizes: Sequence[int], remaining: Sequence[int] | None = None,
+             generated: Sequence[int] | None = None) -> list[int]:
         """Each row's draft length for this step (``<= limits[b]``). ``remaining``: the most tokens
-        each row may still emit after this step (None: unknown); a probe is skipped when no row
-        has as many left as the declined rounds it waited (what it could find would be used for
-        fewer rounds than it took to look: the last of a 64-token request's three probes at batch
-        1, each ~2 AR steps)."""
+        each row may still emit after this step (None: unknown); ``generated``: the tokens each
+        has emitted (None: unknown). A probe is skipped when no row may be expected to run as
+        many more tokens as the declined rounds it waited: what it could find would be used for
+        fewer rounds than it took to look. A row's expectation is its ``remaining`` budget,
+        capped by its ``residual`` life among the requests finished before it: the last of a
+        64-token request's three probes at batch 1 (each ~2 AR steps), and the probe after 8
+        declined rounds of RULER niah answers at 4K, which end after 9 or 10 tokens (``make
+        demo``: the probe on the last step of a 9-token answer, its draft forward wasted, ran
+        0.86-0.87x ``ar``), looked too late to matter."""
         t0 = time.perf_counter()
         budgets = [int(lim) for lim in limits]
         limits = [min(lim, p.reach) for p, lim in zip(policies, budgets)]  # what each row's evidence supports
@@ -1054,13 +1114,14 @@ class CostAwareController:
         explore = min(self.explore_k, max(limits, default=0))
         if (k < explore and not futile and self.exploring(policies)
                 and not self.hopeless(policies, budgets, B, S, N, costs)):
-            k = explore
+            # until a draft forward is timed, explore at a probe's size: it measures the draft
+            # cost (then ``hopeless`` can judge) at a probe's price
+            k = explore if self.draft_measured else min(explore, self.probe_k)
         if futile:
             self.num_skipped += 1
         elif k == 0 and max(limits, default=0) > 0:
             self._zero_run += 1
-            if self._zero_run >= self._probe_interval and (
-                    remaining is None or max(remaining, default=0) >= self._probe_interval):  # probe: keep measuring
+            if self._zero_run >= self._probe_interval and self._worth_probing(remaining, generated):
                 self._zero_run, k = 0, min(self.probe_k, max(limits))
                 self._probe_interval = min(8 * self.probe_every, 2 * self._probe_interval)  # back off
             else:
@@ -1071,6 +1132,19 @@ class CostAwareController:
         self.k_hist[k] = self.k_hist.get(k, 0) + 1
         self._overhead_s += time.perf_counter() - t0
         return [min(k, lim) for lim in limits]
+
+    def _worth_probing(self, remaining: Sequence[int] | None, generated: Sequence[int] | None) -> bool:
+        """Some row may be expected to run at least the declined rounds the probe waited
+        (``plan``): its budget, capped by its ``residual`` life when ``generated`` is known."""
+        if remaining is None and generated is None:
+            return True  # nothing known: probe
+        for b in range(len(remaining) if remaining is not None else len(generated)):
+            left = math.inf if remaining is None else remaining[b]
+            if generated is not None:
+                left = min(left, self.residual(generated[b]))
+            if left >= self._probe_interval:
+                return True
+        return False
 
     @property
     def overhead_s(self) -> float:

@@ -502,7 +502,8 @@ class EngineCore:
         cache = self.cache.head(B)
         if self.controller is not None:  # one decision for the batch (k = 0 included), no sync
             c0 = self.controller.overhead_s
-            limits = self.controller.plan([r.policy for r in rows], limits, cache.lengths, index_sizes, budgets)
+            limits = self.controller.plan([r.policy for r in rows], limits, cache.lengths, index_sizes, budgets,
+                                          [len(r.out) for r in rows])
             for r in rows:
                 r.controller_s += self.controller.overhead_s - c0
         limits = [lim if r.max_k is None else min(lim, r.max_k) for lim, r in zip(limits, rows)]  # per-row caps
@@ -672,7 +673,7 @@ class EngineCore:
         s.draft_weight_bytes = int(getattr(self.drafter, "weight_bytes", 0))
         s.controller_s = req.policy.overhead_s + req.controller_s
         if self.controller is not None:  # what later cores of this engine start from
-            self.controller.row_finished(req.policy)
+            self.controller.row_finished(req.policy, len(req.out))
             self.engine.__dict__.setdefault("_controller_state", {})[self._controller_key] = self.controller.export()
         final = GenerationOutput(list(req.out), req.text, s.to_dict(len(req.out), self.model.device),
                                  req.finish_reason)

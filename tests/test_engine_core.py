@@ -487,6 +487,31 @@ def test_controller_k_follows_measured_costs(engine, monkeypatch):
     assert dear < 0.5 * cheap, (cheap, dear)
 
 
+def test_cost_controller_sees_each_rows_output_so_far_and_keeps_finished_lengths(engine):
+    """The controller's probe horizon (``CostAwareController.residual``) needs each row's tokens
+    emitted so far at every plan and each finished request's length, handed to later cores."""
+    engine.__dict__.pop("_controller_state", None)
+    core = engine.core("sparsespec-l", {**FULL, "k": "auto"}, max_num_seqs=1, max_model_len=200)
+    seen, plan = [], core.controller.plan
+
+    def spy(policies, limits, lengths, index_sizes, remaining=None, generated=None):
+        seen.append((list(generated), list(remaining)))
+        return plan(policies, limits, lengths, index_sizes, remaining, generated)
+
+    core.controller.plan = spy
+    core.add_request("r", _prompt(60, 5), SamplingParams(max_new_tokens=12, ignore_eos=True))
+    out = _drain(core)["r"][-1].output
+    try:
+        assert len(out.token_ids) == 12 and seen
+        # the prefill emitted one token; every plan sees what the row holds, budget + held = 11
+        assert seen[0] == ([1], [10]) and all(g[0] + r[0] == 11 for g, r in seen)
+        assert [g[0] for g, _ in seen] == sorted({g[0] for g, _ in seen})  # one plan per step, rising
+        assert list(core.controller.finished_lengths) == [12]
+        assert engine.__dict__["_controller_state"][core._controller_key]["lengths"] == [12]
+    finally:
+        engine.__dict__.pop("_controller_state", None)
+
+
 # ------------------------------------------------------------------ streaming text
 @pytest.mark.parametrize("stop", [None, ["aa"]])
 def test_stream_deltas_concatenate_to_the_final_text(engine, stop):

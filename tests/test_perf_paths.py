@@ -3,7 +3,10 @@ importance rows, the running-sum importance window, oneDNN prepacked linears, th
 model and the cost-aware controller's decision."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -378,8 +381,13 @@ def test_controller_k_is_the_argmax_of_tokens_per_second():
 
 def test_controller_explores_new_rows_and_probes_after_skipping():
     ctl = _controller([10e-3, 0.0, 0.0, 0.0], draft_ratio=5.0, probe_every=2, explore_k=4, probe_k=2)
-    assert ctl.plan(_rows(0.9, 1, labels=0), [8], [100], [100]) == [4]  # no label yet: explore_k
-    assert ctl.plan(_rows(0.9, 1, labels=0), [3], [100], [100]) == [3]  # within the limit
+    # no label yet, the draft cost only a prior: explore at a probe's size (it measures the cost)
+    assert ctl.plan(_rows(0.9, 1, labels=0), [8], [100], [100]) == [2]
+    assert ctl.plan(_rows(0.9, 1, labels=0), [1], [100], [100]) == [1]  # within the limit
+    cheap = _controller([10e-3, 0.0, 0.0, 0.0], draft_ratio=1.0, explore_k=4, probe_k=2)
+    cheap.observe_round(1, 100, 100, 2, 2 * 0.2 * cheap.verify_cost.predict(1, 1, 101), 10e-3, 0.0)
+    assert cheap.plan(_rows(0.9, 1, labels=0), [8], [100], [100]) == [4]  # measured: explore_k
+    assert cheap.plan(_rows(0.9, 1, labels=0), [3], [100], [100]) == [3]  # within the limit
     ks = [ctl.plan(_rows(0.9, 1), [8], [100], [100])[0] for _ in range(16)]
     # drafting never pays: probes of probe_k after 2, then 4, 8 skipped steps (backing off)
     assert ks == [0, 2, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0]
@@ -393,16 +401,23 @@ def test_controller_explores_new_rows_and_probes_after_skipping():
     ctl.observe_round(1, 100, 100, 2, 2 * 3.0 * d1, 10e-3, 0.0)  # a measured draft forward: 3x C_v(1, 1, N)
     later = CostAwareController(8)
     later.load(ctl.export())
-    # the finished row's labels (100, of which its EMA remembers 20) shrunk towards prior_alpha
-    # (0.6) by one pseudo-label
-    want = (20 * 0.25 + 1 * 0.6) / 21
+    # the finished row's alpha over its labels (100, of which its EMA remembers 20) shrunk
+    # towards prior_alpha (0.6) by one pseudo-label, then that one vote by one pseudo-request
+    want = ((20 * 0.25 + 1 * 0.6) / 21 + 0.6) / 2
     assert later.learned_prior == pytest.approx(want) and later.draft_ratio == pytest.approx(3.0)
     assert not later.exploring(_rows(0.9, 1, labels=0))
     assert later.alphas([RowAcceptance(8)]) == [pytest.approx(want)]
-    # one row that accepted its 2 drafts hands on (2 * 1.0 + 0.6) / 3, not 1.0
+    # one row that accepted its 2 drafts hands on ((2 * 1.0 + 0.6) / 3 + 0.6) / 2, not 1.0
     few = _controller([10e-3, 0.0, 0.0, 0.0])
     few.row_finished(_rows(1.0, 1, labels=2)[0])
-    assert few.export()["alpha"] == pytest.approx(2.6 / 3)
+    assert few.export()["alpha"] == pytest.approx((2.6 / 3 + 0.6) / 2)
+    # each request one vote, however many labels: a long row at 1.0 and a short one at 0.0 meet
+    # halfway (pooled by labels: (20 + 0.6) / 23 = 0.896); a row that never drafted has no vote
+    votes = _controller([10e-3, 0.0, 0.0, 0.0])
+    votes.row_finished(_rows(1.0, 1, labels=100)[0])
+    votes.row_finished(_rows(0.0, 1, labels=2)[0])
+    votes.row_finished(RowAcceptance(8))
+    assert votes.export()["alpha"] == pytest.approx(((20 + 0.6) / 21 + 0.6 / 3 + 0.6) / 3)
 
 
 def test_controller_skips_a_probe_whose_finding_the_rows_could_not_use():
@@ -418,10 +433,42 @@ def test_controller_skips_a_probe_whose_finding_the_rows_could_not_use():
     assert [ctl.plan(rows, [8, 8], [100, 100], [100, 100])[0] for _ in range(2)] == [2, 0]
 
 
+def test_controller_skips_a_probe_the_finished_requests_lengths_say_comes_too_late():
+    """A row's expected rest is its budget capped by its residual life: the median of n - generated
+    over the finished requests longer than it (none: unbounded). RULER niah answers end after 9
+    or 10 tokens: with such requests finished, the probe due after 8 declined rounds is skipped,
+    and taken once the row has outlived them all; the lengths go to later cores."""
+    ctl = _controller([10e-3, 0.0, 0.0, 0.0], draft_ratio=5.0, probe_every=8, probe_k=1)
+    assert ctl.residual(0) == math.inf
+    for n in (10, 9, 10, 128):
+        ctl.row_finished(RowAcceptance(8), n)
+    assert list(ctl.finished_lengths) == [10, 9, 10, 128]
+    assert ctl.residual(0) == 10  # 10, 9, 10, 128: (10 + 10) / 2
+    assert ctl.residual(8) == 2.0  # 2, 1, 2, 120: (2 + 2) / 2
+    assert ctl.residual(9) == 1.0  # 1, 1, 119
+    assert ctl.residual(10) == 118.0 and ctl.residual(128) == math.inf
+    # a fresh core of the same engine starts from the lengths; without the 128-token one, a row
+    # whose budget is 126 tokens skips the probe due at 8 tokens and takes it at 10
+    later = _controller([10e-3, 0.0, 0.0, 0.0], draft_ratio=5.0, probe_every=8, probe_k=1)
+    state = ctl.export()
+    state["lengths"] = state["lengths"][:3]
+    later.load(state)
+    assert list(later.finished_lengths) == [10, 9, 10]
+    rows = _rows(0.3, 1)
+    ks = [later.plan(rows, [8], [100], [100], remaining=[126 - i], generated=[1 + i])[0] for i in range(12)]
+    assert ks == [0] * 9 + [1, 0, 0]
+    # the budget still caps it: 5 tokens left, no probe however long the finished requests ran
+    late = _controller([10e-3, 0.0, 0.0, 0.0], draft_ratio=5.0, probe_every=8, probe_k=1)
+    late.row_finished(RowAcceptance(8), 1000)
+    assert [late.plan(rows, [8], [100], [100], remaining=[5], generated=[3])[0] for _ in range(10)] == [0] * 10
+    assert late.plan(rows, [8], [100], [100], remaining=None, generated=[3]) == [1]  # 997 expected: probe
+
+
 def test_controller_explores_until_every_row_has_explore_labels():
     """One exploring round gives a row one or two labels; the controller drafts explore_k until
     every row has explore_labels of them (a declined round measures none, so a low first
-    estimate would decide the whole decode), then the costs decide (here: drafting never pays)."""
+    estimate would decide the whole decode), then the costs decide (here: drafting never pays).
+    The draft cost is only a prior here, so every exploring round is probe-sized (one draft)."""
     ctl = _controller([10e-3, 0.0, 0.0, 0.0], draft_ratio=5.0, probe_every=100, explore_k=2, explore_labels=4)
     rows = [ctl.policy(), ctl.policy()]
     ks = []
@@ -430,8 +477,8 @@ def test_controller_explores_until_every_row_has_explore_labels():
         ks.append(k)
         rows[0].update([0.0] * k[0], k[0])  # accepts every draft: two labels a round
         rows[1].update([0.0] * k[1], 0)  # rejects the first: one label a round
-    assert ks == [[2, 2]] * 4 + [[0, 0]] * 2
-    assert [p.num_labels for p in rows] == [8, 4]
+    assert ks == [[1, 1]] * 4 + [[0, 0]] * 2
+    assert [p.num_labels for p in rows] == [4, 4]
     assert not ctl.exploring(rows)
     with pytest.raises(ValueError, match="explore_labels"):
         CostAwareController(8, explore_labels=0)
@@ -439,36 +486,69 @@ def test_controller_explores_until_every_row_has_explore_labels():
 
 def test_controller_stops_exploring_when_the_rows_own_labels_say_drafting_loses():
     """Exploring stops once not even each row's optimistic alpha (the one-sided 90 % Wilson bound
-    of its labels) would pay at the measured costs. Flat verify 10 ms, a measured draft forward of
-    0.9x: a round of k drafts costs 10 + 9 k ms, so k = 8 pays at alpha 1 (9 tokens / 82 ms: not
-    futile). A row that accepted one of two drafts allows alpha 0.835 at most: k = 1 gives 1.835
-    tokens / 19 ms, k = 8 4.87 / 82 ms, all below 1 / 10 ms, so it stops; one that accepted both
-    goes on exploring."""
+    over its labels and one pseudo-label at the prior, 0.6) would pay, by the 5 % margin, at the
+    measured costs. Flat verify 10 ms, a measured draft forward of 0.8x: a round of k drafts costs
+    10 + 8 k ms, so k = 8 pays at alpha 1 (9 tokens / 74 ms: not futile). A row that accepted one
+    of two drafts allows 0.819 at most: k = 1 gives 1.819 tokens / 18 ms, 1.1 % over AR, k = 8
+    4.7 / 74 ms: it stops; one that accepted both (0.977) goes on exploring, and so does a row
+    with no label (the prior's bound, 0.929)."""
     ctl = _controller([10e-3, 0.0, 0.0, 0.0], draft_ratio=1.0, probe_every=100, explore_k=2, explore_labels=6)
+    assert ctl.plan([ctl.policy()], [8], [100], [100]) == [1]  # the draft cost unmeasured: a probe-sized round
     d1 = ctl.verify_cost.predict(1, 1, 100 + 1)
-    ctl.observe_round(1, 100, 100, 2, 2 * 0.9 * d1, 10e-3, 0.0)
-    assert ctl.draft_measured and ctl.draft_ratio == pytest.approx(0.9) and not ctl.futile([8], 1, 100, 100)
+    ctl.observe_round(1, 100, 100, 2, 2 * 0.8 * d1, 10e-3, 0.0)
+    assert ctl.draft_measured and ctl.draft_ratio == pytest.approx(0.8) and not ctl.futile([8], 1, 100, 100)
     half, whole = ctl.policy(), ctl.policy()
-    assert ctl.plan([half], [8], [100], [100]) == [2]  # no label yet: explore
+    assert ctl.plan([half], [8], [100], [100]) == [2]  # no label yet, the draft measured: explore_k
     half.update([0.0, 0.0], 1)
     whole.update([0.0, 0.0], 2)
     assert half.alpha == pytest.approx(0.5) and half.num_labels == 2 < ctl.explore_labels
     z = 1.2816  # Wilson's bound by hand: (a + z^2/2n + z sqrt(a(1-a)/n + z^2/4n^2)) / (1 + z^2/n)
-    want = (0.5 + z * z / 4 + z * (0.125 + z * z / 16) ** 0.5) / (1 + z * z / 2)
-    assert want == pytest.approx(0.835, abs=1e-3)
-    assert ctl.optimistic_alphas([half, whole, ctl.policy()]) == [pytest.approx(want, rel=1e-4), 1.0, 1.0]
+
+    def wilson(a, n):
+        return (a + z * z / (2 * n) + z * (a * (1 - a) / n + z * z / (4 * n * n)) ** 0.5) / (1 + z * z / n)
+
+    want = [wilson((2 * 0.5 + 0.6) / 3, 3), wilson((2 * 1.0 + 0.6) / 3, 3), wilson(0.6, 1)]
+    assert want == [pytest.approx(0.819, abs=1e-3), pytest.approx(0.977, abs=1e-3), pytest.approx(0.929, abs=1e-3)]
+    assert ctl.optimistic_alphas([half, whole, ctl.policy()]) == [pytest.approx(w, rel=1e-4) for w in want]
     assert ctl.hopeless([half], [8], 1, 100, 100) and ctl.plan([half], [8], [100], [100]) == [0]
     assert not ctl.hopeless([whole], [8], 1, 100, 100) and ctl.plan([whole], [8], [100], [100]) == [2]
+    assert not ctl.hopeless([ctl.policy()], [8], 1, 100, 100)
     # the batch decides together: with a row that accepted everything beside it, exploring goes on
     assert not ctl.hopeless([half, whole], [8, 8], 2, 100, 100)
-    # a draft cost that is only a prior decides nothing: explore as before
-    prior = _controller([10e-3, 0.0, 0.0, 0.0], draft_ratio=0.9, probe_every=100, explore_k=2)
-    assert not prior.hopeless([half], [8], 1, 100, 100) and prior.plan([half], [8], [100], [100]) == [2]
+    # a draft cost that is only a prior decides nothing: explore, at a probe's size
+    prior = _controller([10e-3, 0.0, 0.0, 0.0], draft_ratio=0.8, probe_every=100, explore_k=2)
+    assert not prior.hopeless([half], [8], 1, 100, 100) and prior.plan([half], [8], [100], [100]) == [1]
+
+
+def test_controller_declines_unless_drafting_beats_ar_by_the_margin():
+    """k = 0 unless the best drafting rate beats not drafting by more than ``margin`` (5 %). Flat
+    verify 10 ms, draft forward 9 ms (ratio 0.9): a round drafting 1 costs 19 ms and emits
+    1 + alpha tokens, so it beats an AR step's 1 / 10 ms by (1 + alpha) / 1.9 - 1: 2.6 % at alpha
+    0.95 (declined; drafted with no margin), 5.3 % at alpha 1 (drafted). The margin also rules
+    futility and hopelessness (k = 8 at alpha 1: 9 / 82 ms, 9.8 % over AR, still worth
+    probing), and a bad margin is refused."""
+    flat = [10e-3, 0.0, 0.0, 0.0]
+    ctl = _controller(flat, draft_ratio=0.9)
+    assert ctl.margin == 0.05
+    assert ctl.best_k([0.95], [1], 1, 100, 100)[0] == 0
+    assert _controller(flat, draft_ratio=0.9, margin=0.0).best_k([0.95], [1], 1, 100, 100)[0] == 1
+    k, rate = ctl.best_k([1.0], [1], 1, 100, 100)
+    assert k == 1 and rate == pytest.approx(2 / 19e-3)
+    assert ctl.best_k([0.95], [1], 1, 100, 100)[1] == pytest.approx(1 / 10e-3)  # declined: AR's rate
+    # k = 2 at alpha 1: 3 / 28 ms, 7.1 % over AR; k = 1 at 5.3 %: the argmax among drafting ks
+    assert ctl.best_k([1.0], [2], 1, 100, 100)[0] == 2
+    ctl.observe_round(1, 100, 100, 2, 2 * 0.9 * ctl.verify_cost.predict(1, 1, 101), 10e-3, 0.0)
+    assert ctl.draft_measured and not ctl.futile([8], 1, 100, 100) and ctl.futile([1], 1, 100, 100) is False
+    assert _controller(flat, draft_ratio=0.9, margin=0.2).best_k([1.0], [8], 1, 100, 100)[0] == 0
+    for bad in (-0.1, float("nan"), "5%"):
+        with pytest.raises(ValueError, match="margin"):
+            CostAwareController(8, margin=bad)
 
 
 def test_controller_best_k_equals_the_argmax_of_the_scalar_step_cost():
     """best_k (every k at once) against the plain formula: sum_b E(alpha_b, min(k, limit_b)) /
-    step_cost(k), the shorter k on ties, at mixed alphas and per-row limits."""
+    step_cost(k), the shorter k on ties, at mixed alphas and per-row limits; 0 unless the best
+    drafting k beats k = 0 by more than the margin."""
     rng = np.random.default_rng(0)
     for trial in range(40):
         c = [rng.uniform(1e-3, 2e-2), rng.uniform(0, 2e-3), rng.uniform(0, 1e-6), rng.uniform(0, 1e-5)]
@@ -484,6 +564,8 @@ def test_controller_best_k_equals_the_argmax_of_the_scalar_step_cost():
         for k in range(1, len(rates)):
             if rates[k] > rates[want] * (1 + 1e-9):
                 want = k
+        if want and rates[want] <= rates[0] * 1.05:
+            want = 0
         k, rate = ctl.best_k(alphas, limits, B, S, N)
         assert k == want, trial
         if max(limits):
@@ -505,10 +587,11 @@ def test_controller_neither_explores_nor_probes_where_even_full_acceptance_canno
     assert ctl.plan(_rows(0.9, 1, labels=0), [8], [100], [100]) == [0]  # no exploring
     assert [ctl.plan(_rows(0.9, 1), [8], [100], [100])[0] for _ in range(16)] == [0] * 16  # no probes
     assert ctl.num_skipped == 17
-    # a measured draft of 0.95x: at alpha 0.9 every k loses (k = 1: 1.9 tokens / 19.5 ms), at
-    # alpha 1 every k wins (k = 1: 2 tokens / 19.5 ms): acceptance matters, so probes go on
+    # a measured draft of 0.85x: at alpha 0.9 no k pays by the 5 % margin (k = 1: 1.9 tokens /
+    # 18.5 ms, 2.7 % over AR), at alpha 1 long drafts do (k = 8: 9 / 78 ms, 15 %): acceptance
+    # matters, so probes go on
     ctl = _controller([10e-3, 0.0, 0.0, 0.0], draft_ratio=1.0, probe_every=2, probe_k=2)
-    ctl.observe_round(1, 100, 100, 2, 2 * 0.95 * d1, 10e-3, 0.0)
+    ctl.observe_round(1, 100, 100, 2, 2 * 0.85 * d1, 10e-3, 0.0)
     assert not ctl.futile([8], 1, 100, 100)
     assert ctl.futile([0], 1, 100, 100) is False  # nothing may be drafted: nothing to decide
     assert [ctl.plan(_rows(0.9, 1), [8], [100], [100])[0] for _ in range(6)] == [0, 2, 0, 0, 0, 2]
