@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from sparsespec.kernels import cpu
 from sparsespec.kernels.plan import (LINEAR_RANGES, TIE_MARGIN, KernelPlan, apply_tiles, choose, kt_rows_from_trial,
-                                    kt_variant_from_trial, ours_plan, range_worst, tune_plan)
+                                    kt_variant_from_trial, ours_plan, pv_prefetch_from_trial, range_worst, tune_plan)
 from sparsespec.kernels.reference import sparse_attention_ref, verify_attention_ref
 from sparsespec.kv.cache import KVCache
 from sparsespec.shapes import random_transformer
@@ -591,6 +591,9 @@ def test_tune_measures_caches_and_reads_back(tmp_path, monkeypatch):
         assert plan.attention_tiles == (want if plan.attention == "ss" else "")
         assert plan.attention_kt_rows == (rows if plan.attention == "ss" else 0)
         assert plan.attention_kt_vprefetch == (kt == "ss-kt" or not plan.attention_kt_rows)
+        assert all("ss-pv-off" in v for v in att.values())  # the P.V's value fetch, on and off, at every width
+        assert plan.attention_pv_prefetch == (pv_prefetch_from_trial(att) if want != "avx2" else cpu.PV_PREFETCH_KEYS)
+        assert cpu.attention_pv_prefetch() == plan.attention_pv_prefetch
     else:
         assert plan.attention_tiles == "" and all("ss-avx2" not in v for v in att.values())
     pre = plan.timings["prefill"]  # our prefill attention against PyTorch's flash, where ours runs
@@ -604,6 +607,7 @@ def test_tune_measures_caches_and_reads_back(tmp_path, monkeypatch):
     assert again.source == "cache" and again.linear == plan.linear and again.attention == plan.attention
     assert again.attention_tiles == plan.attention_tiles and again.linear_tiles == plan.linear_tiles
     assert again.attention_kt_vprefetch == plan.attention_kt_vprefetch
+    assert again.attention_pv_prefetch == plan.attention_pv_prefetch
     files[0].write_text("{not json")  # a corrupt entry is measured again, not an error
     assert tune_plan(model, reps=1).source == "measured"
 
@@ -620,7 +624,8 @@ def test_choose_switches_the_attention_tiles_and_the_environment_keeps_them_off(
         assert plan.describe()["attention_tiles"] == plan.attention_tiles
         assert plan.describe()["linear_tiles"] == plan.linear_tiles
         plan = dataclasses.replace(plan, attention_tiles="avx512", linear_tiles="avx512",
-                                   attention_kt_rows=0, attention_kt_vprefetch=True)
+                                   attention_kt_rows=0, attention_kt_vprefetch=True,
+                                   attention_pv_prefetch=cpu.PV_PREFETCH_KEYS)
         assert plan.summary().count("(avx512)") == 2
         cpu.set_attention_avx512(False)  # a plan that says avx512 switches them back on
         cpu.set_linear_avx512(False)
@@ -766,6 +771,85 @@ def test_the_late_value_fetch_is_a_speed_choice_only_and_follows_the_plan():
         cpu.set_attention_kt_vprefetch(True)
     other = KernelPlan(attention="ss", attention_tiles="avx512", attention_kt_vprefetch=False)  # meaningless there
     assert "late" not in other.summary() and other.describe()["attention_kt_vprefetch"] is None
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_the_pv_value_fetch_is_a_speed_choice_only(D):
+    """The dense attention's P.V with value rows fetched 0, 1, 16 or 256 keys ahead gives the same
+    bits (outputs and importance rows) for a decode, a verify on the row-lanes tiles and one on the
+    keys-in-lanes tiles; the setter clamps to [0, CHUNK]."""
+    if not (cpu.set_attention_avx512(True) or "").startswith("avx512"):
+        pytest.skip("this CPU's build has no AVX-512 tiles")
+    g = _gen(61 + D)
+    B, Hkv, G, S = 2, 2, 3, 600
+    kc, vc = torch.randn(B, Hkv, S + 9, D, generator=g), torch.randn(B, Hkv, S + 9, D, generator=g)
+    starts = torch.tensor([S, S - 77])
+    try:
+        for T, kt in ((1, 0), (3, 0), (9, 1)):
+            q = torch.randn(B, Hkv * G, T, D, generator=g)
+            got = []
+            cpu.set_attention_kt(kt)
+            for ahead in (0, 1, 16, 256):
+                assert cpu.set_attention_pv_prefetch(ahead) == ahead == cpu.attention_pv_prefetch()
+                rows = torch.zeros(B, Hkv, T, S + T) if T > 1 else None
+                got.append((cpu.attention(q, kc, vc, starts, S, D ** -0.5, rows), rows))
+            ref, _ = verify_attention_ref(q, kc, vc, starts, 0, D ** -0.5)  # [B, H, T, D]
+            ref = ref.transpose(1, 2).reshape(B, T, -1)
+            torch.testing.assert_close(got[0][0], ref, rtol=1e-4, atol=1e-5)  # and right, not only equal
+            for out, rows in got[1:]:
+                assert torch.equal(out, got[0][0]) and (rows is None or torch.equal(rows, got[0][1]))
+        assert cpu.set_attention_pv_prefetch(-3) == 0 and cpu.set_attention_pv_prefetch(10**6) == cpu.CHUNK
+    finally:
+        cpu.set_attention_kt(0)
+        cpu.set_attention_pv_prefetch(cpu.PV_PREFETCH_KEYS)
+
+
+def test_the_attention_trial_times_the_pv_value_fetch_on_and_off(monkeypatch):
+    if not (cpu.set_attention_avx512(True) or "").startswith("avx512"):
+        pytest.skip("this CPU's build has no AVX-512 tiles")
+    from sparsespec.kernels.plan import _attention_trial
+
+    seen, real = set(), cpu.attention
+
+    def spy(*args, **kwargs):  # the fetch distance each timed call ran with
+        seen.add(cpu.attention_pv_prefetch())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu, "attention", spy)
+    att = _attention_trial(random_transformer("tiny"), reps=1, context=64)
+    assert all("ss-pv-off" in v and "ss" in v for v in att.values())
+    assert seen == {0, cpu.PV_PREFETCH_KEYS} and cpu.attention_pv_prefetch() == cpu.PV_PREFETCH_KEYS
+
+
+def test_the_pv_value_fetch_follows_the_trial_the_plan_and_the_environment(monkeypatch):
+    t = {"T1": {"ss": 1.0, "ss-pv-off": 1.1}, "T9": {"ss": 5.0, "ss-pv-off": 4.95}}
+    assert pv_prefetch_from_trial(t) == cpu.PV_PREFETCH_KEYS  # 6.0 < 6.05: fetching ahead won the sum
+    t["T1"]["ss-pv-off"] = 1.04
+    assert pv_prefetch_from_trial(t) == 0  # 5.99 < 6.0: off won
+    assert pv_prefetch_from_trial({"T1": {"ss": 1.0, "torch": 0.5}}) == cpu.PV_PREFETCH_KEYS  # not timed
+    for bad in (-1, cpu.CHUNK + 1, 1.5):
+        with pytest.raises(ValueError, match="attention_pv_prefetch"):
+            KernelPlan(attention="ss", attention_tiles="avx512", attention_pv_prefetch=bad)
+    off = KernelPlan(attention="ss", attention_tiles="avx512", attention_pv_prefetch=0)
+    assert "P.V fetches nothing ahead" in off.summary() and off.describe()["attention_pv_prefetch"] == 0
+    on = dataclasses.replace(off, attention_pv_prefetch=cpu.PV_PREFETCH_KEYS)
+    assert "P.V" not in on.summary() and on.describe()["attention_pv_prefetch"] == cpu.PV_PREFETCH_KEYS
+    assert KernelPlan(attention="torch", attention_pv_prefetch=0).describe()["attention_pv_prefetch"] is None
+    if not (cpu.set_attention_avx512(True) or "").startswith("avx512"):
+        return
+    plan = KernelPlan(((None, "ss"),), "ss", True, 2, "user", attention_tiles="avx512", linear_tiles="avx512",
+                      attention_pv_prefetch=0)
+    try:
+        assert apply_tiles(plan) == plan and cpu.attention_pv_prefetch() == 0
+        assert apply_tiles(on) == on and cpu.attention_pv_prefetch() == cpu.PV_PREFETCH_KEYS
+        monkeypatch.setenv("SPARSESPEC_ATTENTION_PV_PREFETCH", "32")  # the user's setting wins
+        assert apply_tiles(plan).attention_pv_prefetch == 32 == cpu.attention_pv_prefetch()
+        for bad in ("-1", "many", str(cpu.CHUNK + 1)):
+            monkeypatch.setenv("SPARSESPEC_ATTENTION_PV_PREFETCH", bad)
+            with pytest.raises(ValueError, match="SPARSESPEC_ATTENTION_PV_PREFETCH"):
+                apply_tiles(plan)
+    finally:
+        cpu.set_attention_pv_prefetch(cpu.PV_PREFETCH_KEYS)
 
 
 def test_a_library_keeps_a_range_only_where_whole_forwards_are_faster_at_every_width():

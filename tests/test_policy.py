@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from cluster.peers.engine import peers_venv
 from cluster.results.policy import (VLLM_SPECULATIVE_KEYS, PolicyError, SpeculationPolicy, bucket_of,
                             build_policy, vllm_fragment, vllm_speculative_keys)
 
-VLLM_SOURCE = (Path(__file__).resolve().parents[1] / ".venv-peers" / "lib" / "python3.11" / "site-packages" / "vllm"
-               / "config" / "speculative.py")
-VLLM_SOURCE_MAIN = Path("/work/main/.venv-peers/lib/python3.11/site-packages/vllm/config/speculative.py")
+# vLLM's speculative config in the peers environment ($SPARSESPEC_PEERS_VENV, else .venv-peers: make peers)
+VLLM_SOURCE = peers_venv() / "lib" / "python3.11" / "site-packages" / "vllm" / "config" / "speculative.py"
 MODEL = "m"
 
 
@@ -171,7 +171,7 @@ def test_a_missing_policy_file_is_a_clear_error(tmp_path):
 
 # ---------------------------------------------------------------- vLLM
 def _vllm_source() -> Path | None:
-    return next((p for p in (VLLM_SOURCE, VLLM_SOURCE_MAIN) if p.exists()), None)
+    return VLLM_SOURCE if VLLM_SOURCE.exists() else None
 
 
 def test_recorded_vllm_keys_are_speculative_config_fields_of_the_installed_vllm():

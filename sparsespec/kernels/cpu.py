@@ -51,10 +51,13 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu") / "sparsespec_cpu.c"
-ABI_VERSION = 13
+ABI_VERSION = 14
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
 #: keys per attention chunk in the C kernels (SS_CHUNK)
 CHUNK = 256
+#: the dense P.V's value fetch distance the library starts with and the plan's trial tries against 0
+#: (16 beat 8, 32 and 64 on the AMD EPYC of benchmarks/RESULTS.md, twenty-fifth session)
+PV_PREFETCH_KEYS = 16
 _ENV = "SPARSESPEC_CPU_KERNELS"
 #: ``0`` keeps the attention and the packed linear on their AVX2 tiles where the library was built
 #: with AVX-512
@@ -174,6 +177,7 @@ _SIGNATURES = {
     "ss_set_linear_avx512": ([_INT], _INT),
     "ss_set_attention_kt": ([_INT], _INT),
     "ss_set_attention_kt_vprefetch": ([_INT], _INT),
+    "ss_set_attention_pv_prefetch": ([_INT], _INT),
     "ss_sparse_attention": ([_I64] * 5 + [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR,
                                           _PTR, _I64, _I64, _I64, _F32, _PTR, _I64, _I64, _PTR, _I64, _INT], None),
 }
@@ -204,6 +208,7 @@ def library() -> ctypes.CDLL | None:
                     _switch_tiles(lib, key, True)
                 _state["attention_kt"] = int(lib.ss_set_attention_kt(0))  # the plan's trial switches it on
                 _state["kt_vprefetch"] = bool(lib.ss_set_attention_kt_vprefetch(1))
+                _state["pv_prefetch"] = int(lib.ss_set_attention_pv_prefetch(PV_PREFETCH_KEYS))
                 _state["path"] = str(path)
             except (RuntimeError, OSError, AttributeError) as e:
                 lib, reason = None, str(e)
@@ -282,6 +287,25 @@ def set_attention_kt_vprefetch(on: bool) -> bool | None:
     with _lock:
         _state["kt_vprefetch"] = bool(lib.ss_set_attention_kt_vprefetch(int(bool(on))))
     return _state["kt_vprefetch"]
+
+
+def set_attention_pv_prefetch(keys_ahead: int) -> int | None:
+    """How many keys ahead the dense attention's P.V (decode and verify, the AVX-512 tiles) fetches
+    value rows into L1 as it goes (0: none, leaving them to the hardware prefetcher; capped at
+    ``CHUNK``): a speed choice (the same results) that depends on the CPU, which the kernel plan's
+    trial measures at load (``PV_PREFETCH_KEYS`` or 0). Returns the setting (None: no kernels)."""
+    lib = library()
+    if lib is None:
+        return None
+    with _lock:
+        _state["pv_prefetch"] = int(lib.ss_set_attention_pv_prefetch(max(0, int(keys_ahead))))
+    return _state["pv_prefetch"]
+
+
+def attention_pv_prefetch() -> int:
+    """The dense P.V's value fetch distance in keys (``set_attention_pv_prefetch``; 0: off)."""
+    library()
+    return int(_state.get("pv_prefetch", PV_PREFETCH_KEYS))
 
 
 def attention_kt_vprefetch() -> bool:

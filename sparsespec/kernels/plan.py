@@ -13,8 +13,9 @@ A ``KernelPlan`` names, for one model on one device:
   the kernels were built with AVX-512: ``"avx512"`` (16 lanes) or ``"avx2"``, and for the attention
   also ``"avx512-kt"`` (the AVX-512 tiles, with a verify's score phase in keys-in-lanes tiles: 32
   keys transposed once, then GEMM-like tiles of up to 12 query rows without horizontal sums, and
-  ``attention_kt_vprefetch``: whether that path fetches a block's value rows early); all give
-  bitwise the same results, so this is a speed choice only (``""``: not applicable);
+  ``attention_kt_vprefetch``: whether that path fetches a block's value rows early), and with the
+  AVX-512 tiles ``attention_pv_prefetch``: how many keys ahead the P.V phase fetches value rows
+  (0: none); all give bitwise the same results, so this is a speed choice only (``""``: not applicable);
 * ``fused``: RMSNorm, RoPE and SiLU-and-multiply through our kernels (one call each instead of
   four to eight PyTorch ops);
 * ``prefill_attention``: a prefill chunk's causal attention (hundreds of queries per row): ``"ss"``
@@ -39,6 +40,7 @@ only: the eager reference), ``ss`` (ours wherever they run); ``SPARSESPEC_LINEAR
 forces one linear backend for every M; ``SPARSESPEC_PREPACK=0`` leaves oneDNN out of the trial;
 ``SPARSESPEC_AVX512=0`` keeps our kernels on their AVX2 tiles; ``SPARSESPEC_ATTENTION_KT=N`` runs
 the keys-in-lanes score tiles from N query rows per KV head (0: never) whatever the trial measured;
+``SPARSESPEC_ATTENTION_PV_PREFETCH=N`` sets the P.V phase's value fetch distance (keys; 0: none);
 ``SPARSESPEC_PREFILL_ATTENTION=ss|torch`` picks the prefill chunks' attention.
 The chosen plan goes into every run's provenance and every bench row (``KernelPlan.describe``).
 """
@@ -78,8 +80,8 @@ RANGE_UPPER = tuple(u for u, _ in LINEAR_RANGES)
 #: per-layer overhead that our fused forward saves is a small share, and the linear trial decides)
 FORWARD_TRIAL_K, FORWARD_TRIAL_CONTEXT, FORWARD_TRIAL_UPTO = 8, 256, 128
 _KERNELS_ENV, _LINEAR_ENV, _KT_ENV = "SPARSESPEC_KERNELS", "SPARSESPEC_LINEAR", "SPARSESPEC_ATTENTION_KT"
-_PREFILL_ENV = "SPARSESPEC_PREFILL_ATTENTION"
-TUNE_VERSION = 12
+_PREFILL_ENV, _PV_ENV = "SPARSESPEC_PREFILL_ATTENTION", "SPARSESPEC_ATTENTION_PV_PREFETCH"
+TUNE_VERSION = 13
 #: the prefill trial's chunk: ``PREFILL_TRIAL_T`` queries after ``PREFILL_TRIAL_START`` keys (a chunk
 #: of the engine's 512 inside a 2K prompt), over ``PREFILL_TRIAL_LAYERS`` layers' caches
 PREFILL_TRIAL_T, PREFILL_TRIAL_START, PREFILL_TRIAL_LAYERS = 512, 1536, 4
@@ -118,6 +120,9 @@ class KernelPlan:
     attention_kt_vprefetch: bool = True
     #: a prefill chunk's attention: "ss" (ours, where built with AVX-512) or "torch"
     prefill_attention: str = "torch"
+    #: with the AVX-512 attention tiles: how many keys ahead the decode / verify P.V fetches value
+    #: rows (``cpu.PV_PREFETCH_KEYS`` or 0, measured by the trial; without those tiles it means nothing)
+    attention_pv_prefetch: int = cpu.PV_PREFETCH_KEYS
 
     def __post_init__(self) -> None:
         uppers = [u for u, _ in self.linear]
@@ -135,6 +140,9 @@ class KernelPlan:
             raise ValueError(f"linear_tiles must be avx512, avx2 or empty, got {self.linear_tiles!r}")
         if self.prefill_attention not in ("ss", "torch"):
             raise ValueError(f"prefill_attention must be ss or torch, got {self.prefill_attention!r}")
+        if not isinstance(self.attention_pv_prefetch, int) or not 0 <= self.attention_pv_prefetch <= cpu.CHUNK:
+            raise ValueError(f"attention_pv_prefetch must be an integer in [0, {cpu.CHUNK}], got "
+                             f"{self.attention_pv_prefetch!r}")
         if (self.attention_kt_rows > 0) != (self.attention_tiles == "avx512-kt") or self.attention_kt_rows < 0:
             raise ValueError(f"attention_kt_rows must be > 0 exactly with attention_tiles='avx512-kt', got "
                              f"{self.attention_kt_rows} with {self.attention_tiles!r}")
@@ -166,6 +174,7 @@ class KernelPlan:
                 "attention": self.attention, "attention_tiles": self.attention_tiles or None,
                 "attention_kt_rows": self.attention_kt_rows or None,
                 "attention_kt_vprefetch": self.attention_kt_vprefetch if self.attention_kt_rows else None,
+                "attention_pv_prefetch": self.attention_pv_prefetch if self._pv_tiles else None,
                 "linear_tiles": self.linear_tiles or None, "prefill_attention": self.prefill_attention,
                 "fused": self.fused, "threads": self.threads,
                 "source": self.source, "tune_s": round(self.tune_s, 3), "batch_invariant": self.batch_invariant,
@@ -173,12 +182,18 @@ class KernelPlan:
                 "kernels_build_s": cpu.build_seconds() if (self.attention == "ss" or self.fused) else None,
                 "read_bytes_per_s": self.timings.get("read_bytes_per_s"), "note": self.note}
 
+    @property
+    def _pv_tiles(self) -> bool:
+        """Whether ``attention_pv_prefetch`` applies: our attention on its AVX-512 tiles."""
+        return self.attention == "ss" and self.attention_tiles.startswith("avx512")
+
     def summary(self) -> str:
         """One line: e.g. ``linear ss<=8 mkl>8, attention ss, fused (measured, 4.2 s)``."""
         lin = " ".join(f"{be}{'' if u is None else '<=' + str(u)}" for u, be in self.linear)
         lin += f" ({self.linear_tiles})" if self.linear_tiles and self.uses_panels else ""
         kt = f" from {self.attention_kt_rows} rows" if self.attention_kt_rows else ""
         kt += "" if self.attention_kt_vprefetch or not self.attention_kt_rows else ", values fetched late"
+        kt += ", P.V fetches nothing ahead" if self._pv_tiles and not self.attention_pv_prefetch else ""
         tiles = f" ({self.attention_tiles}{kt})" if self.attention_tiles else ""
         return (f"linear {lin}, attention {self.attention}{tiles}, prefill {self.prefill_attention}"
                 f"{', fused' if self.fused else ''}, "
@@ -313,17 +328,26 @@ def apply_tiles(plan: KernelPlan) -> KernelPlan:
             cpu.set_attention_kt(rows)
             cpu.set_attention_kt_vprefetch(plan.attention_kt_vprefetch if plan.attention_tiles else
                                            cpu.attention_kt_vprefetch())
+            pv = plan.attention_pv_prefetch if plan.attention_tiles else cpu.attention_pv_prefetch()
+            env = os.environ.get(_PV_ENV, "").strip()
+            if env:
+                if not env.isdigit() or int(env) > cpu.CHUNK:
+                    raise ValueError(f"{_PV_ENV}={env!r}: expected how many keys ahead the P.V phase fetches "
+                                     f"value rows, 0 to {cpu.CHUNK} (0: none)")
+                pv = int(env)
+            cpu.set_attention_pv_prefetch(pv)
         att = (cpu.set_attention_avx512(want != "avx2") or "") if want else ""
     if plan.uses_panels:
         want = plan.linear_tiles or cpu.linear_isa() or ""
         lin = (cpu.set_linear_avx512(want == "avx512") or "") if want else ""
     kt_rows = cpu.attention_kt_rows() if att == "avx512-kt" else 0
     vpf = cpu.attention_kt_vprefetch() if kt_rows else plan.attention_kt_vprefetch  # without kt tiles: moot
-    if (att, lin, kt_rows, vpf) == (plan.attention_tiles, plan.linear_tiles, plan.attention_kt_rows,
-                                    plan.attention_kt_vprefetch):
+    pv = cpu.attention_pv_prefetch() if att.startswith("avx512") else plan.attention_pv_prefetch  # likewise
+    if (att, lin, kt_rows, vpf, pv) == (plan.attention_tiles, plan.linear_tiles, plan.attention_kt_rows,
+                                        plan.attention_kt_vprefetch, plan.attention_pv_prefetch):
         return plan
     return dataclasses.replace(plan, attention_tiles=att, linear_tiles=lin, attention_kt_rows=kt_rows,
-                               attention_kt_vprefetch=vpf)
+                               attention_kt_vprefetch=vpf, attention_pv_prefetch=pv)
 
 
 # --------------------------------------------------------------------------- the trial
@@ -411,7 +435,8 @@ def _attention_trial(model, reps: int, context: int = 2048, k: int = 8) -> dict[
     with its importance rows), over every layer's cache of ``context`` keys. Where built with
     AVX-512, our AVX2 tiles (``ss-avx2``) at those two widths, and the keys-in-lanes score tiles
     (``ss-kt``; ``ss-kt-late``: fetching the value rows late) against the AVX-512 ones (``ss``) at
-    every width of ``KT_TRIAL_T``."""
+    every width of ``KT_TRIAL_T``, and those with their P.V fetching no value rows ahead
+    (``ss-pv-off``; ``ss`` fetches ``cpu.PV_PREFETCH_KEYS`` ahead)."""
     from sparsespec.kernels.reference import grouped_attention
 
     cfg = model.cfg
@@ -424,6 +449,7 @@ def _attention_trial(model, reps: int, context: int = 2048, k: int = 8) -> dict[
     starts = torch.tensor([context])
     res = {}
     cpu.set_attention_kt(0)
+    cpu.set_attention_pv_prefetch(cpu.PV_PREFETCH_KEYS)
     with torch.inference_mode():
         for T in widths:
             q = torch.randn(1, H, T, D, generator=g, dtype=model.dtype)
@@ -464,6 +490,14 @@ def _attention_trial(model, reps: int, context: int = 2048, k: int = 8) -> dict[
                         cpu.set_attention_kt_vprefetch(True)
                 fns["ss-kt"] = ours_kt
                 fns["ss-kt-late"] = lambda ours_kt=ours_kt: ours_kt(early=False)
+
+                def ours_pv_off(ours=ours):  # the P.V phase without its value fetch ahead
+                    cpu.set_attention_pv_prefetch(0)
+                    try:
+                        ours()
+                    finally:
+                        cpu.set_attention_pv_prefetch(cpu.PV_PREFETCH_KEYS)
+                fns["ss-pv-off"] = ours_pv_off
             res[f"T{T}"] = _best_of(fns, reps)
     return res
 
@@ -517,6 +551,16 @@ def kt_variant_from_trial(att: Mapping[str, Mapping[str, float]]) -> str:
     if both and sum(v["ss-kt-late"] for v in both) < sum(v["ss-kt"] for v in both):
         return "ss-kt-late"
     return "ss-kt"
+
+
+def pv_prefetch_from_trial(att: Mapping[str, Mapping[str, float]]) -> int:
+    """0 where the AVX-512 tiles with their P.V fetching nothing ahead (``ss-pv-off``) measured
+    faster, summed over the trial's widths, than fetching ``cpu.PV_PREFETCH_KEYS`` keys ahead
+    (``ss``); else ``cpu.PV_PREFETCH_KEYS`` (also where it was not timed)."""
+    both = [v for v in att.values() if "ss" in v and "ss-pv-off" in v]
+    if both and sum(v["ss-pv-off"] for v in both) < sum(v["ss"] for v in both):
+        return 0
+    return cpu.PV_PREFETCH_KEYS
 
 
 def range_worst(lin: Mapping[int, Mapping[str, float]], widths: tuple[int, ...]) -> dict[str, float]:
@@ -598,7 +642,8 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
                               threads, "cache", data.get("tune_s", 0.0), data.get("timings", {}), data.get("note", ""),
                               data.get("attention_tiles", ""), data.get("linear_tiles", ""),
                               int(data.get("attention_kt_rows", 0)), bool(data.get("attention_kt_vprefetch", True)),
-                              data.get("prefill_attention", "torch"))
+                              data.get("prefill_attention", "torch"),
+                              attention_pv_prefetch=int(data.get("attention_pv_prefetch", cpu.PV_PREFETCH_KEYS)))
         except (OSError, ValueError, KeyError, TypeError):
             pass  # a corrupt cache entry: measure again
     if progress:
@@ -628,12 +673,13 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
     base = [s for s in att if "torch" in att[s]]  # the decode and verify widths
     att_total = {be: sum(att[s][be] for s in base) for be in ("ss", "torch")}
     attention = min(att_total, key=att_total.get)
-    tiles, kt_rows, kt_vprefetch = "", 0, True
+    tiles, kt_rows, kt_vprefetch, pv = "", 0, True, cpu.PV_PREFETCH_KEYS
     if all("ss-avx2" in att[s] for s in base):  # the AVX-512 tiles unless the AVX2 ones measured faster
         tiles = "avx2" if sum(att[s]["ss-avx2"] for s in base) < att_total["ss"] else "avx512"
         if tiles == "avx2":
             att_total["ss"] = sum(att[s]["ss-avx2"] for s in base)
         else:  # and the keys-in-lanes score tiles from the row count where they measured faster
+            pv = pv_prefetch_from_trial(att)  # (the P.V's fetch distance, measured with the row-lanes scores)
             group = model.cfg.num_heads // model.cfg.num_kv_heads
             kt = kt_variant_from_trial(att)
             kt_rows = kt_rows_from_trial(att, group, kt)
@@ -644,6 +690,7 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
         cpu.set_attention_avx512(tiles != "avx2")  # before the whole forwards below
         cpu.set_attention_kt(kt_rows)
         cpu.set_attention_kt_vprefetch(kt_vprefetch)
+        cpu.set_attention_pv_prefetch(pv)
     pre = _prefill_trial(model, reps) if attention == "ss" else {}
     prefill = "ss" if pre and pre["ss"] < pre["torch"] else "torch"
     fwd: dict[str, dict[str, float]] = {}
@@ -665,7 +712,7 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
                       linear_tiles=linear_tiles if any(be == "ss" for _, be in ranges) else "",
                       attention_kt_rows=kt_rows if attention == "ss" else 0,
                       attention_kt_vprefetch=kt_vprefetch if attention == "ss" and kt_rows else True,
-                      prefill_attention=prefill)
+                      prefill_attention=prefill, attention_pv_prefetch=pv)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -673,6 +720,7 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
                                    "attention_tiles": plan.attention_tiles, "linear_tiles": plan.linear_tiles,
                                    "attention_kt_rows": plan.attention_kt_rows,
                                    "attention_kt_vprefetch": plan.attention_kt_vprefetch,
+                                   "attention_pv_prefetch": plan.attention_pv_prefetch,
                                    "prefill_attention": plan.prefill_attention,
                                    "fused": plan.fused, "tune_s": tune_s, "timings": timings,
                                    "cpu": cpu.cpu_model(), "isa": cpu.isa_summary(), "threads": threads,

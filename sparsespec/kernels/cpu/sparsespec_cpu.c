@@ -51,7 +51,7 @@
 #error "sparsespec_cpu.c needs AVX2 and FMA (the loader falls back to torch without them)"
 #endif
 
-SS_API int ss_abi_version(void) { return 13; }
+SS_API int ss_abi_version(void) { return 14; }
 
 
 /* ------------------------------------------------------------------ vector helpers (AVX2) */
@@ -827,12 +827,18 @@ SS_INLINE void sc512_pack_pairs(const float *qs, int64_t R2, const int64_t D, fl
         if (NV > 2) _mm512_storeu_ps(o + 32, c##i##2);                                \
         if (NV > 3) _mm512_storeu_ps(o + 48, c##i##3);                                \
     }
+/* pf > 0: fetch value row j + pf (its NV x 64 bytes) into L1 while key j's products run (a decode
+ * or verify chunk's first row tile: ss_pv_pf) */
 SS_INLINE void pv512_tile_g(const int MR, const int NV, int64_t kn, const float *P, int64_t pr, int64_t pj,
                             const float *v, int64_t ldv, const float *const *vp, float *out, int64_t ldo,
-                            const float *alpha) {
+                            const float *alpha, int64_t pf) {
     PV_ACC(0) PV_ACC(1) PV_ACC(2) PV_ACC(3) PV_ACC(4) PV_ACC(5)
     for (int64_t j = 0; j < kn; ++j) {
         const float *vj = vp ? vp[j] : v + j * ldv;
+        if (pf && j + pf < kn) {
+            const char *vn = (const char *)(vp ? vp[j + pf] : vj + pf * ldv);
+            for (int o = 0; o < NV * 64; o += 64) _mm_prefetch(vn + o, _MM_HINT_T0);
+        }
         const __m512 v0 = _mm512_loadu_ps(vj);
         const __m512 v1 = NV > 1 ? _mm512_loadu_ps(vj + 16) : v0;
         const __m512 v2 = NV > 2 ? _mm512_loadu_ps(vj + 32) : v0;
@@ -843,23 +849,23 @@ SS_INLINE void pv512_tile_g(const int MR, const int NV, int64_t kn, const float 
 }
 
 SS_INLINE void pv512_tile(const int MR, const int NV, int64_t kn, const float *P, int64_t ldp, const float *v,
-                          int64_t ldv, const float *const *vp, float *out, int64_t ldo) {
-    pv512_tile_g(MR, NV, kn, P, ldp, 1, v, ldv, vp, out, ldo, NULL);
+                          int64_t ldv, const float *const *vp, float *out, int64_t ldo, int64_t pf) {
+    pv512_tile_g(MR, NV, kn, P, ldp, 1, v, ldv, vp, out, ldo, NULL, pf);
 }
 
 #define PV_CASE(MR_)                                                                  \
     case MR_:                                                                         \
         switch (NV) {                                                                 \
-            case 4: pv512_tile(MR_, 4, kn, Pr, ldp, vd, ldv, vp ? vpd : NULL, o, ldo); break;          \
-            case 3: pv512_tile(MR_, 3, kn, Pr, ldp, vd, ldv, vp ? vpd : NULL, o, ldo); break;          \
-            case 2: pv512_tile(MR_, 2, kn, Pr, ldp, vd, ldv, vp ? vpd : NULL, o, ldo); break;          \
-            default: pv512_tile(MR_, 1, kn, Pr, ldp, vd, ldv, vp ? vpd : NULL, o, ldo); break;         \
+            case 4: pv512_tile(MR_, 4, kn, Pr, ldp, vd, ldv, vp ? vpd : NULL, o, ldo, r ? 0 : pf); break;  \
+            case 3: pv512_tile(MR_, 3, kn, Pr, ldp, vd, ldv, vp ? vpd : NULL, o, ldo, r ? 0 : pf); break;  \
+            case 2: pv512_tile(MR_, 2, kn, Pr, ldp, vd, ldv, vp ? vpd : NULL, o, ldo, r ? 0 : pf); break;  \
+            default: pv512_tile(MR_, 1, kn, Pr, ldp, vd, ldv, vp ? vpd : NULL, o, ldo, r ? 0 : pf); break; \
         }                                                                             \
         break;
 /* o [R, D] (rows ldo apart) = P [R, kn] . V [kn, D], D % 16 == 0; value row j at v + j * ldv, or
  * with vp (kn <= SS_CHUNK) at vp[j] */
 static void pv512_rows(int64_t R, int64_t kn, const float *P, int64_t ldp, const float *v, int64_t ldv,
-                       const float *const *vp, int64_t D, float *out, int64_t ldo) {
+                       const float *const *vp, int64_t D, float *out, int64_t ldo, int64_t pf) {
     const float *vpd[vp ? SS_CHUNK : 1];
     for (int64_t d0 = 0; d0 < D; d0 += 64) {
         const int NV = (int)((D - d0) / 16 < 4 ? (D - d0) / 16 : 4);
@@ -1004,6 +1010,20 @@ static int ss_att_kt = 0;
  * kernel plan: on the AMD EPYC of benchmarks/RESULTS.md the early fetch made a batch 8 x 8K
  * verify's attention 11-13 % slower (the fetches compete with the block's key reads). */
 static int ss_kt_vpf = 1;
+
+/* > 0: the dense attention's P.V (decode and verify; the AVX-512 tiles) fetches the value row this
+ * many keys ahead into L1 as it goes (in a chunk's first row tile); 0: it leaves them to the hardware
+ * prefetcher. Measured at load by the kernel plan (the same results either way): on the AMD EPYC
+ * of benchmarks/RESULTS.md (twenty-fifth session) 16 keys ahead made a batch 4 x 6K and 8 x 8K
+ * attention 2-8 % faster at T = 1 and 5-9 % at T = 3, and changed nothing at T = 9. */
+static int64_t ss_pv_pf = 16;
+
+/* Set how many keys ahead the dense P.V fetches value rows (0: none; at most SS_CHUNK); returns the
+ * setting. */
+SS_API int ss_set_attention_pv_prefetch(int keys_ahead) {
+    ss_pv_pf = keys_ahead < 0 ? 0 : keys_ahead > SS_CHUNK ? SS_CHUNK : keys_ahead;
+    return (int)ss_pv_pf;
+}
 
 /* Switch the keys-in-lanes path's early fetch of value rows on (1) or off (0); returns the setting
  * (the results are the same either way). */
@@ -1235,7 +1255,7 @@ SS_INLINE void att_chunk_d(const attn_t *a, int64_t b, int64_t kv, int64_t c, co
         const float *vp[a->sparse ? SS_CHUNK : 1];
         if (a->sparse)
             for (int64_t u = 0; u < kn; ++u) vp[u] = att_val(a, b, kv, j0 + u, nv, idx);
-        pv512_rows(R, kn, S + j0, ld, vrows, D, a->sparse ? vp : NULL, D, part, D);
+        pv512_rows(R, kn, S + j0, ld, vrows, D, a->sparse ? vp : NULL, D, part, D, a->sparse ? 0 : ss_pv_pf);
         return;
     }
 #endif
@@ -1419,10 +1439,10 @@ SS_INLINE void pf_scores(const int NR, const float *qT, const float *k, const in
 #define PO_CASE(MR_)                                                                  \
     case MR_:                                                                         \
         switch (NV) {                                                                 \
-            case 4: pv512_tile_g(MR_, 4, nk, Pr, 1, ld, vd, D, NULL, Or, D, al); break; \
-            case 3: pv512_tile_g(MR_, 3, nk, Pr, 1, ld, vd, D, NULL, Or, D, al); break; \
-            case 2: pv512_tile_g(MR_, 2, nk, Pr, 1, ld, vd, D, NULL, Or, D, al); break; \
-            default: pv512_tile_g(MR_, 1, nk, Pr, 1, ld, vd, D, NULL, Or, D, al); break;\
+            case 4: pv512_tile_g(MR_, 4, nk, Pr, 1, ld, vd, D, NULL, Or, D, al, 0); break; \
+            case 3: pv512_tile_g(MR_, 3, nk, Pr, 1, ld, vd, D, NULL, Or, D, al, 0); break; \
+            case 2: pv512_tile_g(MR_, 2, nk, Pr, 1, ld, vd, D, NULL, Or, D, al, 0); break; \
+            default: pv512_tile_g(MR_, 1, nk, Pr, 1, ld, vd, D, NULL, Or, D, al, 0); break;\
         }                                                                             \
         break;
 
