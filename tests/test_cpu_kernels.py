@@ -822,10 +822,10 @@ def test_the_attention_trial_times_the_pv_value_fetch_on_and_off(monkeypatch):
 
 
 def test_the_pv_value_fetch_follows_the_trial_the_plan_and_the_environment(monkeypatch):
-    t = {"T1": {"ss": 1.0, "ss-pv-off": 1.1}, "T9": {"ss": 5.0, "ss-pv-off": 4.95}}
-    assert pv_prefetch_from_trial(t) == cpu.PV_PREFETCH_KEYS  # 6.0 < 6.05: fetching ahead won the sum
-    t["T1"]["ss-pv-off"] = 1.04
-    assert pv_prefetch_from_trial(t) == 0  # 5.99 < 6.0: off won
+    t = {"T1": {"ss": 1.0, "ss-pv-off": 1.03}, "T9": {"ss": 5.0, "ss-pv-off": 4.9}}
+    assert pv_prefetch_from_trial(t) == cpu.PV_PREFETCH_KEYS  # ratios 1.03 x 0.98 > 1 (the sums: off wins)
+    t["T1"]["ss-pv-off"] = 1.01
+    assert pv_prefetch_from_trial(t) == 0  # 1.01 x 0.98 < 1: off won
     assert pv_prefetch_from_trial({"T1": {"ss": 1.0, "torch": 0.5}}) == cpu.PV_PREFETCH_KEYS  # not timed
     for bad in (-1, cpu.CHUNK + 1, 1.5):
         with pytest.raises(ValueError, match="attention_pv_prefetch"):

@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -555,10 +556,12 @@ def kt_variant_from_trial(att: Mapping[str, Mapping[str, float]]) -> str:
 
 def pv_prefetch_from_trial(att: Mapping[str, Mapping[str, float]]) -> int:
     """0 where the AVX-512 tiles with their P.V fetching nothing ahead (``ss-pv-off``) measured
-    faster, summed over the trial's widths, than fetching ``cpu.PV_PREFETCH_KEYS`` keys ahead
-    (``ss``); else ``cpu.PV_PREFETCH_KEYS`` (also where it was not timed)."""
-    both = [v for v in att.values() if "ss" in v and "ss-pv-off" in v]
-    if both and sum(v["ss-pv-off"] for v in both) < sum(v["ss"] for v in both):
+    faster than fetching ``cpu.PV_PREFETCH_KEYS`` keys ahead (``ss``) by the geometric mean of
+    their time ratios over the trial's widths (each width a regime of its own: a sum would be the
+    widest one's, where the fetch matters least); else ``cpu.PV_PREFETCH_KEYS`` (also where it was
+    not timed)."""
+    ratios = [v["ss-pv-off"] / v["ss"] for v in att.values() if "ss-pv-off" in v and v.get("ss", 0) > 0]
+    if ratios and math.prod(ratios) < 1.0:
         return 0
     return cpu.PV_PREFETCH_KEYS
 
