@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from sparsespec.kernels import cpu
 from sparsespec.kernels.plan import (LINEAR_RANGES, TIE_MARGIN, KernelPlan, apply_tiles, choose, kt_rows_from_trial,
-                                    kt_variant_from_trial, ours_plan, pv_prefetch_from_trial, range_worst, tune_plan)
+                                    decode_kprefetch_from_trial, kt_variant_from_trial, ours_plan,
+                                    pv_prefetch_from_trial, range_worst, tune_plan)
 from sparsespec.kernels.reference import sparse_attention_ref, verify_attention_ref
 from sparsespec.kv.cache import KVCache
 from sparsespec.shapes import random_transformer
@@ -594,6 +595,8 @@ def test_tune_measures_caches_and_reads_back(tmp_path, monkeypatch):
         assert all("ss-pv-off" in v for v in att.values())  # the P.V's value fetch, on and off, at every width
         assert plan.attention_pv_prefetch == (pv_prefetch_from_trial(att) if want != "avx2" else cpu.PV_PREFETCH_KEYS)
         assert cpu.attention_pv_prefetch() == plan.attention_pv_prefetch
+    if plan.attention == "ss":  # the far key fetch, timed at T = 1 on and off
+        assert plan.attention_decode_kprefetch == decode_kprefetch_from_trial(att) == cpu.attention_decode_kprefetch()
     else:
         assert plan.attention_tiles == "" and all("ss-avx2" not in v for v in att.values())
     pre = plan.timings["prefill"]  # our prefill attention against PyTorch's flash, where ours runs
@@ -608,6 +611,7 @@ def test_tune_measures_caches_and_reads_back(tmp_path, monkeypatch):
     assert again.attention_tiles == plan.attention_tiles and again.linear_tiles == plan.linear_tiles
     assert again.attention_kt_vprefetch == plan.attention_kt_vprefetch
     assert again.attention_pv_prefetch == plan.attention_pv_prefetch
+    assert again.attention_decode_kprefetch == plan.attention_decode_kprefetch
     files[0].write_text("{not json")  # a corrupt entry is measured again, not an error
     assert tune_plan(model, reps=1).source == "measured"
 
@@ -811,14 +815,77 @@ def test_the_attention_trial_times_the_pv_value_fetch_on_and_off(monkeypatch):
 
     seen, real = set(), cpu.attention
 
-    def spy(*args, **kwargs):  # the fetch distance each timed call ran with
-        seen.add(cpu.attention_pv_prefetch())
-        return real(*args, **kwargs)
+    def spy(q, *args, **kwargs):  # the fetch distances each timed call ran with, by width
+        seen.add((q.shape[2], cpu.attention_pv_prefetch(), cpu.attention_decode_kprefetch()))
+        return real(q, *args, **kwargs)
 
     monkeypatch.setattr(cpu, "attention", spy)
     att = _attention_trial(random_transformer("tiny"), reps=1, context=64)
     assert all("ss-pv-off" in v and "ss" in v for v in att.values())
-    assert seen == {0, cpu.PV_PREFETCH_KEYS} and cpu.attention_pv_prefetch() == cpu.PV_PREFETCH_KEYS
+    assert {(T, pv) for T, pv, _ in seen} == {(T, pv) for T in (1, 3, 5, 9, 17) for pv in (0, cpu.PV_PREFETCH_KEYS)}
+    assert "ss-dk-off" in att["T1"] and not any("ss-dk-off" in v for s, v in att.items() if s != "T1")
+    assert {dk for T, _, dk in seen if T == 1} == {0, cpu.DECODE_KPREFETCH_KEYS}
+    assert cpu.attention_pv_prefetch() == cpu.PV_PREFETCH_KEYS
+    assert cpu.attention_decode_kprefetch() == cpu.DECODE_KPREFETCH_KEYS
+
+
+def test_the_far_key_fetch_of_a_one_token_forward_is_a_speed_choice_only():
+    """Decode (dense, T = 1) and the sparse draft with keys fetched 0, 1, 32 or 256 positions ahead
+    into L2 give the same bits, on either tiles; the setter clamps to [0, CHUNK]."""
+    g = _gen(71)
+    B, Hkv, G, D, S, N, E = 3, 2, 3, 64, 900, 300, 3
+    kc, vc = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    starts = torch.tensor([S - 1, 400, 37])
+    idx = torch.sort(torch.randint(0, S, (B, Hkv, N), generator=g, dtype=torch.int32), dim=-1).values
+    nv = torch.tensor([N, 17, 260])
+    kt, vt = torch.randn(B, Hkv, E, D, generator=g), torch.randn(B, Hkv, E, D, generator=g)
+    q = torch.randn(B, Hkv * G, 1, D, generator=g)
+    tiles = [True, False] if (cpu.set_attention_avx512(True) or "").startswith("avx512") else [False]
+    try:
+        for on in tiles:
+            cpu.set_attention_avx512(on)
+            got = []
+            for ahead in (0, 1, 32, 256):
+                assert cpu.set_attention_decode_kprefetch(ahead) == ahead == cpu.attention_decode_kprefetch()
+                got.append((cpu.attention(q, kc, vc, starts, S - 1, 0.125),
+                            cpu.sparse_attention(q, kc, vc, idx, nv, kt, vt, 0.3)))
+            ref, _ = verify_attention_ref(q, kc, vc, starts, 0, 0.125)
+            torch.testing.assert_close(got[0][0], ref.transpose(1, 2).reshape(B, 1, -1), rtol=1e-5, atol=1e-5)
+            for dense, sparse in got[1:]:
+                assert torch.equal(dense, got[0][0]) and torch.equal(sparse, got[0][1])
+        assert cpu.set_attention_decode_kprefetch(-3) == 0 and cpu.set_attention_decode_kprefetch(10**6) == cpu.CHUNK
+    finally:
+        cpu.set_attention_avx512(True)
+        cpu.set_attention_decode_kprefetch(cpu.DECODE_KPREFETCH_KEYS)
+
+
+def test_the_far_key_fetch_follows_the_trial_the_plan_and_the_environment(monkeypatch):
+    assert decode_kprefetch_from_trial({"T1": {"ss": 1.0, "ss-dk-off": 1.01}}) == cpu.DECODE_KPREFETCH_KEYS
+    assert decode_kprefetch_from_trial({"T1": {"ss": 1.0, "ss-dk-off": 0.99}, "T9": {"ss": 1.0}}) == 0
+    assert decode_kprefetch_from_trial({"T9": {"ss": 1.0, "ss-dk-off": 0.5}}) == cpu.DECODE_KPREFETCH_KEYS
+    for bad in (-1, cpu.CHUNK + 1, True):
+        with pytest.raises(ValueError, match="attention_decode_kprefetch"):
+            KernelPlan(attention="ss", attention_decode_kprefetch=bad)
+    off = KernelPlan(attention="ss", attention_tiles="avx2", attention_decode_kprefetch=0)
+    assert "decode fetches no keys far ahead" in off.summary() and off.describe()["attention_decode_kprefetch"] == 0
+    on = dataclasses.replace(off, attention_decode_kprefetch=cpu.DECODE_KPREFETCH_KEYS)
+    assert "far ahead" not in on.summary() and on.describe()["attention_decode_kprefetch"] == cpu.DECODE_KPREFETCH_KEYS
+    assert KernelPlan(attention="torch", attention_decode_kprefetch=0).describe()["attention_decode_kprefetch"] is None
+    plan = KernelPlan(((None, "ss"),), "ss", True, 2, "user", attention_tiles=cpu.attention_isa() or "avx2",
+                      attention_kt_rows=cpu.attention_kt_rows(), attention_decode_kprefetch=0)
+    try:
+        assert apply_tiles(plan).attention_decode_kprefetch == 0 == cpu.attention_decode_kprefetch()
+        back = dataclasses.replace(plan, attention_decode_kprefetch=cpu.DECODE_KPREFETCH_KEYS)
+        assert apply_tiles(back).attention_decode_kprefetch == cpu.DECODE_KPREFETCH_KEYS
+        assert cpu.attention_decode_kprefetch() == cpu.DECODE_KPREFETCH_KEYS
+        monkeypatch.setenv("SPARSESPEC_ATTENTION_DECODE_KPREFETCH", "64")  # the user's setting wins
+        assert apply_tiles(plan).attention_decode_kprefetch == 64 == cpu.attention_decode_kprefetch()
+        for bad in ("-1", "far", str(cpu.CHUNK + 1)):
+            monkeypatch.setenv("SPARSESPEC_ATTENTION_DECODE_KPREFETCH", bad)
+            with pytest.raises(ValueError, match="SPARSESPEC_ATTENTION_DECODE_KPREFETCH"):
+                apply_tiles(plan)
+    finally:
+        cpu.set_attention_decode_kprefetch(cpu.DECODE_KPREFETCH_KEYS)
 
 
 def test_the_pv_value_fetch_follows_the_trial_the_plan_and_the_environment(monkeypatch):

@@ -51,13 +51,16 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu") / "sparsespec_cpu.c"
-ABI_VERSION = 14
+ABI_VERSION = 15
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
 #: keys per attention chunk in the C kernels (SS_CHUNK)
 CHUNK = 256
 #: the dense P.V's value fetch distance the library starts with and the plan's trial tries against 0
 #: (16 beat 8, 32 and 64 on the AMD EPYC of benchmarks/RESULTS.md, twenty-fifth session)
 PV_PREFETCH_KEYS = 16
+#: how far ahead a one-token forward's score loop fetches keys into L2, the library's start and what
+#: the plan's trial tries against 0 (32 and 64 both 8-15 % faster than none at T = 1 on that CPU)
+DECODE_KPREFETCH_KEYS = 32
 _ENV = "SPARSESPEC_CPU_KERNELS"
 #: ``0`` keeps the attention and the packed linear on their AVX2 tiles where the library was built
 #: with AVX-512
@@ -178,6 +181,7 @@ _SIGNATURES = {
     "ss_set_attention_kt": ([_INT], _INT),
     "ss_set_attention_kt_vprefetch": ([_INT], _INT),
     "ss_set_attention_pv_prefetch": ([_INT], _INT),
+    "ss_set_attention_decode_kprefetch": ([_INT], _INT),
     "ss_sparse_attention": ([_I64] * 5 + [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR,
                                           _PTR, _I64, _I64, _I64, _F32, _PTR, _I64, _I64, _PTR, _I64, _INT], None),
 }
@@ -209,6 +213,7 @@ def library() -> ctypes.CDLL | None:
                 _state["attention_kt"] = int(lib.ss_set_attention_kt(0))  # the plan's trial switches it on
                 _state["kt_vprefetch"] = bool(lib.ss_set_attention_kt_vprefetch(1))
                 _state["pv_prefetch"] = int(lib.ss_set_attention_pv_prefetch(PV_PREFETCH_KEYS))
+                _state["decode_kprefetch"] = int(lib.ss_set_attention_decode_kprefetch(DECODE_KPREFETCH_KEYS))
                 _state["path"] = str(path)
             except (RuntimeError, OSError, AttributeError) as e:
                 lib, reason = None, str(e)
@@ -306,6 +311,25 @@ def attention_pv_prefetch() -> int:
     """The dense P.V's value fetch distance in keys (``set_attention_pv_prefetch``; 0: off)."""
     library()
     return int(_state.get("pv_prefetch", PV_PREFETCH_KEYS))
+
+
+def set_attention_decode_kprefetch(keys_ahead: int) -> int | None:
+    """How many keys ahead a one-token forward's attention (decode, the sparse draft: T = 1)
+    fetches keys into L2 while it computes scores (0: none beyond the near fetch into L1; capped at
+    ``CHUNK``): a speed choice (the same results) that depends on the CPU, which the kernel plan's
+    trial measures at load (``DECODE_KPREFETCH_KEYS`` or 0). Returns the setting (None: no kernels)."""
+    lib = library()
+    if lib is None:
+        return None
+    with _lock:
+        _state["decode_kprefetch"] = int(lib.ss_set_attention_decode_kprefetch(max(0, int(keys_ahead))))
+    return _state["decode_kprefetch"]
+
+
+def attention_decode_kprefetch() -> int:
+    """A one-token forward's far key fetch distance in keys (``set_attention_decode_kprefetch``; 0: off)."""
+    library()
+    return int(_state.get("decode_kprefetch", DECODE_KPREFETCH_KEYS))
 
 
 def attention_kt_vprefetch() -> bool:

@@ -15,7 +15,9 @@ A ``KernelPlan`` names, for one model on one device:
   keys transposed once, then GEMM-like tiles of up to 12 query rows without horizontal sums, and
   ``attention_kt_vprefetch``: whether that path fetches a block's value rows early), and with the
   AVX-512 tiles ``attention_pv_prefetch``: how many keys ahead the P.V phase fetches value rows
-  (0: none); all give bitwise the same results, so this is a speed choice only (``""``: not applicable);
+  (0: none), and with any of them ``attention_decode_kprefetch``: how many keys ahead a one-token
+  forward's scores fetch keys into L2 (0: none); all give bitwise the same results, so this is a
+  speed choice only (``""``: not applicable);
 * ``fused``: RMSNorm, RoPE and SiLU-and-multiply through our kernels (one call each instead of
   four to eight PyTorch ops);
 * ``prefill_attention``: a prefill chunk's causal attention (hundreds of queries per row): ``"ss"``
@@ -41,6 +43,7 @@ forces one linear backend for every M; ``SPARSESPEC_PREPACK=0`` leaves oneDNN ou
 ``SPARSESPEC_AVX512=0`` keeps our kernels on their AVX2 tiles; ``SPARSESPEC_ATTENTION_KT=N`` runs
 the keys-in-lanes score tiles from N query rows per KV head (0: never) whatever the trial measured;
 ``SPARSESPEC_ATTENTION_PV_PREFETCH=N`` sets the P.V phase's value fetch distance (keys; 0: none);
+``SPARSESPEC_ATTENTION_DECODE_KPREFETCH=N`` a one-token forward's far key fetch (keys; 0: none);
 ``SPARSESPEC_PREFILL_ATTENTION=ss|torch`` picks the prefill chunks' attention.
 The chosen plan goes into every run's provenance and every bench row (``KernelPlan.describe``).
 """
@@ -82,7 +85,8 @@ RANGE_UPPER = tuple(u for u, _ in LINEAR_RANGES)
 FORWARD_TRIAL_K, FORWARD_TRIAL_CONTEXT, FORWARD_TRIAL_UPTO = 8, 256, 128
 _KERNELS_ENV, _LINEAR_ENV, _KT_ENV = "SPARSESPEC_KERNELS", "SPARSESPEC_LINEAR", "SPARSESPEC_ATTENTION_KT"
 _PREFILL_ENV, _PV_ENV = "SPARSESPEC_PREFILL_ATTENTION", "SPARSESPEC_ATTENTION_PV_PREFETCH"
-TUNE_VERSION = 13
+_DK_ENV = "SPARSESPEC_ATTENTION_DECODE_KPREFETCH"
+TUNE_VERSION = 14
 #: the prefill trial's chunk: ``PREFILL_TRIAL_T`` queries after ``PREFILL_TRIAL_START`` keys (a chunk
 #: of the engine's 512 inside a 2K prompt), over ``PREFILL_TRIAL_LAYERS`` layers' caches
 PREFILL_TRIAL_T, PREFILL_TRIAL_START, PREFILL_TRIAL_LAYERS = 512, 1536, 4
@@ -124,6 +128,9 @@ class KernelPlan:
     #: with the AVX-512 attention tiles: how many keys ahead the decode / verify P.V fetches value
     #: rows (``cpu.PV_PREFETCH_KEYS`` or 0, measured by the trial; without those tiles it means nothing)
     attention_pv_prefetch: int = cpu.PV_PREFETCH_KEYS
+    #: with our attention: how many keys ahead a one-token forward (decode, the sparse draft) fetches
+    #: keys into L2 (``cpu.DECODE_KPREFETCH_KEYS`` or 0, measured by the trial)
+    attention_decode_kprefetch: int = cpu.DECODE_KPREFETCH_KEYS
 
     def __post_init__(self) -> None:
         uppers = [u for u, _ in self.linear]
@@ -141,9 +148,10 @@ class KernelPlan:
             raise ValueError(f"linear_tiles must be avx512, avx2 or empty, got {self.linear_tiles!r}")
         if self.prefill_attention not in ("ss", "torch"):
             raise ValueError(f"prefill_attention must be ss or torch, got {self.prefill_attention!r}")
-        if not isinstance(self.attention_pv_prefetch, int) or not 0 <= self.attention_pv_prefetch <= cpu.CHUNK:
-            raise ValueError(f"attention_pv_prefetch must be an integer in [0, {cpu.CHUNK}], got "
-                             f"{self.attention_pv_prefetch!r}")
+        for name in ("attention_pv_prefetch", "attention_decode_kprefetch"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= cpu.CHUNK:
+                raise ValueError(f"{name} must be an integer in [0, {cpu.CHUNK}], got {v!r}")
         if (self.attention_kt_rows > 0) != (self.attention_tiles == "avx512-kt") or self.attention_kt_rows < 0:
             raise ValueError(f"attention_kt_rows must be > 0 exactly with attention_tiles='avx512-kt', got "
                              f"{self.attention_kt_rows} with {self.attention_tiles!r}")
@@ -176,6 +184,7 @@ class KernelPlan:
                 "attention_kt_rows": self.attention_kt_rows or None,
                 "attention_kt_vprefetch": self.attention_kt_vprefetch if self.attention_kt_rows else None,
                 "attention_pv_prefetch": self.attention_pv_prefetch if self._pv_tiles else None,
+                "attention_decode_kprefetch": self.attention_decode_kprefetch if self.attention == "ss" else None,
                 "linear_tiles": self.linear_tiles or None, "prefill_attention": self.prefill_attention,
                 "fused": self.fused, "threads": self.threads,
                 "source": self.source, "tune_s": round(self.tune_s, 3), "batch_invariant": self.batch_invariant,
@@ -195,6 +204,8 @@ class KernelPlan:
         kt = f" from {self.attention_kt_rows} rows" if self.attention_kt_rows else ""
         kt += "" if self.attention_kt_vprefetch or not self.attention_kt_rows else ", values fetched late"
         kt += ", P.V fetches nothing ahead" if self._pv_tiles and not self.attention_pv_prefetch else ""
+        kt += ", decode fetches no keys far ahead" if self.attention == "ss" and not self.attention_decode_kprefetch \
+            else ""
         tiles = f" ({self.attention_tiles}{kt})" if self.attention_tiles else ""
         return (f"linear {lin}, attention {self.attention}{tiles}, prefill {self.prefill_attention}"
                 f"{', fused' if self.fused else ''}, "
@@ -298,6 +309,8 @@ def apply_tiles(plan: KernelPlan) -> KernelPlan:
 
     Raises:
         ValueError: ``SPARSESPEC_ATTENTION_KT`` is not a non-negative integer;
+            ``SPARSESPEC_ATTENTION_PV_PREFETCH`` or ``SPARSESPEC_ATTENTION_DECODE_KPREFETCH`` is not
+            an integer in ``[0, cpu.CHUNK]``;
             ``SPARSESPEC_PREFILL_ATTENTION`` is not ss or torch, or ss where it cannot run.
     """
     prefill = plan.prefill_attention
@@ -329,14 +342,11 @@ def apply_tiles(plan: KernelPlan) -> KernelPlan:
             cpu.set_attention_kt(rows)
             cpu.set_attention_kt_vprefetch(plan.attention_kt_vprefetch if plan.attention_tiles else
                                            cpu.attention_kt_vprefetch())
-            pv = plan.attention_pv_prefetch if plan.attention_tiles else cpu.attention_pv_prefetch()
-            env = os.environ.get(_PV_ENV, "").strip()
-            if env:
-                if not env.isdigit() or int(env) > cpu.CHUNK:
-                    raise ValueError(f"{_PV_ENV}={env!r}: expected how many keys ahead the P.V phase fetches "
-                                     f"value rows, 0 to {cpu.CHUNK} (0: none)")
-                pv = int(env)
+            pv = _env_keys(_PV_ENV, "the P.V phase fetches value rows",
+                           plan.attention_pv_prefetch if plan.attention_tiles else cpu.attention_pv_prefetch())
             cpu.set_attention_pv_prefetch(pv)
+        dk = _env_keys(_DK_ENV, "a one-token forward fetches keys into L2", plan.attention_decode_kprefetch)
+        cpu.set_attention_decode_kprefetch(dk)
         att = (cpu.set_attention_avx512(want != "avx2") or "") if want else ""
     if plan.uses_panels:
         want = plan.linear_tiles or cpu.linear_isa() or ""
@@ -344,11 +354,28 @@ def apply_tiles(plan: KernelPlan) -> KernelPlan:
     kt_rows = cpu.attention_kt_rows() if att == "avx512-kt" else 0
     vpf = cpu.attention_kt_vprefetch() if kt_rows else plan.attention_kt_vprefetch  # without kt tiles: moot
     pv = cpu.attention_pv_prefetch() if att.startswith("avx512") else plan.attention_pv_prefetch  # likewise
-    if (att, lin, kt_rows, vpf, pv) == (plan.attention_tiles, plan.linear_tiles, plan.attention_kt_rows,
-                                        plan.attention_kt_vprefetch, plan.attention_pv_prefetch):
+    dk = cpu.attention_decode_kprefetch() if plan.attention == "ss" else plan.attention_decode_kprefetch
+    if (att, lin, kt_rows, vpf, pv, dk) == (plan.attention_tiles, plan.linear_tiles, plan.attention_kt_rows,
+                                            plan.attention_kt_vprefetch, plan.attention_pv_prefetch,
+                                            plan.attention_decode_kprefetch):
         return plan
     return dataclasses.replace(plan, attention_tiles=att, linear_tiles=lin, attention_kt_rows=kt_rows,
-                               attention_kt_vprefetch=vpf, attention_pv_prefetch=pv)
+                               attention_kt_vprefetch=vpf, attention_pv_prefetch=pv, attention_decode_kprefetch=dk)
+
+
+def _env_keys(name: str, what: str, default: int) -> int:
+    """A fetch distance in keys from the environment variable ``name`` (digits, at most ``cpu.CHUNK``),
+    else ``default``.
+
+    Raises:
+        ValueError: the variable is set to anything else.
+    """
+    env = os.environ.get(name, "").strip()
+    if not env:
+        return default
+    if not env.isdigit() or int(env) > cpu.CHUNK:
+        raise ValueError(f"{name}={env!r}: expected how many keys ahead {what}, 0 to {cpu.CHUNK} (0: none)")
+    return int(env)
 
 
 # --------------------------------------------------------------------------- the trial
@@ -437,7 +464,8 @@ def _attention_trial(model, reps: int, context: int = 2048, k: int = 8) -> dict[
     AVX-512, our AVX2 tiles (``ss-avx2``) at those two widths, and the keys-in-lanes score tiles
     (``ss-kt``; ``ss-kt-late``: fetching the value rows late) against the AVX-512 ones (``ss``) at
     every width of ``KT_TRIAL_T``, and those with their P.V fetching no value rows ahead
-    (``ss-pv-off``; ``ss`` fetches ``cpu.PV_PREFETCH_KEYS`` ahead)."""
+    (``ss-pv-off``; ``ss`` fetches ``cpu.PV_PREFETCH_KEYS`` ahead); at T = 1, ours without the far
+    key fetch into L2 (``ss-dk-off``; ``ss`` fetches ``cpu.DECODE_KPREFETCH_KEYS`` ahead)."""
     from sparsespec.kernels.reference import grouped_attention
 
     cfg = model.cfg
@@ -451,6 +479,7 @@ def _attention_trial(model, reps: int, context: int = 2048, k: int = 8) -> dict[
     res = {}
     cpu.set_attention_kt(0)
     cpu.set_attention_pv_prefetch(cpu.PV_PREFETCH_KEYS)
+    cpu.set_attention_decode_kprefetch(cpu.DECODE_KPREFETCH_KEYS)
     with torch.inference_mode():
         for T in widths:
             q = torch.randn(1, H, T, D, generator=g, dtype=model.dtype)
@@ -469,6 +498,14 @@ def _attention_trial(model, reps: int, context: int = 2048, k: int = 8) -> dict[
                     out.transpose(1, 2).reshape(1, T, -1)
 
             fns: dict[str, Callable[[], Any]] = {"ss": ours}
+            if T == 1:
+                def ours_dk_off(ours=ours):  # a one-token forward without its far key fetch
+                    cpu.set_attention_decode_kprefetch(0)
+                    try:
+                        ours()
+                    finally:
+                        cpu.set_attention_decode_kprefetch(cpu.DECODE_KPREFETCH_KEYS)
+                fns["ss-dk-off"] = ours_dk_off
             if T in (1, k + 1):
                 fns["torch"] = ref
                 if both_tiles:  # our AVX2 tiles against the AVX-512 ones (the same results)
@@ -566,6 +603,14 @@ def pv_prefetch_from_trial(att: Mapping[str, Mapping[str, float]]) -> int:
     return cpu.PV_PREFETCH_KEYS
 
 
+def decode_kprefetch_from_trial(att: Mapping[str, Mapping[str, float]]) -> int:
+    """0 where a one-token forward without its far key fetch (``ss-dk-off``, timed at T = 1)
+    measured faster than with it (``ss``); else ``cpu.DECODE_KPREFETCH_KEYS`` (also where it was not
+    timed)."""
+    v = att.get("T1", {})
+    return 0 if "ss-dk-off" in v and "ss" in v and v["ss-dk-off"] < v["ss"] else cpu.DECODE_KPREFETCH_KEYS
+
+
 def range_worst(lin: Mapping[int, Mapping[str, float]], widths: tuple[int, ...]) -> dict[str, float]:
     """Each backend's worst time over ``widths`` as a multiple of the fastest backend at that width
     (``lin``: seconds per width and backend, as ``_linear_trial`` returns them)."""
@@ -646,7 +691,9 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
                               data.get("attention_tiles", ""), data.get("linear_tiles", ""),
                               int(data.get("attention_kt_rows", 0)), bool(data.get("attention_kt_vprefetch", True)),
                               data.get("prefill_attention", "torch"),
-                              attention_pv_prefetch=int(data.get("attention_pv_prefetch", cpu.PV_PREFETCH_KEYS)))
+                              attention_pv_prefetch=int(data.get("attention_pv_prefetch", cpu.PV_PREFETCH_KEYS)),
+                              attention_decode_kprefetch=int(data.get("attention_decode_kprefetch",
+                                                                      cpu.DECODE_KPREFETCH_KEYS)))
         except (OSError, ValueError, KeyError, TypeError):
             pass  # a corrupt cache entry: measure again
     if progress:
@@ -677,6 +724,8 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
     att_total = {be: sum(att[s][be] for s in base) for be in ("ss", "torch")}
     attention = min(att_total, key=att_total.get)
     tiles, kt_rows, kt_vprefetch, pv = "", 0, True, cpu.PV_PREFETCH_KEYS
+    dk = decode_kprefetch_from_trial(att)
+    cpu.set_attention_decode_kprefetch(dk)
     if all("ss-avx2" in att[s] for s in base):  # the AVX-512 tiles unless the AVX2 ones measured faster
         tiles = "avx2" if sum(att[s]["ss-avx2"] for s in base) < att_total["ss"] else "avx512"
         if tiles == "avx2":
@@ -715,7 +764,7 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
                       linear_tiles=linear_tiles if any(be == "ss" for _, be in ranges) else "",
                       attention_kt_rows=kt_rows if attention == "ss" else 0,
                       attention_kt_vprefetch=kt_vprefetch if attention == "ss" and kt_rows else True,
-                      prefill_attention=prefill, attention_pv_prefetch=pv)
+                      prefill_attention=prefill, attention_pv_prefetch=pv, attention_decode_kprefetch=dk)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -724,6 +773,7 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
                                    "attention_kt_rows": plan.attention_kt_rows,
                                    "attention_kt_vprefetch": plan.attention_kt_vprefetch,
                                    "attention_pv_prefetch": plan.attention_pv_prefetch,
+                                   "attention_decode_kprefetch": plan.attention_decode_kprefetch,
                                    "prefill_attention": plan.prefill_attention,
                                    "fused": plan.fused, "tune_s": tune_s, "timings": timings,
                                    "cpu": cpu.cpu_model(), "isa": cpu.isa_summary(), "threads": threads,

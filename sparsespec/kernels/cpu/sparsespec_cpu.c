@@ -51,7 +51,7 @@
 #error "sparsespec_cpu.c needs AVX2 and FMA (the loader falls back to torch without them)"
 #endif
 
-SS_API int ss_abi_version(void) { return 14; }
+SS_API int ss_abi_version(void) { return 15; }
 
 
 /* ------------------------------------------------------------------ vector helpers (AVX2) */
@@ -1025,6 +1025,20 @@ SS_API int ss_set_attention_pv_prefetch(int keys_ahead) {
     return (int)ss_pv_pf;
 }
 
+/* > 0: a one-token forward's score loop (decode, the sparse draft; T = 1) also fetches the keys this
+ * many positions ahead into L2; 0: only the near ones into L1 (SS_KPF_DIST). Measured at load by the
+ * kernel plan (the same results either way): on the AMD EPYC of benchmarks/RESULTS.md (twenty-fifth
+ * session) 32 keys ahead made the decode attention 8-15 % faster at batch 1-8 x 2-8K; at T = 3 the
+ * same fetch was 3-7 % slower, so it runs at T = 1 only. */
+static int64_t ss_dk_pf = 32;
+
+/* Set how many keys ahead a one-token forward's score loop fetches keys into L2 (0: none; at most
+ * SS_CHUNK); returns the setting. */
+SS_API int ss_set_attention_decode_kprefetch(int keys_ahead) {
+    ss_dk_pf = keys_ahead < 0 ? 0 : keys_ahead > SS_CHUNK ? SS_CHUNK : keys_ahead;
+    return (int)ss_dk_pf;
+}
+
 /* Switch the keys-in-lanes path's early fetch of value rows on (1) or off (0); returns the setting
  * (the results are the same either way). */
 SS_API int ss_set_attention_kt_vprefetch(int on) {
@@ -1123,6 +1137,7 @@ SS_INLINE void att_chunk_d(const attn_t *a, int64_t b, int64_t kv, int64_t c, co
     float *it = att_item(a, b, kv, c);
     float *mx = it, *sums = it + R, *part = it + 2 * R;
     const int64_t ld = a->n_max;
+    const int64_t dk = T == 1 ? ss_dk_pf : 0;  /* a one-token forward's keys fetched far ahead into L2 */
     float *qs = part;  /* q * scale, in the partials' room until P.V overwrites it (after the scores) */
     for (int64_t i = 0; i < R * D; ++i) qs[i] = q[i] * a->scale;
 #if SS_HAVE512
@@ -1182,6 +1197,11 @@ SS_INLINE void att_chunk_d(const attn_t *a, int64_t b, int64_t kv, int64_t c, co
             const char *vp = (const char *)att_val(a, b, kv, j + u, nv, idx);
             for (int64_t o = 0; o < D * 4; o += SS_VPF_STEP) _mm_prefetch(vp + o, _MM_HINT_T1);
         }
+        for (int u = 0; u < 4 * (dk > 0); ++u)
+            if (j + dk + u < n) {
+                const char *kq = (const char *)att_key(a, b, kv, j + dk + u, nv, idx);
+                for (int64_t o = 0; o < D * 4; o += 64) _mm_prefetch(kq + o, _MM_HINT_T1);
+            }
         for (int u = 0; u < 4 * (SS_KPF_DIST > 0); ++u)  /* keys ahead into L1 (measured: 5-10 % at T = 1-9) */
             if (j + SS_KPF_DIST + u < n) {
                 const char *kq = (const char *)att_key(a, b, kv, j + SS_KPF_DIST + u, nv, idx);
