@@ -18,6 +18,12 @@ times the kernel from cache, 1.3-3x faster than inside a step. Compare with
 ``python -m cluster.speed --steps-only`` (the attention phase of whole steps).
 
     .venv/bin/python benchmarks/attention_cpu.py --batch 4 --context 6144 --widths 1,3,9 --tiles avx512-kt,avx512,avx2
+    .venv/bin/python benchmarks/attention_cpu.py --batch 8 --context 8192 --widths 1,3 --fetch 16/32,0/32,16/0,0/0
+
+``--fetch PV/DK,...`` times the prefetch distances side by side (the same bits): PV, the keys ahead
+whose value rows the P.V phase fetches (``cpu.set_attention_pv_prefetch``), DK, the keys ahead a
+one-token forward's scores fetch into L2 (``cpu.set_attention_decode_kprefetch``); the kernel plan
+chooses both at load.
 """
 from __future__ import annotations
 
@@ -43,6 +49,9 @@ def main(argv=None) -> int:
                     help="comma-separated attention tiles to time side by side (avx512-kt, avx512-kt-late: the "
                          "value rows fetched late, avx512, avx2; "
                          "bitwise the same results); default: what the library runs now")
+    ap.add_argument("--fetch", default=None,
+                    help="comma-separated PV/DK prefetch distances in keys to time side by side (e.g. 16/32,0/0); "
+                         "default: what the library runs now")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -67,7 +76,18 @@ def main(argv=None) -> int:
     if bad:
         ap.error(f"--tiles: unknown {bad} (avx512-kt, avx512-kt-late, avx512, avx2)")
 
-    def use(tile):
+    try:
+        fetches = [tuple(int(x) for x in f.split("/")) for f in a.fetch.split(",")] if a.fetch else \
+            [(kc.attention_pv_prefetch(), kc.attention_decode_kprefetch())]
+    except ValueError:
+        ap.error(f"--fetch: expected PV/DK pairs of integers, e.g. 16/32,0/0, got {a.fetch!r}")
+    if any(len(f) != 2 or min(f) < 0 or max(f) > kc.CHUNK for f in fetches):
+        ap.error(f"--fetch: each PV/DK pair in [0, {kc.CHUNK}], got {a.fetch!r}")
+    restore = (kc.attention_pv_prefetch(), kc.attention_decode_kprefetch())
+
+    def use(tile, fetch):
+        kc.set_attention_pv_prefetch(fetch[0])
+        kc.set_attention_decode_kprefetch(fetch[1])
         kc.set_attention_avx512(tile != "avx2")
         kc.set_attention_kt_vprefetch(tile != "avx512-kt-late")
         if kc.set_attention_kt(1 if tile.startswith("avx512-kt") else 0) != tile.removesuffix("-late"):
@@ -77,34 +97,38 @@ def main(argv=None) -> int:
     for T in widths:
         q = torch.randn(B, H, T, D)
         for tile in tiles:
-            def run(q=q, rows=None, tile=tile):
-                use(tile)
-                for i in range(L):
-                    kc.attention(q, k[i], v[i], starts, S, D ** -0.5, rows_out=rows)
+            for fetch in fetches:
+                def run(q=q, rows=None, tile=tile, fetch=fetch):
+                    use(tile, fetch)
+                    for i in range(L):
+                        kc.attention(q, k[i], v[i], starts, S, D ** -0.5, rows_out=rows)
 
-            calls[(T, False, tile)] = run
-            if T > 1:
-                rows = torch.zeros(B, Hkv, T, S + T)
-                calls[(T, True, tile)] = (lambda run=run, rows=rows: run(rows=rows))
+                calls[(T, False, tile, fetch)] = run
+                if T > 1:
+                    rows = torch.zeros(B, Hkv, T, S + T)
+                    calls[(T, True, tile, fetch)] = (lambda run=run, rows=rows: run(rows=rows))
     for f in calls.values():
         f()
     times: dict = {key: [] for key in calls}
-    for _ in range(a.reps):
-        for key, f in calls.items():
+    for rep in range(a.reps):
+        for key, f in (calls.items() if rep % 2 == 0 else reversed(calls.items())):  # neither order favoured
             t0 = time.perf_counter()
             f()
             times[key].append((time.perf_counter() - t0) / L)
+    kc.set_attention_pv_prefetch(restore[0])
+    kc.set_attention_decode_kprefetch(restore[1])
     print(f"{kc.cpu_model()} [{kc.isa_summary()}], {torch.get_num_threads()} threads; read {bw / 1e9:.1f} GB/s, "
           f"GEMM {gemm / 1e9:.0f} GFLOP/s ({machine['gemm_backend']}); B={B} S={S} H={H} H_kv={Hkv} D={D}, {L} layer(s) per call, "
           f"times per layer\n")
-    print("| T | rows | tiles | ms | x roofline | GB/s (K+V) | GFLOP/s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| T | rows | tiles | fetch PV/DK | ms | x roofline | GB/s (K+V) | GFLOP/s |")
+    print("|---|---|---|---|---|---|---|---|")
     kv_bytes = 2 * B * Hkv * S * D * 4
-    for (T, rows, tile), ts in times.items():
+    for (T, rows, tile, fetch), ts in times.items():
         t = statistics.median(ts)
         flops = 4 * B * H * T * S * D
         roof = max(kv_bytes / bw, flops / gemm)
-        print(f"| {T} | {'yes' if rows else 'no'} | {tile} | {t * 1e3:.3f} | {t / roof:.2f} | {kv_bytes / t / 1e9:.1f} | "
+        print(f"| {T} | {'yes' if rows else 'no'} | {tile} | {fetch[0]}/{fetch[1]} | {t * 1e3:.3f} | {t / roof:.2f} | "
+              f"{kv_bytes / t / 1e9:.1f} | "
               f"{flops / t / 1e9:.0f} |")
     return 0
 
