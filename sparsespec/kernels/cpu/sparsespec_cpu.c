@@ -1014,8 +1014,9 @@ static int ss_kt_vpf = 1;
 /* > 0: the dense attention's P.V (decode and verify; the AVX-512 tiles) fetches the value row this
  * many keys ahead into L1 as it goes (in a chunk's first row tile); 0: it leaves them to the hardware
  * prefetcher. Measured at load by the kernel plan (the same results either way): on the AMD EPYC
- * of benchmarks/RESULTS.md (twenty-fifth session) 16 keys ahead made a batch 4 x 6K and 8 x 8K
- * attention 2-8 % faster at T = 1 and 5-9 % at T = 3, and changed nothing at T = 9. */
+ * of benchmarks/RESULTS.md (twenty-fifth session, alternated in one process) 16 keys ahead made
+ * the attention at batch 1-8 x 2-8K 1-8 % faster at T = 1 and 3-9 % at T = 3, and changed little
+ * at T = 9. */
 static int64_t ss_pv_pf = 16;
 
 /* Set how many keys ahead the dense P.V fetches value rows (0: none; at most SS_CHUNK); returns the
