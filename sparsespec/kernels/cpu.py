@@ -294,17 +294,23 @@ def set_attention_kt_vprefetch(on: bool) -> bool | None:
     return _state["kt_vprefetch"]
 
 
+def _set_distance(key: str, setter: str, keys_ahead: int) -> int | None:
+    """Call the library's fetch-distance ``setter`` (it clamps to [0, CHUNK]) and record what it
+    set under ``key``; None when the kernels are unavailable."""
+    lib = library()
+    if lib is None:
+        return None
+    with _lock:
+        _state[key] = int(getattr(lib, setter)(max(0, int(keys_ahead))))
+    return _state[key]
+
+
 def set_attention_pv_prefetch(keys_ahead: int) -> int | None:
     """How many keys ahead the dense attention's P.V (decode and verify, the AVX-512 tiles) fetches
     value rows into L1 as it goes (0: none, leaving them to the hardware prefetcher; capped at
     ``CHUNK``): a speed choice (the same results) that depends on the CPU, which the kernel plan's
     trial measures at load (``PV_PREFETCH_KEYS`` or 0). Returns the setting (None: no kernels)."""
-    lib = library()
-    if lib is None:
-        return None
-    with _lock:
-        _state["pv_prefetch"] = int(lib.ss_set_attention_pv_prefetch(max(0, int(keys_ahead))))
-    return _state["pv_prefetch"]
+    return _set_distance("pv_prefetch", "ss_set_attention_pv_prefetch", keys_ahead)
 
 
 def attention_pv_prefetch() -> int:
@@ -318,12 +324,7 @@ def set_attention_decode_kprefetch(keys_ahead: int) -> int | None:
     fetches keys into L2 while it computes scores (0: none beyond the near fetch into L1; capped at
     ``CHUNK``): a speed choice (the same results) that depends on the CPU, which the kernel plan's
     trial measures at load (``DECODE_KPREFETCH_KEYS`` or 0). Returns the setting (None: no kernels)."""
-    lib = library()
-    if lib is None:
-        return None
-    with _lock:
-        _state["decode_kprefetch"] = int(lib.ss_set_attention_decode_kprefetch(max(0, int(keys_ahead))))
-    return _state["decode_kprefetch"]
+    return _set_distance("decode_kprefetch", "ss_set_attention_decode_kprefetch", keys_ahead)
 
 
 def attention_decode_kprefetch() -> int:

@@ -498,14 +498,9 @@ def _attention_trial(model, reps: int, context: int = 2048, k: int = 8) -> dict[
                     out.transpose(1, 2).reshape(1, T, -1)
 
             fns: dict[str, Callable[[], Any]] = {"ss": ours}
-            if T == 1:
-                def ours_dk_off(ours=ours):  # a one-token forward without its far key fetch
-                    cpu.set_attention_decode_kprefetch(0)
-                    try:
-                        ours()
-                    finally:
-                        cpu.set_attention_decode_kprefetch(cpu.DECODE_KPREFETCH_KEYS)
-                fns["ss-dk-off"] = ours_dk_off
+            if T == 1:  # a one-token forward without its far key fetch
+                fns["ss-dk-off"] = _with_setting(ours, cpu.set_attention_decode_kprefetch, 0,
+                                                 cpu.DECODE_KPREFETCH_KEYS)
             if T in (1, k + 1):
                 fns["torch"] = ref
                 if both_tiles:  # our AVX2 tiles against the AVX-512 ones (the same results)
@@ -528,16 +523,21 @@ def _attention_trial(model, reps: int, context: int = 2048, k: int = 8) -> dict[
                         cpu.set_attention_kt_vprefetch(True)
                 fns["ss-kt"] = ours_kt
                 fns["ss-kt-late"] = lambda ours_kt=ours_kt: ours_kt(early=False)
-
-                def ours_pv_off(ours=ours):  # the P.V phase without its value fetch ahead
-                    cpu.set_attention_pv_prefetch(0)
-                    try:
-                        ours()
-                    finally:
-                        cpu.set_attention_pv_prefetch(cpu.PV_PREFETCH_KEYS)
-                fns["ss-pv-off"] = ours_pv_off
+                # the P.V phase without its value fetch ahead
+                fns["ss-pv-off"] = _with_setting(ours, cpu.set_attention_pv_prefetch, 0, cpu.PV_PREFETCH_KEYS)
             res[f"T{T}"] = _best_of(fns, reps)
     return res
+
+
+def _with_setting(fn: Callable[[], Any], setter: Callable[[Any], Any], value: Any, restore: Any) -> Callable[[], None]:
+    """``fn`` run with a kernel switch at ``value``, put back to ``restore`` afterwards (a trial variant)."""
+    def run() -> None:
+        setter(value)
+        try:
+            fn()
+        finally:
+            setter(restore)
+    return run
 
 
 def _prefill_trial(model, reps: int) -> dict[str, float]:
