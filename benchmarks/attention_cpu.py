@@ -19,11 +19,13 @@ times the kernel from cache, 1.3-3x faster than inside a step. Compare with
 
     .venv/bin/python benchmarks/attention_cpu.py --batch 4 --context 6144 --widths 1,3,9 --tiles avx512-kt,avx512,avx2
     .venv/bin/python benchmarks/attention_cpu.py --batch 8 --context 8192 --widths 1,3 --fetch 16/32,0/32,16/0,0/0
+    .venv/bin/python benchmarks/attention_cpu.py --batch 4 --context 6144 --widths 1,3 --fetch 16/32/1,16/32/0
 
-``--fetch PV/DK,...`` times the prefetch distances side by side (the same bits): PV, the keys ahead
+``--fetch PV/DK[/NK],...`` times the prefetches side by side (the same bits): PV, the keys ahead
 whose value rows the P.V phase fetches (``cpu.set_attention_pv_prefetch``), DK, the keys ahead a
-one-token forward's scores fetch into L2 (``cpu.set_attention_decode_kprefetch``); the kernel plan
-chooses both at load.
+one-token forward's scores fetch into L2 (``cpu.set_attention_decode_kprefetch``), NK (1 or 0;
+default: the current setting), whether the P.V of a decode step and of the keys-in-lanes tiles
+fetches the next chunk's keys into L2 (``cpu.set_attention_next_kprefetch``); the kernel plan chooses all three at load.
 """
 from __future__ import annotations
 
@@ -50,7 +52,8 @@ def main(argv=None) -> int:
                          "value rows fetched late, avx512, avx2; "
                          "bitwise the same results); default: what the library runs now")
     ap.add_argument("--fetch", default=None,
-                    help="comma-separated PV/DK prefetch distances in keys to time side by side (e.g. 16/32,0/0); "
+                    help="comma-separated PV/DK[/NK] prefetches to time side by side (PV, DK: distances in "
+                         "keys; NK: 1 or 0; e.g. 16/32,0/0,16/32/0); "
                          "default: what the library runs now")
     a = ap.parse_args(argv)
     if a.threads:
@@ -76,18 +79,21 @@ def main(argv=None) -> int:
     if bad:
         ap.error(f"--tiles: unknown {bad} (avx512-kt, avx512-kt-late, avx512, avx2)")
 
+    nk_now = int(kc.attention_next_kprefetch())
     try:
         fetches = [tuple(int(x) for x in f.split("/")) for f in a.fetch.split(",")] if a.fetch else \
-            [(kc.attention_pv_prefetch(), kc.attention_decode_kprefetch())]
+            [(kc.attention_pv_prefetch(), kc.attention_decode_kprefetch(), nk_now)]
     except ValueError:
-        ap.error(f"--fetch: expected PV/DK pairs of integers, e.g. 16/32,0/0, got {a.fetch!r}")
-    if any(len(f) != 2 or min(f) < 0 or max(f) > kc.CHUNK for f in fetches):
-        ap.error(f"--fetch: each PV/DK pair in [0, {kc.CHUNK}], got {a.fetch!r}")
-    restore = (kc.attention_pv_prefetch(), kc.attention_decode_kprefetch())
+        ap.error(f"--fetch: expected PV/DK or PV/DK/NK integers, e.g. 16/32,0/0,16/32/0, got {a.fetch!r}")
+    fetches = [f + (nk_now,) if len(f) == 2 else f for f in fetches]
+    if any(len(f) != 3 or min(f) < 0 or max(f[:2]) > kc.CHUNK or f[2] > 1 for f in fetches):
+        ap.error(f"--fetch: each PV/DK in [0, {kc.CHUNK}] and NK 0 or 1, got {a.fetch!r}")
+    restore = (kc.attention_pv_prefetch(), kc.attention_decode_kprefetch(), nk_now)
 
     def use(tile, fetch):
         kc.set_attention_pv_prefetch(fetch[0])
         kc.set_attention_decode_kprefetch(fetch[1])
+        kc.set_attention_next_kprefetch(bool(fetch[2]))
         kc.set_attention_avx512(tile != "avx2")
         kc.set_attention_kt_vprefetch(tile != "avx512-kt-late")
         if kc.set_attention_kt(1 if tile.startswith("avx512-kt") else 0) != tile.removesuffix("-late"):
@@ -117,17 +123,18 @@ def main(argv=None) -> int:
             times[key].append((time.perf_counter() - t0) / L)
     kc.set_attention_pv_prefetch(restore[0])
     kc.set_attention_decode_kprefetch(restore[1])
+    kc.set_attention_next_kprefetch(bool(restore[2]))
     print(f"{kc.cpu_model()} [{kc.isa_summary()}], {torch.get_num_threads()} threads; read {bw / 1e9:.1f} GB/s, "
           f"GEMM {gemm / 1e9:.0f} GFLOP/s ({machine['gemm_backend']}); B={B} S={S} H={H} H_kv={Hkv} D={D}, {L} layer(s) per call, "
           f"times per layer\n")
-    print("| T | rows | tiles | fetch PV/DK | ms | x roofline | GB/s (K+V) | GFLOP/s |")
+    print("| T | rows | tiles | fetch PV/DK/NK | ms | x roofline | GB/s (K+V) | GFLOP/s |")
     print("|---|---|---|---|---|---|---|---|")
     kv_bytes = 2 * B * Hkv * S * D * 4
     for (T, rows, tile, fetch), ts in times.items():
         t = statistics.median(ts)
         flops = 4 * B * H * T * S * D
         roof = max(kv_bytes / bw, flops / gemm)
-        print(f"| {T} | {'yes' if rows else 'no'} | {tile} | {fetch[0]}/{fetch[1]} | {t * 1e3:.3f} | {t / roof:.2f} | "
+        print(f"| {T} | {'yes' if rows else 'no'} | {tile} | {'/'.join(map(str, fetch))} | {t * 1e3:.3f} | {t / roof:.2f} | "
               f"{kv_bytes / t / 1e9:.1f} | "
               f"{flops / t / 1e9:.0f} |")
     return 0

@@ -22,7 +22,8 @@ def test_prints_one_row_per_width_and_rows_variant(capsys):
     assert [r.split("|")[1:4] for r in rows] == [[" 1 ", " no ", f" {tile} "], [" 3 ", " no ", f" {tile} "],
                                                  [" 3 ", " yes ", f" {tile} "]]
     for r in rows:  # ms and x roofline positive; GB/s and GFLOP/s numbers (0.0 when rounded on a loaded machine)
-        assert r.split("|")[4].strip() == f"{kc.attention_pv_prefetch()}/{kc.attention_decode_kprefetch()}"
+        assert r.split("|")[4].strip() == (f"{kc.attention_pv_prefetch()}/{kc.attention_decode_kprefetch()}/"
+                                           f"{int(kc.attention_next_kprefetch())}")
         ms, roof, gbs, gflops = (float(c) for c in r.split("|")[5:9])
         assert ms > 0 and roof > 0 and gbs >= 0 and gflops >= 0
 
@@ -58,13 +59,16 @@ def test_each_call_runs_every_layer_and_times_are_per_layer(monkeypatch, capsys)
 def test_the_fetch_distances_run_side_by_side_restored_after_and_bad_ones_refused(monkeypatch, capsys):
     seen, real = [], kc.attention
     monkeypatch.setattr(kc, "attention", lambda q, *a, **kw: seen.append(
-        (kc.attention_pv_prefetch(), kc.attention_decode_kprefetch())) or real(q, *a, **kw))
-    before = (kc.attention_pv_prefetch(), kc.attention_decode_kprefetch())
+        (kc.attention_pv_prefetch(), kc.attention_decode_kprefetch(), kc.attention_next_kprefetch()))
+        or real(q, *a, **kw))
+    before = (kc.attention_pv_prefetch(), kc.attention_decode_kprefetch(), kc.attention_next_kprefetch())
+    nk = int(before[2])  # a PV/DK pair keeps the current next-key fetch
     assert bench.main(["--batch", "1", "--context", "64", "--widths", "1", "--reps", "1", "--layers", "1",
-                       "--fetch", "16/32,0/0,3/200"]) == 0
+                       "--fetch", f"16/32,0/0,3/200,16/32/{1 - nk}"]) == 0
     rows = [line.split("|")[4].strip() for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 |")]
-    assert rows == ["16/32", "0/0", "3/200"] and set(seen) == {(16, 32), (0, 0), (3, 200)}
-    assert (kc.attention_pv_prefetch(), kc.attention_decode_kprefetch()) == before
-    for bad in ("16", "a/b", "-1/0", f"0/{kc.CHUNK + 1}"):
+    assert rows == [f"16/32/{nk}", f"0/0/{nk}", f"3/200/{nk}", f"16/32/{1 - nk}"]
+    assert set(seen) == {(16, 32, bool(nk)), (0, 0, bool(nk)), (3, 200, bool(nk)), (16, 32, not nk)}
+    assert (kc.attention_pv_prefetch(), kc.attention_decode_kprefetch(), kc.attention_next_kprefetch()) == before
+    for bad in ("16", "a/b", "-1/0", f"0/{kc.CHUNK + 1}", "16/32/2", "16/32/1/0"):
         with pytest.raises(SystemExit):
             bench.main(["--fetch", bad])

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from sparsespec.kernels import cpu
 from sparsespec.kernels.plan import (LINEAR_RANGES, TIE_MARGIN, KernelPlan, apply_tiles, choose, kt_rows_from_trial,
-                                    decode_kprefetch_from_trial, kt_variant_from_trial, ours_plan,
-                                    pv_prefetch_from_trial, range_worst, tune_plan)
+                                    decode_kprefetch_from_trial, kt_variant_from_trial, next_kprefetch_from_trial,
+                                    ours_plan, pv_prefetch_from_trial, range_worst, tune_plan)
 from sparsespec.kernels.reference import sparse_attention_ref, verify_attention_ref
 from sparsespec.kv.cache import KVCache
 from sparsespec.shapes import random_transformer
@@ -595,6 +595,9 @@ def test_tune_measures_caches_and_reads_back(tmp_path, monkeypatch):
         assert all("ss-pv-off" in v for v in att.values())  # the P.V's value fetch, on and off, at every width
         assert plan.attention_pv_prefetch == (pv_prefetch_from_trial(att) if want != "avx2" else cpu.PV_PREFETCH_KEYS)
         assert cpu.attention_pv_prefetch() == plan.attention_pv_prefetch
+        assert "ss-nk-off" in att["T1"] and not any("ss-nk-off" in v for s, v in att.items() if s != "T1")
+        assert plan.attention_next_kprefetch == (next_kprefetch_from_trial(att) if want != "avx2" else True)
+        assert cpu.attention_next_kprefetch() == plan.attention_next_kprefetch
     if plan.attention == "ss":  # the far key fetch, timed at T = 1 on and off
         assert plan.attention_decode_kprefetch == decode_kprefetch_from_trial(att) == cpu.attention_decode_kprefetch()
     else:
@@ -612,6 +615,7 @@ def test_tune_measures_caches_and_reads_back(tmp_path, monkeypatch):
     assert again.attention_kt_vprefetch == plan.attention_kt_vprefetch
     assert again.attention_pv_prefetch == plan.attention_pv_prefetch
     assert again.attention_decode_kprefetch == plan.attention_decode_kprefetch
+    assert again.attention_next_kprefetch == plan.attention_next_kprefetch
     files[0].write_text("{not json")  # a corrupt entry is measured again, not an error
     assert tune_plan(model, reps=1).source == "measured"
 
@@ -629,7 +633,7 @@ def test_choose_switches_the_attention_tiles_and_the_environment_keeps_them_off(
         assert plan.describe()["linear_tiles"] == plan.linear_tiles
         plan = dataclasses.replace(plan, attention_tiles="avx512", linear_tiles="avx512",
                                    attention_kt_rows=0, attention_kt_vprefetch=True,
-                                   attention_pv_prefetch=cpu.PV_PREFETCH_KEYS)
+                                   attention_pv_prefetch=cpu.PV_PREFETCH_KEYS, attention_next_kprefetch=True)
         assert plan.summary().count("(avx512)") == 2
         cpu.set_attention_avx512(False)  # a plan that says avx512 switches them back on
         cpu.set_linear_avx512(False)
@@ -817,7 +821,10 @@ def test_the_attention_trial_times_the_pv_value_fetch_on_and_off(monkeypatch):
 
     def spy(q, *args, **kwargs):  # the fetch distances each timed call ran with, by width
         seen.add((q.shape[2], cpu.attention_pv_prefetch(), cpu.attention_decode_kprefetch()))
+        nk.add((q.shape[2], cpu.attention_next_kprefetch()))
         return real(q, *args, **kwargs)
+
+    nk = set()
 
     monkeypatch.setattr(cpu, "attention", spy)
     att = _attention_trial(random_transformer("tiny"), reps=1, context=64)
@@ -825,8 +832,11 @@ def test_the_attention_trial_times_the_pv_value_fetch_on_and_off(monkeypatch):
     assert {(T, pv) for T, pv, _ in seen} == {(T, pv) for T in (1, 3, 5, 9, 17) for pv in (0, cpu.PV_PREFETCH_KEYS)}
     assert "ss-dk-off" in att["T1"] and not any("ss-dk-off" in v for s, v in att.items() if s != "T1")
     assert {dk for T, _, dk in seen if T == 1} == {0, cpu.DECODE_KPREFETCH_KEYS}
+    assert "ss-nk-off" in att["T1"] and not any("ss-nk-off" in v for s, v in att.items() if s != "T1")
+    assert {on for T, on in nk if T == 1} == {False, True} and {on for T, on in nk if T > 1} == {True}
     assert cpu.attention_pv_prefetch() == cpu.PV_PREFETCH_KEYS
     assert cpu.attention_decode_kprefetch() == cpu.DECODE_KPREFETCH_KEYS
+    assert cpu.attention_next_kprefetch() is True
 
 
 def test_the_far_key_fetch_of_a_one_token_forward_is_a_speed_choice_only():
@@ -886,6 +896,71 @@ def test_the_far_key_fetch_follows_the_trial_the_plan_and_the_environment(monkey
                 apply_tiles(plan)
     finally:
         cpu.set_attention_decode_kprefetch(cpu.DECODE_KPREFETCH_KEYS)
+
+
+def test_the_decode_fetch_of_the_next_chunks_keys_is_a_speed_choice_only():
+    """Decode (dense, T = 1: the fetch runs; the chunk after the last of a row is the next row's
+    or head's first, of any length), a verify in the row-pair tiles (T = 3: it does not run) and in
+    the keys-in-lanes tiles (T = 3 with them from 1 row: it runs) give the same bits with the next
+    chunk's keys fetched during P.V or not, on either tiles, right against the reference."""
+    g = _gen(73)
+    B, Hkv, G, D, S = 3, 2, 3, 64, 1100  # several chunks per row; rows of 1100, 300 and 37 keys
+    kc, vc = torch.randn(B, Hkv, S + 3, D, generator=g), torch.randn(B, Hkv, S + 3, D, generator=g)
+    starts = torch.tensor([S, 300, 37])
+    tiles = [True, False] if (cpu.set_attention_avx512(True) or "").startswith("avx512") else [False]
+    try:
+        for on in tiles:
+            cpu.set_attention_avx512(on)
+            for T, kt in ((1, 0), (3, 0), (3, 1)):
+                cpu.set_attention_kt(kt)
+                q = torch.randn(B, Hkv * G, T, D, generator=g)
+                got = []
+                for fetch in (False, True):
+                    assert cpu.set_attention_next_kprefetch(fetch) is fetch is cpu.attention_next_kprefetch()
+                    rows = torch.zeros(B, Hkv, T, S + T) if T > 1 else None
+                    got.append((cpu.attention(q, kc, vc, starts, S, 0.125, rows), rows))
+                ref, _ = verify_attention_ref(q, kc, vc, starts, 0, 0.125)
+                torch.testing.assert_close(got[0][0], ref.transpose(1, 2).reshape(B, T, -1), rtol=1e-5, atol=1e-5)
+                assert torch.equal(got[1][0], got[0][0]) and (T == 1 or torch.equal(got[1][1], got[0][1]))
+    finally:
+        cpu.set_attention_avx512(True)
+        cpu.set_attention_kt(0)
+        cpu.set_attention_next_kprefetch(True)
+
+
+def test_the_next_key_fetch_follows_the_trial_the_plan_and_the_environment(monkeypatch):
+    assert next_kprefetch_from_trial({"T1": {"ss": 1.0, "ss-nk-off": 1.01}}) is True
+    assert next_kprefetch_from_trial({"T1": {"ss": 1.0, "ss-nk-off": 0.99}, "T9": {"ss": 1.0}}) is False
+    assert next_kprefetch_from_trial({"T9": {"ss": 1.0, "ss-nk-off": 0.5}}) is True  # timed at T = 1 only
+    assert next_kprefetch_from_trial({"T1": {"ss": 1.0, "torch": 0.5}}) is True  # not timed
+    for bad in (0, 1, "yes", None):
+        with pytest.raises(ValueError, match="attention_next_kprefetch"):
+            KernelPlan(attention="ss", attention_tiles="avx512", attention_next_kprefetch=bad)
+    off = KernelPlan(attention="ss", attention_tiles="avx512", attention_next_kprefetch=False)
+    assert "decode fetches no next keys" in off.summary() and off.describe()["attention_next_kprefetch"] is False
+    on = dataclasses.replace(off, attention_next_kprefetch=True)
+    assert "next keys" not in on.summary() and on.describe()["attention_next_kprefetch"] is True
+    for other in (KernelPlan(attention="ss", attention_tiles="avx2", attention_next_kprefetch=False),
+                  KernelPlan(attention="torch", attention_next_kprefetch=False)):  # no AVX-512 P.V: moot
+        assert other.describe()["attention_next_kprefetch"] is None and "next keys" not in other.summary()
+    if not (cpu.set_attention_avx512(True) or "").startswith("avx512"):
+        return
+    plan = KernelPlan(((None, "ss"),), "ss", True, 2, "user", attention_tiles=cpu.attention_isa(),
+                      attention_kt_rows=cpu.attention_kt_rows(), attention_next_kprefetch=False)
+    try:
+        assert apply_tiles(plan).attention_next_kprefetch is False is cpu.attention_next_kprefetch()
+        back = dataclasses.replace(plan, attention_next_kprefetch=True)
+        assert apply_tiles(back).attention_next_kprefetch is True is cpu.attention_next_kprefetch()
+        monkeypatch.setenv("SPARSESPEC_ATTENTION_NEXT_KPREFETCH", "0")  # the user's setting wins
+        assert apply_tiles(back).attention_next_kprefetch is False is cpu.attention_next_kprefetch()
+        monkeypatch.setenv("SPARSESPEC_ATTENTION_NEXT_KPREFETCH", "1")
+        assert apply_tiles(plan).attention_next_kprefetch is True is cpu.attention_next_kprefetch()
+        for bad in ("2", "on", "-1"):
+            monkeypatch.setenv("SPARSESPEC_ATTENTION_NEXT_KPREFETCH", bad)
+            with pytest.raises(ValueError, match="SPARSESPEC_ATTENTION_NEXT_KPREFETCH"):
+                apply_tiles(plan)
+    finally:
+        cpu.set_attention_next_kprefetch(True)
 
 
 def test_the_pv_value_fetch_follows_the_trial_the_plan_and_the_environment(monkeypatch):

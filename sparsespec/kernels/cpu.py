@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu") / "sparsespec_cpu.c"
-ABI_VERSION = 15
+ABI_VERSION = 16
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
 #: keys per attention chunk in the C kernels (SS_CHUNK)
 CHUNK = 256
@@ -182,6 +182,7 @@ _SIGNATURES = {
     "ss_set_attention_kt_vprefetch": ([_INT], _INT),
     "ss_set_attention_pv_prefetch": ([_INT], _INT),
     "ss_set_attention_decode_kprefetch": ([_INT], _INT),
+    "ss_set_attention_next_kprefetch": ([_INT], _INT),
     "ss_sparse_attention": ([_I64] * 5 + [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR,
                                           _PTR, _I64, _I64, _I64, _F32, _PTR, _I64, _I64, _PTR, _I64, _INT], None),
 }
@@ -214,6 +215,7 @@ def library() -> ctypes.CDLL | None:
                 _state["kt_vprefetch"] = bool(lib.ss_set_attention_kt_vprefetch(1))
                 _state["pv_prefetch"] = int(lib.ss_set_attention_pv_prefetch(PV_PREFETCH_KEYS))
                 _state["decode_kprefetch"] = int(lib.ss_set_attention_decode_kprefetch(DECODE_KPREFETCH_KEYS))
+                _state["next_kprefetch"] = bool(lib.ss_set_attention_next_kprefetch(1))
                 _state["path"] = str(path)
             except (RuntimeError, OSError, AttributeError) as e:
                 lib, reason = None, str(e)
@@ -331,6 +333,26 @@ def attention_decode_kprefetch() -> int:
     """A one-token forward's far key fetch distance in keys (``set_attention_decode_kprefetch``; 0: off)."""
     library()
     return int(_state.get("decode_kprefetch", DECODE_KPREFETCH_KEYS))
+
+
+def set_attention_next_kprefetch(on: bool) -> bool | None:
+    """Whether the dense attention on the AVX-512 tiles fetches the next chunk's keys into L2
+    during each chunk's P.V phase, while the memory would otherwise idle, where its score loop's
+    own fetches reach least far: a decode step (T = 1) and the keys-in-lanes score tiles (a wide
+    verify). A speed choice (the same results) that depends on the CPU, which the kernel plan's
+    trial measures at load. Returns the setting (None: no kernels)."""
+    lib = library()
+    if lib is None:
+        return None
+    with _lock:
+        _state["next_kprefetch"] = bool(lib.ss_set_attention_next_kprefetch(int(bool(on))))
+    return _state["next_kprefetch"]
+
+
+def attention_next_kprefetch() -> bool:
+    """Whether the P.V fetches the next chunk's keys (``set_attention_next_kprefetch``)."""
+    library()
+    return bool(_state.get("next_kprefetch", True))
 
 
 def attention_kt_vprefetch() -> bool:

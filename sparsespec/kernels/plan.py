@@ -15,9 +15,10 @@ A ``KernelPlan`` names, for one model on one device:
   keys transposed once, then GEMM-like tiles of up to 12 query rows without horizontal sums, and
   ``attention_kt_vprefetch``: whether that path fetches a block's value rows early), and with the
   AVX-512 tiles ``attention_pv_prefetch``: how many keys ahead the P.V phase fetches value rows
-  (0: none), and with any of them ``attention_decode_kprefetch``: how many keys ahead a one-token
-  forward's scores fetch keys into L2 (0: none); all give bitwise the same results, so this is a
-  speed choice only (``""``: not applicable);
+  (0: none) and ``attention_next_kprefetch``: whether a decode step's P.V (and the keys-in-lanes
+  path's) fetches the next chunk's keys into L2, and with any of them ``attention_decode_kprefetch``: how many keys ahead a
+  one-token forward's scores fetch keys into L2 (0: none); all give bitwise the same results, so
+  this is a speed choice only (``""``: not applicable);
 * ``fused``: RMSNorm, RoPE and SiLU-and-multiply through our kernels (one call each instead of
   four to eight PyTorch ops);
 * ``prefill_attention``: a prefill chunk's causal attention (hundreds of queries per row): ``"ss"``
@@ -44,6 +45,7 @@ forces one linear backend for every M; ``SPARSESPEC_PREPACK=0`` leaves oneDNN ou
 the keys-in-lanes score tiles from N query rows per KV head (0: never) whatever the trial measured;
 ``SPARSESPEC_ATTENTION_PV_PREFETCH=N`` sets the P.V phase's value fetch distance (keys; 0: none);
 ``SPARSESPEC_ATTENTION_DECODE_KPREFETCH=N`` a one-token forward's far key fetch (keys; 0: none);
+``SPARSESPEC_ATTENTION_NEXT_KPREFETCH=1|0`` whether a decode (or keys-in-lanes) P.V fetches the next keys;
 ``SPARSESPEC_PREFILL_ATTENTION=ss|torch`` picks the prefill chunks' attention.
 The chosen plan goes into every run's provenance and every bench row (``KernelPlan.describe``).
 """
@@ -86,7 +88,8 @@ FORWARD_TRIAL_K, FORWARD_TRIAL_CONTEXT, FORWARD_TRIAL_UPTO = 8, 256, 128
 _KERNELS_ENV, _LINEAR_ENV, _KT_ENV = "SPARSESPEC_KERNELS", "SPARSESPEC_LINEAR", "SPARSESPEC_ATTENTION_KT"
 _PREFILL_ENV, _PV_ENV = "SPARSESPEC_PREFILL_ATTENTION", "SPARSESPEC_ATTENTION_PV_PREFETCH"
 _DK_ENV = "SPARSESPEC_ATTENTION_DECODE_KPREFETCH"
-TUNE_VERSION = 14
+_NK_ENV = "SPARSESPEC_ATTENTION_NEXT_KPREFETCH"
+TUNE_VERSION = 15
 #: the prefill trial's chunk: ``PREFILL_TRIAL_T`` queries after ``PREFILL_TRIAL_START`` keys (a chunk
 #: of the engine's 512 inside a 2K prompt), over ``PREFILL_TRIAL_LAYERS`` layers' caches
 PREFILL_TRIAL_T, PREFILL_TRIAL_START, PREFILL_TRIAL_LAYERS = 512, 1536, 4
@@ -131,6 +134,10 @@ class KernelPlan:
     #: with our attention: how many keys ahead a one-token forward (decode, the sparse draft) fetches
     #: keys into L2 (``cpu.DECODE_KPREFETCH_KEYS`` or 0, measured by the trial)
     attention_decode_kprefetch: int = cpu.DECODE_KPREFETCH_KEYS
+    #: with the AVX-512 attention tiles: whether a decode step's P.V (and the keys-in-lanes path's)
+    #: fetches the next chunk's keys into L2 (measured by the trial at T = 1, the keys-in-lanes
+    #: variants timed with it on; without those tiles it means nothing)
+    attention_next_kprefetch: bool = True
 
     def __post_init__(self) -> None:
         uppers = [u for u, _ in self.linear]
@@ -152,6 +159,8 @@ class KernelPlan:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= cpu.CHUNK:
                 raise ValueError(f"{name} must be an integer in [0, {cpu.CHUNK}], got {v!r}")
+        if not isinstance(self.attention_next_kprefetch, bool):
+            raise ValueError(f"attention_next_kprefetch must be a bool, got {self.attention_next_kprefetch!r}")
         if (self.attention_kt_rows > 0) != (self.attention_tiles == "avx512-kt") or self.attention_kt_rows < 0:
             raise ValueError(f"attention_kt_rows must be > 0 exactly with attention_tiles='avx512-kt', got "
                              f"{self.attention_kt_rows} with {self.attention_tiles!r}")
@@ -184,6 +193,7 @@ class KernelPlan:
                 "attention_kt_rows": self.attention_kt_rows or None,
                 "attention_kt_vprefetch": self.attention_kt_vprefetch if self.attention_kt_rows else None,
                 "attention_pv_prefetch": self.attention_pv_prefetch if self._pv_tiles else None,
+                "attention_next_kprefetch": self.attention_next_kprefetch if self._pv_tiles else None,
                 "attention_decode_kprefetch": self.attention_decode_kprefetch if self.attention == "ss" else None,
                 "linear_tiles": self.linear_tiles or None, "prefill_attention": self.prefill_attention,
                 "fused": self.fused, "threads": self.threads,
@@ -194,7 +204,8 @@ class KernelPlan:
 
     @property
     def _pv_tiles(self) -> bool:
-        """Whether ``attention_pv_prefetch`` applies: our attention on its AVX-512 tiles."""
+        """Whether ``attention_pv_prefetch`` and ``attention_next_kprefetch`` apply: our attention on
+        its AVX-512 tiles."""
         return self.attention == "ss" and self.attention_tiles.startswith("avx512")
 
     def summary(self) -> str:
@@ -204,6 +215,7 @@ class KernelPlan:
         kt = f" from {self.attention_kt_rows} rows" if self.attention_kt_rows else ""
         kt += "" if self.attention_kt_vprefetch or not self.attention_kt_rows else ", values fetched late"
         kt += ", P.V fetches nothing ahead" if self._pv_tiles and not self.attention_pv_prefetch else ""
+        kt += ", decode fetches no next keys" if self._pv_tiles and not self.attention_next_kprefetch else ""
         kt += ", decode fetches no keys far ahead" if self.attention == "ss" and not self.attention_decode_kprefetch \
             else ""
         tiles = f" ({self.attention_tiles}{kt})" if self.attention_tiles else ""
@@ -310,7 +322,7 @@ def apply_tiles(plan: KernelPlan) -> KernelPlan:
     Raises:
         ValueError: ``SPARSESPEC_ATTENTION_KT`` is not a non-negative integer;
             ``SPARSESPEC_ATTENTION_PV_PREFETCH`` or ``SPARSESPEC_ATTENTION_DECODE_KPREFETCH`` is not
-            an integer in ``[0, cpu.CHUNK]``;
+            an integer in ``[0, cpu.CHUNK]``; ``SPARSESPEC_ATTENTION_NEXT_KPREFETCH`` is not 0 or 1;
             ``SPARSESPEC_PREFILL_ATTENTION`` is not ss or torch, or ss where it cannot run.
     """
     prefill = plan.prefill_attention
@@ -345,6 +357,9 @@ def apply_tiles(plan: KernelPlan) -> KernelPlan:
             pv = _env_keys(_PV_ENV, "the P.V phase fetches value rows",
                            plan.attention_pv_prefetch if plan.attention_tiles else cpu.attention_pv_prefetch())
             cpu.set_attention_pv_prefetch(pv)
+            cpu.set_attention_next_kprefetch(_env_switch(_NK_ENV, "the P.V fetches the next chunk's keys",
+                                                         plan.attention_next_kprefetch if plan.attention_tiles else
+                                                         cpu.attention_next_kprefetch()))
         dk = _env_keys(_DK_ENV, "a one-token forward fetches keys into L2", plan.attention_decode_kprefetch)
         cpu.set_attention_decode_kprefetch(dk)
         att = (cpu.set_attention_avx512(want != "avx2") or "") if want else ""
@@ -354,13 +369,15 @@ def apply_tiles(plan: KernelPlan) -> KernelPlan:
     kt_rows = cpu.attention_kt_rows() if att == "avx512-kt" else 0
     vpf = cpu.attention_kt_vprefetch() if kt_rows else plan.attention_kt_vprefetch  # without kt tiles: moot
     pv = cpu.attention_pv_prefetch() if att.startswith("avx512") else plan.attention_pv_prefetch  # likewise
+    nk = cpu.attention_next_kprefetch() if att.startswith("avx512") else plan.attention_next_kprefetch
     dk = cpu.attention_decode_kprefetch() if plan.attention == "ss" else plan.attention_decode_kprefetch
-    if (att, lin, kt_rows, vpf, pv, dk) == (plan.attention_tiles, plan.linear_tiles, plan.attention_kt_rows,
-                                            plan.attention_kt_vprefetch, plan.attention_pv_prefetch,
-                                            plan.attention_decode_kprefetch):
+    if (att, lin, kt_rows, vpf, pv, dk, nk) == (plan.attention_tiles, plan.linear_tiles, plan.attention_kt_rows,
+                                                plan.attention_kt_vprefetch, plan.attention_pv_prefetch,
+                                                plan.attention_decode_kprefetch, plan.attention_next_kprefetch):
         return plan
     return dataclasses.replace(plan, attention_tiles=att, linear_tiles=lin, attention_kt_rows=kt_rows,
-                               attention_kt_vprefetch=vpf, attention_pv_prefetch=pv, attention_decode_kprefetch=dk)
+                               attention_kt_vprefetch=vpf, attention_pv_prefetch=pv, attention_decode_kprefetch=dk,
+                               attention_next_kprefetch=nk)
 
 
 def _env_keys(name: str, what: str, default: int) -> int:
@@ -376,6 +393,20 @@ def _env_keys(name: str, what: str, default: int) -> int:
     if not env.isdigit() or int(env) > cpu.CHUNK:
         raise ValueError(f"{name}={env!r}: expected how many keys ahead {what}, 0 to {cpu.CHUNK} (0: none)")
     return int(env)
+
+
+def _env_switch(name: str, what: str, default: bool) -> bool:
+    """A kernel switch from the environment variable ``name`` (``1``: on, ``0``: off), else ``default``.
+
+    Raises:
+        ValueError: the variable is set to anything else.
+    """
+    env = os.environ.get(name, "").strip()
+    if not env:
+        return default
+    if env not in ("0", "1"):
+        raise ValueError(f"{name}={env!r}: expected 1 (on) or 0 (off): whether {what}")
+    return env == "1"
 
 
 # --------------------------------------------------------------------------- the trial
@@ -480,6 +511,7 @@ def _attention_trial(model, reps: int, context: int = 2048, k: int = 8) -> dict[
     cpu.set_attention_kt(0)
     cpu.set_attention_pv_prefetch(cpu.PV_PREFETCH_KEYS)
     cpu.set_attention_decode_kprefetch(cpu.DECODE_KPREFETCH_KEYS)
+    cpu.set_attention_next_kprefetch(True)
     with torch.inference_mode():
         for T in widths:
             q = torch.randn(1, H, T, D, generator=g, dtype=model.dtype)
@@ -525,6 +557,8 @@ def _attention_trial(model, reps: int, context: int = 2048, k: int = 8) -> dict[
                 fns["ss-kt-late"] = lambda ours_kt=ours_kt: ours_kt(early=False)
                 # the P.V phase without its value fetch ahead
                 fns["ss-pv-off"] = _with_setting(ours, cpu.set_attention_pv_prefetch, 0, cpu.PV_PREFETCH_KEYS)
+                if T == 1:  # a decode step without the next chunk's keys fetched during P.V
+                    fns["ss-nk-off"] = _with_setting(ours, cpu.set_attention_next_kprefetch, False, True)
             res[f"T{T}"] = _best_of(fns, reps)
     return res
 
@@ -611,6 +645,14 @@ def decode_kprefetch_from_trial(att: Mapping[str, Mapping[str, float]]) -> int:
     return 0 if "ss-dk-off" in v and "ss" in v and v["ss-dk-off"] < v["ss"] else cpu.DECODE_KPREFETCH_KEYS
 
 
+def next_kprefetch_from_trial(att: Mapping[str, Mapping[str, float]]) -> bool:
+    """False where a decode step without its fetch of the next chunk's keys (``ss-nk-off``, timed
+    at T = 1 on the AVX-512 tiles) measured faster than with it (``ss``); else True (also where it
+    was not timed)."""
+    v = att.get("T1", {})
+    return not ("ss-nk-off" in v and "ss" in v and v["ss-nk-off"] < v["ss"])
+
+
 def range_worst(lin: Mapping[int, Mapping[str, float]], widths: tuple[int, ...]) -> dict[str, float]:
     """Each backend's worst time over ``widths`` as a multiple of the fastest backend at that width
     (``lin``: seconds per width and backend, as ``_linear_trial`` returns them)."""
@@ -693,7 +735,8 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
                               data.get("prefill_attention", "torch"),
                               attention_pv_prefetch=int(data.get("attention_pv_prefetch", cpu.PV_PREFETCH_KEYS)),
                               attention_decode_kprefetch=int(data.get("attention_decode_kprefetch",
-                                                                      cpu.DECODE_KPREFETCH_KEYS)))
+                                                                      cpu.DECODE_KPREFETCH_KEYS)),
+                              attention_next_kprefetch=bool(data.get("attention_next_kprefetch", True)))
         except (OSError, ValueError, KeyError, TypeError):
             pass  # a corrupt cache entry: measure again
     if progress:
@@ -723,7 +766,7 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
     base = [s for s in att if "torch" in att[s]]  # the decode and verify widths
     att_total = {be: sum(att[s][be] for s in base) for be in ("ss", "torch")}
     attention = min(att_total, key=att_total.get)
-    tiles, kt_rows, kt_vprefetch, pv = "", 0, True, cpu.PV_PREFETCH_KEYS
+    tiles, kt_rows, kt_vprefetch, pv, nk = "", 0, True, cpu.PV_PREFETCH_KEYS, True
     dk = decode_kprefetch_from_trial(att)
     cpu.set_attention_decode_kprefetch(dk)
     if all("ss-avx2" in att[s] for s in base):  # the AVX-512 tiles unless the AVX2 ones measured faster
@@ -732,6 +775,7 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
             att_total["ss"] = sum(att[s]["ss-avx2"] for s in base)
         else:  # and the keys-in-lanes score tiles from the row count where they measured faster
             pv = pv_prefetch_from_trial(att)  # (the P.V's fetch distance, measured with the row-lanes scores)
+            nk = next_kprefetch_from_trial(att)
             group = model.cfg.num_heads // model.cfg.num_kv_heads
             kt = kt_variant_from_trial(att)
             kt_rows = kt_rows_from_trial(att, group, kt)
@@ -743,6 +787,7 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
         cpu.set_attention_kt(kt_rows)
         cpu.set_attention_kt_vprefetch(kt_vprefetch)
         cpu.set_attention_pv_prefetch(pv)
+        cpu.set_attention_next_kprefetch(nk)
     pre = _prefill_trial(model, reps) if attention == "ss" else {}
     prefill = "ss" if pre and pre["ss"] < pre["torch"] else "torch"
     fwd: dict[str, dict[str, float]] = {}
@@ -764,7 +809,8 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
                       linear_tiles=linear_tiles if any(be == "ss" for _, be in ranges) else "",
                       attention_kt_rows=kt_rows if attention == "ss" else 0,
                       attention_kt_vprefetch=kt_vprefetch if attention == "ss" and kt_rows else True,
-                      prefill_attention=prefill, attention_pv_prefetch=pv, attention_decode_kprefetch=dk)
+                      prefill_attention=prefill, attention_pv_prefetch=pv, attention_decode_kprefetch=dk,
+                      attention_next_kprefetch=nk)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -774,6 +820,7 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
                                    "attention_kt_vprefetch": plan.attention_kt_vprefetch,
                                    "attention_pv_prefetch": plan.attention_pv_prefetch,
                                    "attention_decode_kprefetch": plan.attention_decode_kprefetch,
+                                   "attention_next_kprefetch": plan.attention_next_kprefetch,
                                    "prefill_attention": plan.prefill_attention,
                                    "fused": plan.fused, "tune_s": tune_s, "timings": timings,
                                    "cpu": cpu.cpu_model(), "isa": cpu.isa_summary(), "threads": threads,

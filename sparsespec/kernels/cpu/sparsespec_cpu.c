@@ -51,7 +51,7 @@
 #error "sparsespec_cpu.c needs AVX2 and FMA (the loader falls back to torch without them)"
 #endif
 
-SS_API int ss_abi_version(void) { return 15; }
+SS_API int ss_abi_version(void) { return 16; }
 
 
 /* ------------------------------------------------------------------ vector helpers (AVX2) */
@@ -831,7 +831,7 @@ SS_INLINE void sc512_pack_pairs(const float *qs, int64_t R2, const int64_t D, fl
  * or verify chunk's first row tile: ss_pv_pf) */
 SS_INLINE void pv512_tile_g(const int MR, const int NV, int64_t kn, const float *P, int64_t pr, int64_t pj,
                             const float *v, int64_t ldv, const float *const *vp, float *out, int64_t ldo,
-                            const float *alpha, int64_t pf) {
+                            const float *alpha, int64_t pf, const char *nk, int64_t nk_row, int64_t nkn) {
     PV_ACC(0) PV_ACC(1) PV_ACC(2) PV_ACC(3) PV_ACC(4) PV_ACC(5)
     for (int64_t j = 0; j < kn; ++j) {
         const float *vj = vp ? vp[j] : v + j * ldv;
@@ -839,6 +839,8 @@ SS_INLINE void pv512_tile_g(const int MR, const int NV, int64_t kn, const float 
             const char *vn = (const char *)(vp ? vp[j + pf] : vj + pf * ldv);
             for (int o = 0; o < NV * 64; o += 64) _mm_prefetch(vn + o, _MM_HINT_T0);
         }
+        if (nk && j < nkn)  /* the next chunk's key row j into L2 (the memory is idle in P.V) */
+            for (int64_t o = 0; o < nk_row; o += 64) _mm_prefetch(nk + j * nk_row + o, _MM_HINT_T1);
         const __m512 v0 = _mm512_loadu_ps(vj);
         const __m512 v1 = NV > 1 ? _mm512_loadu_ps(vj + 16) : v0;
         const __m512 v2 = NV > 2 ? _mm512_loadu_ps(vj + 32) : v0;
@@ -849,23 +851,25 @@ SS_INLINE void pv512_tile_g(const int MR, const int NV, int64_t kn, const float 
 }
 
 SS_INLINE void pv512_tile(const int MR, const int NV, int64_t kn, const float *P, int64_t ldp, const float *v,
-                          int64_t ldv, const float *const *vp, float *out, int64_t ldo, int64_t pf) {
-    pv512_tile_g(MR, NV, kn, P, ldp, 1, v, ldv, vp, out, ldo, NULL, pf);
+                          int64_t ldv, const float *const *vp, float *out, int64_t ldo, int64_t pf, const char *nk,
+                          int64_t nk_row, int64_t nkn) {
+    pv512_tile_g(MR, NV, kn, P, ldp, 1, v, ldv, vp, out, ldo, NULL, pf, nk, nk_row, nkn);
 }
 
 #define PV_CASE(MR_)                                                                  \
     case MR_:                                                                         \
         switch (NV) {                                                                 \
-            case 4: pv512_tile(MR_, 4, kn, Pr, ldp, vd, ldv, vp ? vpd : NULL, o, ldo, r ? 0 : pf); break;  \
-            case 3: pv512_tile(MR_, 3, kn, Pr, ldp, vd, ldv, vp ? vpd : NULL, o, ldo, r ? 0 : pf); break;  \
-            case 2: pv512_tile(MR_, 2, kn, Pr, ldp, vd, ldv, vp ? vpd : NULL, o, ldo, r ? 0 : pf); break;  \
-            default: pv512_tile(MR_, 1, kn, Pr, ldp, vd, ldv, vp ? vpd : NULL, o, ldo, r ? 0 : pf); break; \
+            case 4: pv512_tile(MR_, 4, kn, Pr, ldp, vd, ldv, vp ? vpd : NULL, o, ldo, r ? 0 : pf, r || d0 ? NULL : nk, nk_row, nkn); break;  \
+            case 3: pv512_tile(MR_, 3, kn, Pr, ldp, vd, ldv, vp ? vpd : NULL, o, ldo, r ? 0 : pf, r || d0 ? NULL : nk, nk_row, nkn); break;  \
+            case 2: pv512_tile(MR_, 2, kn, Pr, ldp, vd, ldv, vp ? vpd : NULL, o, ldo, r ? 0 : pf, r || d0 ? NULL : nk, nk_row, nkn); break;  \
+            default: pv512_tile(MR_, 1, kn, Pr, ldp, vd, ldv, vp ? vpd : NULL, o, ldo, r ? 0 : pf, r || d0 ? NULL : nk, nk_row, nkn); break; \
         }                                                                             \
         break;
 /* o [R, D] (rows ldo apart) = P [R, kn] . V [kn, D], D % 16 == 0; value row j at v + j * ldv, or
  * with vp (kn <= SS_CHUNK) at vp[j] */
 static void pv512_rows(int64_t R, int64_t kn, const float *P, int64_t ldp, const float *v, int64_t ldv,
-                       const float *const *vp, int64_t D, float *out, int64_t ldo, int64_t pf) {
+                       const float *const *vp, int64_t D, float *out, int64_t ldo, int64_t pf, const char *nk,
+                       int64_t nk_row, int64_t nkn) {
     const float *vpd[vp ? SS_CHUNK : 1];
     for (int64_t d0 = 0; d0 < D; d0 += 64) {
         const int NV = (int)((D - d0) / 16 < 4 ? (D - d0) / 16 : 4);
@@ -1018,6 +1022,24 @@ static int ss_kt_vpf = 1;
  * the attention at batch 1-8 x 2-8K 1-8 % faster at T = 1 and 3-9 % at T = 3, and changed little
  * at T = 9. */
 static int64_t ss_pv_pf = 16;
+
+/* 1: the dense attention's P.V (the AVX-512 tiles) also fetches the next item's key rows into L2
+ * (the next chunk's, or the next (b, kv) pair's first chunk), one row per value row it reads: the
+ * memory, otherwise idle while a chunk's softmax and products run, brings the keys the next score
+ * loop reads; 0: the score loop's own fetches only. It runs where the score loop's own fetches
+ * reach least far: a one-token forward (decode) and the keys-in-lanes tiles (which fetch the next
+ * 32 keys only). Measured at load by the kernel plan (the same results either way): on the AMD
+ * EPYC of benchmarks/RESULTS.md (twenty-sixth session, alternated in one process, 30 layers'
+ * caches) the decode attention ran 4-8 % faster at batch 1 x 4K to 8 x 8K and a k = 8 verify's
+ * in keys-in-lanes tiles 10 % at 4 x 6K; with the row-pair score tiles of a k = 2 verify, bound by
+ * their arithmetic there, it was 2-3 % slower, so it does not run with those. */
+static int ss_nk_pf = 1;
+
+/* Switch the decode's fetch of the next item's keys on (1) or off (0); returns the setting. */
+SS_API int ss_set_attention_next_kprefetch(int on) {
+    ss_nk_pf = on != 0;
+    return ss_nk_pf;
+}
 
 /* Set how many keys ahead the dense P.V fetches value rows (0: none; at most SS_CHUNK); returns the
  * setting. */
@@ -1276,7 +1298,21 @@ SS_INLINE void att_chunk_d(const attn_t *a, int64_t b, int64_t kv, int64_t c, co
         const float *vp[a->sparse ? SS_CHUNK : 1];
         if (a->sparse)
             for (int64_t u = 0; u < kn; ++u) vp[u] = att_val(a, b, kv, j0 + u, nv, idx);
-        pv512_rows(R, kn, S + j0, ld, vrows, D, a->sparse ? vp : NULL, D, part, D, a->sparse ? 0 : ss_pv_pf);
+        const char *nk = NULL;  /* the next item's keys (the next chunk, or the next pair's first) */
+        int64_t nkn = 0;
+        if (!a->sparse && ss_nk_pf && (T == 1 || use_kt)) {
+            if (j1 < n) {
+                nk = (const char *)(a->k + b * a->k_sb + kv * a->k_sh + j1 * D);
+                nkn = n - j1 < SS_CHUNK ? n - j1 : SS_CHUNK;
+            } else if (b * a->Hkv + kv + 1 < a->B * a->Hkv) {
+                const int64_t b2 = (b * a->Hkv + kv + 1) / a->Hkv, kv2 = (b * a->Hkv + kv + 1) % a->Hkv;
+                const int64_t n2 = att_nkeys(a, b2);
+                nk = (const char *)(a->k + b2 * a->k_sb + kv2 * a->k_sh);
+                nkn = n2 < SS_CHUNK ? n2 : SS_CHUNK;
+            }
+        }
+        pv512_rows(R, kn, S + j0, ld, vrows, D, a->sparse ? vp : NULL, D, part, D, a->sparse ? 0 : ss_pv_pf,
+                   nk, D * 4, nkn);
         return;
     }
 #endif
@@ -1460,10 +1496,10 @@ SS_INLINE void pf_scores(const int NR, const float *qT, const float *k, const in
 #define PO_CASE(MR_)                                                                  \
     case MR_:                                                                         \
         switch (NV) {                                                                 \
-            case 4: pv512_tile_g(MR_, 4, nk, Pr, 1, ld, vd, D, NULL, Or, D, al, 0); break; \
-            case 3: pv512_tile_g(MR_, 3, nk, Pr, 1, ld, vd, D, NULL, Or, D, al, 0); break; \
-            case 2: pv512_tile_g(MR_, 2, nk, Pr, 1, ld, vd, D, NULL, Or, D, al, 0); break; \
-            default: pv512_tile_g(MR_, 1, nk, Pr, 1, ld, vd, D, NULL, Or, D, al, 0); break;\
+            case 4: pv512_tile_g(MR_, 4, nk, Pr, 1, ld, vd, D, NULL, Or, D, al, 0, NULL, 0, 0); break; \
+            case 3: pv512_tile_g(MR_, 3, nk, Pr, 1, ld, vd, D, NULL, Or, D, al, 0, NULL, 0, 0); break; \
+            case 2: pv512_tile_g(MR_, 2, nk, Pr, 1, ld, vd, D, NULL, Or, D, al, 0, NULL, 0, 0); break; \
+            default: pv512_tile_g(MR_, 1, nk, Pr, 1, ld, vd, D, NULL, Or, D, al, 0, NULL, 0, 0); break; \
         }                                                                             \
         break;
 
