@@ -134,7 +134,8 @@ def main(argv=None) -> int:
         t = statistics.median(ts)
         flops = 4 * B * H * T * S * D
         roof = max(kv_bytes / bw, flops / gemm)
-        print(f"| {T} | {'yes' if rows else 'no'} | {tile} | {'/'.join(map(str, fetch))} | {t * 1e3:.3f} | {t / roof:.2f} | "
+        print(f"| {T} | {'yes' if rows else 'no'} | {tile} | {'/'.join(map(str, fetch))} | {t * 1e3:.3f} | "
+              f"{t / roof:.2f} | "
               f"{kv_bytes / t / 1e9:.1f} | "
               f"{flops / t / 1e9:.0f} |")
     return 0

@@ -16,9 +16,10 @@ A ``KernelPlan`` names, for one model on one device:
   ``attention_kt_vprefetch``: whether that path fetches a block's value rows early), and with the
   AVX-512 tiles ``attention_pv_prefetch``: how many keys ahead the P.V phase fetches value rows
   (0: none) and ``attention_next_kprefetch``: whether a decode step's P.V (and the keys-in-lanes
-  path's) fetches the next chunk's keys into L2, and with any of them ``attention_decode_kprefetch``: how many keys ahead a
-  one-token forward's scores fetch keys into L2 (0: none); all give bitwise the same results, so
-  this is a speed choice only (``""``: not applicable);
+  path's) fetches the next chunk's keys into L2, and with any of them
+  ``attention_decode_kprefetch``: how many keys ahead a one-token forward's scores fetch keys into
+  L2 (0: none); all give bitwise the same results, so this is a speed choice only (``""``: not
+  applicable);
 * ``fused``: RMSNorm, RoPE and SiLU-and-multiply through our kernels (one call each instead of
   four to eight PyTorch ops);
 * ``prefill_attention``: a prefill chunk's causal attention (hundreds of queries per row): ``"ss"``

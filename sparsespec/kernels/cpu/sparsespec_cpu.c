@@ -856,13 +856,14 @@ SS_INLINE void pv512_tile(const int MR, const int NV, int64_t kn, const float *P
     pv512_tile_g(MR, NV, kn, P, ldp, 1, v, ldv, vp, out, ldo, NULL, pf, nk, nk_row, nkn);
 }
 
+#define PV_TILE(MR_, NV_) pv512_tile(MR_, NV_, kn, Pr, ldp, vd, ldv, vp ? vpd : NULL, o, ldo, r ? 0 : pf, nkr, nk_row, nkn)
 #define PV_CASE(MR_)                                                                  \
     case MR_:                                                                         \
         switch (NV) {                                                                 \
-            case 4: pv512_tile(MR_, 4, kn, Pr, ldp, vd, ldv, vp ? vpd : NULL, o, ldo, r ? 0 : pf, r || d0 ? NULL : nk, nk_row, nkn); break;  \
-            case 3: pv512_tile(MR_, 3, kn, Pr, ldp, vd, ldv, vp ? vpd : NULL, o, ldo, r ? 0 : pf, r || d0 ? NULL : nk, nk_row, nkn); break;  \
-            case 2: pv512_tile(MR_, 2, kn, Pr, ldp, vd, ldv, vp ? vpd : NULL, o, ldo, r ? 0 : pf, r || d0 ? NULL : nk, nk_row, nkn); break;  \
-            default: pv512_tile(MR_, 1, kn, Pr, ldp, vd, ldv, vp ? vpd : NULL, o, ldo, r ? 0 : pf, r || d0 ? NULL : nk, nk_row, nkn); break; \
+            case 4: PV_TILE(MR_, 4); break;                                           \
+            case 3: PV_TILE(MR_, 3); break;                                           \
+            case 2: PV_TILE(MR_, 2); break;                                           \
+            default: PV_TILE(MR_, 1); break;                                          \
         }                                                                             \
         break;
 /* o [R, D] (rows ldo apart) = P [R, kn] . V [kn, D], D % 16 == 0; value row j at v + j * ldv, or
@@ -878,6 +879,7 @@ static void pv512_rows(int64_t R, int64_t kn, const float *P, int64_t ldp, const
         for (int64_t r = 0; r < R; r += 6) {
             const int MR = (int)(R - r < 6 ? R - r : 6);
             const float *Pr = P + r * ldp, *vd = vp ? NULL : v + d0;
+            const char *nkr = r || d0 ? NULL : nk;  /* the next keys: fetched in the first tile only */
             float *o = out + r * ldo + d0;
             switch (MR) { PV_CASE(6) PV_CASE(5) PV_CASE(4) PV_CASE(3) PV_CASE(2) PV_CASE(1) }
         }
