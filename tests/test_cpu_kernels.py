@@ -16,8 +16,9 @@ import torch.nn.functional as F
 
 from sparsespec.kernels import cpu
 from sparsespec.kernels.plan import (LINEAR_RANGES, TIE_MARGIN, KernelPlan, apply_tiles, choose, kt_rows_from_trial,
-                                    decode_kprefetch_from_trial, kt_variant_from_trial, next_kprefetch_from_trial,
-                                    ours_plan, pv_prefetch_from_trial, range_worst, tune_plan)
+                                    FETCH_TRIAL_BATCH, FETCH_TRIAL_KEY, FETCH_TRIAL_REPS, decode_kprefetch_from_trial,
+                                    kt_variant_from_trial, next_kprefetch_from_trial, ours_plan,
+                                    pv_prefetch_from_trial, range_worst, tune_plan)
 from sparsespec.kernels.reference import sparse_attention_ref, verify_attention_ref
 from sparsespec.kv.cache import KVCache
 from sparsespec.shapes import random_transformer
@@ -582,23 +583,24 @@ def test_tune_measures_caches_and_reads_back(tmp_path, monkeypatch):
     att = plan.timings["attention"]
     if (cpu.set_attention_avx512(True) or "").startswith("avx512"):  # both tiles timed; the faster kept
         base = [s for s in att if "torch" in att[s]]
-        assert sorted(base) == ["T1", "T9"] and sorted(att) == ["T1", "T17", "T3", "T5", "T9"]
+        assert sorted(base) == ["T1", "T9"] and sorted(att) == ["T1", "T17", "T3", "T5", "T9", FETCH_TRIAL_KEY]
         ss, avx2 = (sum(att[s][be] for s in base) for be in ("ss", "ss-avx2"))
         want = "avx2" if avx2 < ss else "avx512"
-        assert all("ss-kt" in v and "ss-kt-late" in v for v in att.values())
+        assert all("ss-kt" in v and "ss-kt-late" in v for s, v in att.items() if s != FETCH_TRIAL_KEY)
         kt = kt_variant_from_trial(att)
         rows = 0 if want == "avx2" else kt_rows_from_trial(att, model.cfg.num_heads // model.cfg.num_kv_heads, kt)
         want = "avx512-kt" if rows else want
         assert plan.attention_tiles == (want if plan.attention == "ss" else "")
         assert plan.attention_kt_rows == (rows if plan.attention == "ss" else 0)
         assert plan.attention_kt_vprefetch == (kt == "ss-kt" or not plan.attention_kt_rows)
-        assert all("ss-pv-off" in v for v in att.values())  # the P.V's value fetch, on and off, at every width
+        assert all("ss-pv-off" in v for s, v in att.items() if s != FETCH_TRIAL_KEY)  # the P.V's value fetch
+        # on and off at every width
         assert plan.attention_pv_prefetch == (pv_prefetch_from_trial(att) if want != "avx2" else cpu.PV_PREFETCH_KEYS)
         assert cpu.attention_pv_prefetch() == plan.attention_pv_prefetch
-        assert "ss-nk-off" in att["T1"] and not any("ss-nk-off" in v for s, v in att.items() if s != "T1")
+        assert "ss-nk-off/ss" in att[FETCH_TRIAL_KEY]
         assert plan.attention_next_kprefetch == (next_kprefetch_from_trial(att) if want != "avx2" else True)
         assert cpu.attention_next_kprefetch() == plan.attention_next_kprefetch
-    if plan.attention == "ss":  # the far key fetch, timed at T = 1 on and off
+    if plan.attention == "ss":  # the far key fetch, timed in the decode fetch trial on and off
         assert plan.attention_decode_kprefetch == decode_kprefetch_from_trial(att) == cpu.attention_decode_kprefetch()
     else:
         assert plan.attention_tiles == "" and all("ss-avx2" not in v for v in att.values())
@@ -819,21 +821,26 @@ def test_the_attention_trial_times_the_pv_value_fetch_on_and_off(monkeypatch):
 
     seen, real = set(), cpu.attention
 
-    def spy(q, *args, **kwargs):  # the fetch distances each timed call ran with, by width
+    def spy(q, *args, **kwargs):  # the fetch settings each timed call ran with, by width and batch
         seen.add((q.shape[2], cpu.attention_pv_prefetch(), cpu.attention_decode_kprefetch()))
-        nk.add((q.shape[2], cpu.attention_next_kprefetch()))
+        nk.add((q.shape[0], q.shape[2], cpu.attention_decode_kprefetch(), cpu.attention_next_kprefetch()))
         return real(q, *args, **kwargs)
 
     nk = set()
 
     monkeypatch.setattr(cpu, "attention", spy)
     att = _attention_trial(random_transformer("tiny"), reps=1, context=64)
-    assert all("ss-pv-off" in v and "ss" in v for v in att.values())
+    widths = {s: v for s, v in att.items() if s != FETCH_TRIAL_KEY}
+    assert all("ss-pv-off" in v and "ss" in v for v in widths.values())
     assert {(T, pv) for T, pv, _ in seen} == {(T, pv) for T in (1, 3, 5, 9, 17) for pv in (0, cpu.PV_PREFETCH_KEYS)}
-    assert "ss-dk-off" in att["T1"] and not any("ss-dk-off" in v for s, v in att.items() if s != "T1")
-    assert {dk for T, _, dk in seen if T == 1} == {0, cpu.DECODE_KPREFETCH_KEYS}
-    assert "ss-nk-off" in att["T1"] and not any("ss-nk-off" in v for s, v in att.items() if s != "T1")
-    assert {on for T, on in nk if T == 1} == {False, True} and {on for T, on in nk if T > 1} == {True}
+    # the decode fetches: on and off in their own trial, at its batch, one off at a time
+    fetch = att[FETCH_TRIAL_KEY]
+    assert set(fetch) == {"ss", "ss-dk-off", "ss-nk-off", "ss-dk-off/ss", "ss-nk-off/ss"}
+    assert not any("ss-dk-off" in v or "ss-nk-off" in v for v in widths.values())
+    assert {(dk, on) for B, T, dk, on in nk if B == FETCH_TRIAL_BATCH} == {
+        (cpu.DECODE_KPREFETCH_KEYS, True), (0, True), (cpu.DECODE_KPREFETCH_KEYS, False)}
+    # at batch 4 (at batch 1, where the caches are a quarter, its decisions flipped from run to run)
+    assert {(B, T) for B, T, dk, on in nk if (dk, on) != (cpu.DECODE_KPREFETCH_KEYS, True)} == {(4, 1)}
     assert cpu.attention_pv_prefetch() == cpu.PV_PREFETCH_KEYS
     assert cpu.attention_decode_kprefetch() == cpu.DECODE_KPREFETCH_KEYS
     assert cpu.attention_next_kprefetch() is True
@@ -870,9 +877,12 @@ def test_the_far_key_fetch_of_a_one_token_forward_is_a_speed_choice_only():
 
 
 def test_the_far_key_fetch_follows_the_trial_the_plan_and_the_environment(monkeypatch):
-    assert decode_kprefetch_from_trial({"T1": {"ss": 1.0, "ss-dk-off": 1.01}}) == cpu.DECODE_KPREFETCH_KEYS
-    assert decode_kprefetch_from_trial({"T1": {"ss": 1.0, "ss-dk-off": 0.99}, "T9": {"ss": 1.0}}) == 0
-    assert decode_kprefetch_from_trial({"T9": {"ss": 1.0, "ss-dk-off": 0.5}}) == cpu.DECODE_KPREFETCH_KEYS
+    # the median ratio decides, not the median seconds (a drift between rounds cancels in the ratios)
+    assert decode_kprefetch_from_trial({FETCH_TRIAL_KEY: {"ss": 1.0, "ss-dk-off": 0.9, "ss-dk-off/ss": 1.01}}) \
+        == cpu.DECODE_KPREFETCH_KEYS
+    assert decode_kprefetch_from_trial({FETCH_TRIAL_KEY: {"ss": 1.0, "ss-dk-off": 1.1, "ss-dk-off/ss": 0.99},
+                                        "T9": {"ss": 1.0}}) == 0
+    assert decode_kprefetch_from_trial({"T1": {"ss": 1.0, "ss-dk-off": 0.5}}) == cpu.DECODE_KPREFETCH_KEYS
     for bad in (-1, cpu.CHUNK + 1, True):
         with pytest.raises(ValueError, match="attention_decode_kprefetch"):
             KernelPlan(attention="ss", attention_decode_kprefetch=bad)
@@ -928,11 +938,36 @@ def test_the_decode_fetch_of_the_next_chunks_keys_is_a_speed_choice_only():
         cpu.set_attention_next_kprefetch(True)
 
 
+def test_the_decode_fetch_trial_decides_by_the_median_of_paired_ratios(monkeypatch):
+    """Each variant's ratio to ``ss`` is the median of its per-round ratios (a slow round hits both
+    of its pair), not the ratio of the medians; every variant runs in every round."""
+    from sparsespec.kernels import plan as plan_mod
+
+    rounds = {"ss": [1.0, 2.0, 4.0], "ss-dk-off": [1.1, 1.0, 4.4], "ss-nk-off": [0.9, 2.2, 3.6]}
+    seen = []
+
+    def fake(fns, reps):
+        seen.append((sorted(fns), reps))
+        return {name: rounds[name] for name in fns}
+
+    monkeypatch.setattr(plan_mod, "_interleaved", fake)
+    out = plan_mod._decode_fetch_trial(random_transformer("tiny"), 32, True)
+    assert seen == [(["ss", "ss-dk-off", "ss-nk-off"], FETCH_TRIAL_REPS)]
+    assert out["ss-dk-off/ss"] == pytest.approx(1.1) and out["ss-dk-off"] == 1.1  # medians: 1.1 / 2.0 = 0.55
+    assert out["ss-nk-off/ss"] == pytest.approx(0.9) and out["ss"] == 2.0
+    assert decode_kprefetch_from_trial({FETCH_TRIAL_KEY: out}) == cpu.DECODE_KPREFETCH_KEYS
+    assert next_kprefetch_from_trial({FETCH_TRIAL_KEY: out}) is False
+    seen.clear()
+    assert "ss-nk-off/ss" not in plan_mod._decode_fetch_trial(random_transformer("tiny"), 32, False)
+    assert seen[0][0] == ["ss", "ss-dk-off"]  # without the AVX-512 tiles there is no next-key fetch to time
+
+
 def test_the_next_key_fetch_follows_the_trial_the_plan_and_the_environment(monkeypatch):
-    assert next_kprefetch_from_trial({"T1": {"ss": 1.0, "ss-nk-off": 1.01}}) is True
-    assert next_kprefetch_from_trial({"T1": {"ss": 1.0, "ss-nk-off": 0.99}, "T9": {"ss": 1.0}}) is False
-    assert next_kprefetch_from_trial({"T9": {"ss": 1.0, "ss-nk-off": 0.5}}) is True  # timed at T = 1 only
-    assert next_kprefetch_from_trial({"T1": {"ss": 1.0, "torch": 0.5}}) is True  # not timed
+    assert next_kprefetch_from_trial({FETCH_TRIAL_KEY: {"ss": 1.0, "ss-nk-off": 0.9, "ss-nk-off/ss": 1.01}}) is True
+    assert next_kprefetch_from_trial({FETCH_TRIAL_KEY: {"ss": 1.0, "ss-nk-off": 1.1, "ss-nk-off/ss": 0.99},
+                                      "T9": {"ss": 1.0}}) is False
+    assert next_kprefetch_from_trial({"T1": {"ss": 1.0, "ss-nk-off": 0.5}}) is True  # the fetch trial's only
+    assert next_kprefetch_from_trial({FETCH_TRIAL_KEY: {"ss": 1.0, "ss-dk-off/ss": 0.5}}) is True  # not timed
     for bad in (0, 1, "yes", None):
         with pytest.raises(ValueError, match="attention_next_kprefetch"):
             KernelPlan(attention="ss", attention_tiles="avx512", attention_next_kprefetch=bad)

@@ -57,6 +57,7 @@ import hashlib
 import json
 import math
 import os
+import statistics
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -90,7 +91,7 @@ _KERNELS_ENV, _LINEAR_ENV, _KT_ENV = "SPARSESPEC_KERNELS", "SPARSESPEC_LINEAR", 
 _PREFILL_ENV, _PV_ENV = "SPARSESPEC_PREFILL_ATTENTION", "SPARSESPEC_ATTENTION_PV_PREFETCH"
 _DK_ENV = "SPARSESPEC_ATTENTION_DECODE_KPREFETCH"
 _NK_ENV = "SPARSESPEC_ATTENTION_NEXT_KPREFETCH"
-TUNE_VERSION = 15
+TUNE_VERSION = 16
 #: the prefill trial's chunk: ``PREFILL_TRIAL_T`` queries after ``PREFILL_TRIAL_START`` keys (a chunk
 #: of the engine's 512 inside a 2K prompt), over ``PREFILL_TRIAL_LAYERS`` layers' caches
 PREFILL_TRIAL_T, PREFILL_TRIAL_START, PREFILL_TRIAL_LAYERS = 512, 1536, 4
@@ -136,7 +137,7 @@ class KernelPlan:
     #: keys into L2 (``cpu.DECODE_KPREFETCH_KEYS`` or 0, measured by the trial)
     attention_decode_kprefetch: int = cpu.DECODE_KPREFETCH_KEYS
     #: with the AVX-512 attention tiles: whether a decode step's P.V (and the keys-in-lanes path's)
-    #: fetches the next chunk's keys into L2 (measured by the trial at T = 1, the keys-in-lanes
+    #: fetches the next chunk's keys into L2 (measured by the decode fetch trial, the keys-in-lanes
     #: variants timed with it on; without those tiles it means nothing)
     attention_next_kprefetch: bool = True
 
@@ -488,6 +489,12 @@ def _linear_trial(model, backends: list[str], reps: int) -> dict[int, dict[str, 
 #: verify widths T = k + 1 at which the trial also times the keys-in-lanes score tiles against the
 #: AVX-512 ones (they transpose 32 keys per block once, which pays only when enough rows share it)
 KT_TRIAL_T = (1, 3, 5, 9, 17)
+#: the decode fetch trial (``_decode_fetch_trial``): rows of a decode step whose caches stream from
+#: memory, and its interleaved reps (its choices move the time by a few percent, where a best of three
+#: at batch 1 flipped from run to run on the AMD EPYC of benchmarks/RESULTS.md)
+FETCH_TRIAL_BATCH, FETCH_TRIAL_REPS = 4, 9
+#: the attention trial's entry holding the decode fetch trial (not a width: no ``T``)
+FETCH_TRIAL_KEY = "decode-fetch"
 
 
 def _attention_trial(model, reps: int, context: int = 2048, k: int = 8) -> dict[str, dict[str, float]]:
@@ -496,8 +503,8 @@ def _attention_trial(model, reps: int, context: int = 2048, k: int = 8) -> dict[
     AVX-512, our AVX2 tiles (``ss-avx2``) at those two widths, and the keys-in-lanes score tiles
     (``ss-kt``; ``ss-kt-late``: fetching the value rows late) against the AVX-512 ones (``ss``) at
     every width of ``KT_TRIAL_T``, and those with their P.V fetching no value rows ahead
-    (``ss-pv-off``; ``ss`` fetches ``cpu.PV_PREFETCH_KEYS`` ahead); at T = 1, ours without the far
-    key fetch into L2 (``ss-dk-off``; ``ss`` fetches ``cpu.DECODE_KPREFETCH_KEYS`` ahead)."""
+    (``ss-pv-off``; ``ss`` fetches ``cpu.PV_PREFETCH_KEYS`` ahead); and under ``FETCH_TRIAL_KEY``
+    the decode fetch trial (``_decode_fetch_trial``)."""
     from sparsespec.kernels.reference import grouped_attention
 
     cfg = model.cfg
@@ -531,9 +538,6 @@ def _attention_trial(model, reps: int, context: int = 2048, k: int = 8) -> dict[
                     out.transpose(1, 2).reshape(1, T, -1)
 
             fns: dict[str, Callable[[], Any]] = {"ss": ours}
-            if T == 1:  # a one-token forward without its far key fetch
-                fns["ss-dk-off"] = _with_setting(ours, cpu.set_attention_decode_kprefetch, 0,
-                                                 cpu.DECODE_KPREFETCH_KEYS)
             if T in (1, k + 1):
                 fns["torch"] = ref
                 if both_tiles:  # our AVX2 tiles against the AVX-512 ones (the same results)
@@ -558,10 +562,57 @@ def _attention_trial(model, reps: int, context: int = 2048, k: int = 8) -> dict[
                 fns["ss-kt-late"] = lambda ours_kt=ours_kt: ours_kt(early=False)
                 # the P.V phase without its value fetch ahead
                 fns["ss-pv-off"] = _with_setting(ours, cpu.set_attention_pv_prefetch, 0, cpu.PV_PREFETCH_KEYS)
-                if T == 1:  # a decode step without the next chunk's keys fetched during P.V
-                    fns["ss-nk-off"] = _with_setting(ours, cpu.set_attention_next_kprefetch, False, True)
             res[f"T{T}"] = _best_of(fns, reps)
+    res[FETCH_TRIAL_KEY] = _decode_fetch_trial(model, context, both_tiles)
     return res
+
+
+def _decode_fetch_trial(model, context: int, both_tiles: bool, batch: int = FETCH_TRIAL_BATCH,
+                        reps: int = FETCH_TRIAL_REPS) -> dict[str, float]:
+    """A decode step's attention (``batch`` rows of ``context`` keys, every layer's own cache:
+    streamed from memory as in a step) with its fetches as they are (``ss``), without the far key
+    fetch into L2 (``ss-dk-off``) and, on the AVX-512 tiles, without the P.V's fetch of the next
+    chunk's keys (``ss-nk-off``): ``reps`` rounds interleaved, the order reversed every other
+    round. Returns each variant's median seconds and, under ``"<variant>/ss"``, the median of its
+    per-round time ratios to ``ss`` (the decisions read those: a drift between rounds cancels)."""
+    cfg = model.cfg
+    L, Hkv, H, D = cfg.num_layers, cfg.num_kv_heads, cfg.num_heads, cfg.head_dim
+    g = torch.Generator().manual_seed(1)
+    kc = torch.randn(L, batch, Hkv, context + 1, D, generator=g, dtype=model.dtype)
+    vc = torch.randn(L, batch, Hkv, context + 1, D, generator=g, dtype=model.dtype)
+    q = torch.randn(batch, H, 1, D, generator=g, dtype=model.dtype)
+    starts = torch.full((batch,), context, dtype=torch.int64)
+
+    def ours():
+        for i in range(L):
+            cpu.attention(q, kc[i], vc[i], starts, context, model.scale)
+
+    fns: dict[str, Callable[[], Any]] = {
+        "ss": ours,
+        "ss-dk-off": _with_setting(ours, cpu.set_attention_decode_kprefetch, 0, cpu.DECODE_KPREFETCH_KEYS)}
+    if both_tiles:
+        fns["ss-nk-off"] = _with_setting(ours, cpu.set_attention_next_kprefetch, False, True)
+    times = _interleaved(fns, reps)
+    out = {name: statistics.median(ts) for name, ts in times.items()}
+    for name in fns:
+        if name != "ss":
+            out[f"{name}/ss"] = statistics.median(t / b for t, b in zip(times[name], times["ss"]))
+    return out
+
+
+def _interleaved(fns: Mapping[str, Callable[[], Any]], reps: int) -> dict[str, list[float]]:
+    """Seconds of each function per round after a warm-up round, ``reps`` rounds, the order
+    reversed every other round (neither order favoured)."""
+    for f in fns.values():
+        f()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    items = list(fns.items())
+    for r in range(reps):
+        for name, f in (items if r % 2 == 0 else items[::-1]):
+            t0 = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - t0)
+    return times
 
 
 def _with_setting(fn: Callable[[], Any], setter: Callable[[Any], Any], value: Any, restore: Any) -> Callable[[], None]:
@@ -639,19 +690,18 @@ def pv_prefetch_from_trial(att: Mapping[str, Mapping[str, float]]) -> int:
 
 
 def decode_kprefetch_from_trial(att: Mapping[str, Mapping[str, float]]) -> int:
-    """0 where a one-token forward without its far key fetch (``ss-dk-off``, timed at T = 1)
-    measured faster than with it (``ss``); else ``cpu.DECODE_KPREFETCH_KEYS`` (also where it was not
-    timed)."""
-    v = att.get("T1", {})
-    return 0 if "ss-dk-off" in v and "ss" in v and v["ss-dk-off"] < v["ss"] else cpu.DECODE_KPREFETCH_KEYS
+    """0 where a decode step without its far key fetch measured faster than with it in the decode
+    fetch trial (the median time ratio ``ss-dk-off/ss`` below 1); else ``cpu.DECODE_KPREFETCH_KEYS``
+    (also where it was not timed)."""
+    v = att.get(FETCH_TRIAL_KEY, {})
+    return 0 if v.get("ss-dk-off/ss", 1.0) < 1.0 else cpu.DECODE_KPREFETCH_KEYS
 
 
 def next_kprefetch_from_trial(att: Mapping[str, Mapping[str, float]]) -> bool:
-    """False where a decode step without its fetch of the next chunk's keys (``ss-nk-off``, timed
-    at T = 1 on the AVX-512 tiles) measured faster than with it (``ss``); else True (also where it
-    was not timed)."""
-    v = att.get("T1", {})
-    return not ("ss-nk-off" in v and "ss" in v and v["ss-nk-off"] < v["ss"])
+    """False where a decode step without its fetch of the next chunk's keys measured faster than
+    with it in the decode fetch trial (the median time ratio ``ss-nk-off/ss`` below 1; timed on the
+    AVX-512 tiles); else True (also where it was not timed)."""
+    return not att.get(FETCH_TRIAL_KEY, {}).get("ss-nk-off/ss", 1.0) < 1.0
 
 
 def range_worst(lin: Mapping[int, Mapping[str, float]], widths: tuple[int, ...]) -> dict[str, float]:
