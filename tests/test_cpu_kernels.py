@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from sparsespec.kernels import cpu
 from sparsespec.kernels.plan import (LINEAR_RANGES, TIE_MARGIN, KernelPlan, apply_tiles, choose, kt_rows_from_trial,
-                                    FETCH_TRIAL_BATCH, FETCH_TRIAL_KEY, FETCH_TRIAL_REPS, decode_kprefetch_from_trial,
+                                    FETCH_TRIAL_KEY, FETCH_TRIAL_REPS, decode_kprefetch_from_trial,
                                     kt_variant_from_trial, next_kprefetch_from_trial, ours_plan,
                                     pv_prefetch_from_trial, range_worst, tune_plan)
 from sparsespec.kernels.reference import sparse_attention_ref, verify_attention_ref
@@ -593,8 +593,7 @@ def test_tune_measures_caches_and_reads_back(tmp_path, monkeypatch):
         assert plan.attention_tiles == (want if plan.attention == "ss" else "")
         assert plan.attention_kt_rows == (rows if plan.attention == "ss" else 0)
         assert plan.attention_kt_vprefetch == (kt == "ss-kt" or not plan.attention_kt_rows)
-        assert all("ss-pv-off" in v for s, v in att.items() if s != FETCH_TRIAL_KEY)  # the P.V's value fetch
-        # on and off at every width
+        assert {"ss-pv-off/ss", "T3:ss-pv-off/ss"} <= set(att[FETCH_TRIAL_KEY])  # the P.V's value fetch
         assert plan.attention_pv_prefetch == (pv_prefetch_from_trial(att) if want != "avx2" else cpu.PV_PREFETCH_KEYS)
         assert cpu.attention_pv_prefetch() == plan.attention_pv_prefetch
         assert "ss-nk-off/ss" in att[FETCH_TRIAL_KEY]
@@ -814,36 +813,33 @@ def test_the_pv_value_fetch_is_a_speed_choice_only(D):
         cpu.set_attention_pv_prefetch(cpu.PV_PREFETCH_KEYS)
 
 
-def test_the_attention_trial_times_the_pv_value_fetch_on_and_off(monkeypatch):
+def test_the_attention_trial_times_the_fetches_on_and_off_in_their_own_trial(monkeypatch):
     if not (cpu.set_attention_avx512(True) or "").startswith("avx512"):
         pytest.skip("this CPU's build has no AVX-512 tiles")
     from sparsespec.kernels.plan import _attention_trial
 
     seen, real = set(), cpu.attention
 
-    def spy(q, *args, **kwargs):  # the fetch settings each timed call ran with, by width and batch
-        seen.add((q.shape[2], cpu.attention_pv_prefetch(), cpu.attention_decode_kprefetch()))
-        nk.add((q.shape[0], q.shape[2], cpu.attention_decode_kprefetch(), cpu.attention_next_kprefetch()))
+    def spy(q, *args, **kwargs):  # the fetch settings each timed call ran with, by batch and width
+        seen.add((q.shape[0], q.shape[2], cpu.attention_pv_prefetch(), cpu.attention_decode_kprefetch(),
+                  cpu.attention_next_kprefetch()))
         return real(q, *args, **kwargs)
-
-    nk = set()
 
     monkeypatch.setattr(cpu, "attention", spy)
     att = _attention_trial(random_transformer("tiny"), reps=1, context=64)
     widths = {s: v for s, v in att.items() if s != FETCH_TRIAL_KEY}
-    assert all("ss-pv-off" in v and "ss" in v for v in widths.values())
-    assert {(T, pv) for T, pv, _ in seen} == {(T, pv) for T in (1, 3, 5, 9, 17) for pv in (0, cpu.PV_PREFETCH_KEYS)}
-    # the decode fetches: on and off in their own trial, at its batch, one off at a time
-    fetch = att[FETCH_TRIAL_KEY]
-    assert set(fetch) == {"ss", "ss-dk-off", "ss-nk-off", "ss-dk-off/ss", "ss-nk-off/ss"}
-    assert not any("ss-dk-off" in v or "ss-nk-off" in v for v in widths.values())
-    assert {(dk, on) for B, T, dk, on in nk if B == FETCH_TRIAL_BATCH} == {
-        (cpu.DECODE_KPREFETCH_KEYS, True), (0, True), (cpu.DECODE_KPREFETCH_KEYS, False)}
-    # at batch 4 (at batch 1, where the caches are a quarter, its decisions flipped from run to run)
-    assert {(B, T) for B, T, dk, on in nk if (dk, on) != (cpu.DECODE_KPREFETCH_KEYS, True)} == {(4, 1)}
-    assert cpu.attention_pv_prefetch() == cpu.PV_PREFETCH_KEYS
-    assert cpu.attention_decode_kprefetch() == cpu.DECODE_KPREFETCH_KEYS
-    assert cpu.attention_next_kprefetch() is True
+    assert sorted(widths) == ["T1", "T17", "T3", "T5", "T9"] and all("ss" in v for v in widths.values())
+    fetch = att[FETCH_TRIAL_KEY]  # on and off in their own trial, one off at a time
+    assert set(fetch) == {"ss", "ss-dk-off", "ss-nk-off", "ss-pv-off", "T3:ss", "T3:ss-pv-off", "ss-dk-off/ss",
+                          "ss-nk-off/ss", "ss-pv-off/ss", "T3:ss-pv-off/ss"}
+    assert not any(name.startswith(("ss-dk", "ss-nk", "ss-pv")) for v in widths.values() for name in v)
+    on = (cpu.PV_PREFETCH_KEYS, cpu.DECODE_KPREFETCH_KEYS, True)
+    offs = {(B, T, *f) for B, T, *f in seen if tuple(f) != on}
+    # at batch 4 (at batch 1, where the caches are a quarter, the decisions flipped from run to run):
+    # the decode without each fetch, the k = 2 verify without the value fetch
+    assert offs == {(4, 1, 0, *on[1:]), (4, 1, on[0], 0, True), (4, 1, *on[:2], False), (4, 3, 0, *on[1:])}
+    assert {(B, T) for B, T, *f in seen if B == 4} == {(4, 1), (4, 3)}
+    assert (cpu.attention_pv_prefetch(), cpu.attention_decode_kprefetch(), cpu.attention_next_kprefetch()) == on
 
 
 def test_the_far_key_fetch_of_a_one_token_forward_is_a_speed_choice_only():
@@ -938,12 +934,13 @@ def test_the_decode_fetch_of_the_next_chunks_keys_is_a_speed_choice_only():
         cpu.set_attention_next_kprefetch(True)
 
 
-def test_the_decode_fetch_trial_decides_by_the_median_of_paired_ratios(monkeypatch):
-    """Each variant's ratio to ``ss`` is the median of its per-round ratios (a slow round hits both
-    of its pair), not the ratio of the medians; every variant runs in every round."""
+def test_the_fetch_trial_decides_by_the_median_of_paired_ratios(monkeypatch):
+    """Each variant's ratio to its width's ``ss`` is the median of its per-round ratios (a slow
+    round hits both of its pair), not the ratio of the medians; every variant runs in every round."""
     from sparsespec.kernels import plan as plan_mod
 
-    rounds = {"ss": [1.0, 2.0, 4.0], "ss-dk-off": [1.1, 1.0, 4.4], "ss-nk-off": [0.9, 2.2, 3.6]}
+    rounds = {"ss": [1.0, 2.0, 4.0], "ss-dk-off": [1.1, 1.0, 4.4], "ss-nk-off": [0.9, 2.2, 3.6],
+              "ss-pv-off": [1.05, 2.1, 3.0], "T3:ss": [3.0, 6.0, 9.0], "T3:ss-pv-off": [2.7, 6.6, 8.1]}
     seen = []
 
     def fake(fns, reps):
@@ -951,15 +948,18 @@ def test_the_decode_fetch_trial_decides_by_the_median_of_paired_ratios(monkeypat
         return {name: rounds[name] for name in fns}
 
     monkeypatch.setattr(plan_mod, "_interleaved", fake)
-    out = plan_mod._decode_fetch_trial(random_transformer("tiny"), 32, True)
-    assert seen == [(["ss", "ss-dk-off", "ss-nk-off"], FETCH_TRIAL_REPS)]
+    out = plan_mod._fetch_trial(random_transformer("tiny"), 32, True)
+    assert seen == [(sorted(rounds), FETCH_TRIAL_REPS)]
     assert out["ss-dk-off/ss"] == pytest.approx(1.1) and out["ss-dk-off"] == 1.1  # medians: 1.1 / 2.0 = 0.55
     assert out["ss-nk-off/ss"] == pytest.approx(0.9) and out["ss"] == 2.0
+    assert out["ss-pv-off/ss"] == pytest.approx(1.05) and out["T3:ss-pv-off/ss"] == pytest.approx(0.9)  # own ss
     assert decode_kprefetch_from_trial({FETCH_TRIAL_KEY: out}) == cpu.DECODE_KPREFETCH_KEYS
     assert next_kprefetch_from_trial({FETCH_TRIAL_KEY: out}) is False
+    assert pv_prefetch_from_trial({FETCH_TRIAL_KEY: out}) == 0  # 1.05 x 0.9 < 1
     seen.clear()
-    assert "ss-nk-off/ss" not in plan_mod._decode_fetch_trial(random_transformer("tiny"), 32, False)
-    assert seen[0][0] == ["ss", "ss-dk-off"]  # without the AVX-512 tiles there is no next-key fetch to time
+    out = plan_mod._fetch_trial(random_transformer("tiny"), 32, False)
+    assert seen[0][0] == ["ss", "ss-dk-off"]  # without the AVX-512 tiles: neither P.V fetch to time
+    assert pv_prefetch_from_trial({FETCH_TRIAL_KEY: out}) == cpu.PV_PREFETCH_KEYS
 
 
 def test_the_next_key_fetch_follows_the_trial_the_plan_and_the_environment(monkeypatch):
@@ -999,11 +999,12 @@ def test_the_next_key_fetch_follows_the_trial_the_plan_and_the_environment(monke
 
 
 def test_the_pv_value_fetch_follows_the_trial_the_plan_and_the_environment(monkeypatch):
-    t = {"T1": {"ss": 1.0, "ss-pv-off": 1.03}, "T9": {"ss": 5.0, "ss-pv-off": 4.9}}
+    t = {FETCH_TRIAL_KEY: {"ss": 1.0, "ss-pv-off": 1.03, "ss-pv-off/ss": 1.03, "T3:ss": 5.0,
+                           "T3:ss-pv-off": 4.9, "T3:ss-pv-off/ss": 0.98}}
     assert pv_prefetch_from_trial(t) == cpu.PV_PREFETCH_KEYS  # ratios 1.03 x 0.98 > 1 (the sums: off wins)
-    t["T1"]["ss-pv-off"] = 1.01
+    t[FETCH_TRIAL_KEY]["ss-pv-off/ss"] = 1.01
     assert pv_prefetch_from_trial(t) == 0  # 1.01 x 0.98 < 1: off won
-    assert pv_prefetch_from_trial({"T1": {"ss": 1.0, "torch": 0.5}}) == cpu.PV_PREFETCH_KEYS  # not timed
+    assert pv_prefetch_from_trial({"T1": {"ss": 1.0, "ss-pv-off": 0.5}}) == cpu.PV_PREFETCH_KEYS  # not timed
     for bad in (-1, cpu.CHUNK + 1, 1.5):
         with pytest.raises(ValueError, match="attention_pv_prefetch"):
             KernelPlan(attention="ss", attention_tiles="avx512", attention_pv_prefetch=bad)

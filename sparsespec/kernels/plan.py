@@ -91,7 +91,7 @@ _KERNELS_ENV, _LINEAR_ENV, _KT_ENV = "SPARSESPEC_KERNELS", "SPARSESPEC_LINEAR", 
 _PREFILL_ENV, _PV_ENV = "SPARSESPEC_PREFILL_ATTENTION", "SPARSESPEC_ATTENTION_PV_PREFETCH"
 _DK_ENV = "SPARSESPEC_ATTENTION_DECODE_KPREFETCH"
 _NK_ENV = "SPARSESPEC_ATTENTION_NEXT_KPREFETCH"
-TUNE_VERSION = 16
+TUNE_VERSION = 17
 #: the prefill trial's chunk: ``PREFILL_TRIAL_T`` queries after ``PREFILL_TRIAL_START`` keys (a chunk
 #: of the engine's 512 inside a 2K prompt), over ``PREFILL_TRIAL_LAYERS`` layers' caches
 PREFILL_TRIAL_T, PREFILL_TRIAL_START, PREFILL_TRIAL_LAYERS = 512, 1536, 4
@@ -137,7 +137,7 @@ class KernelPlan:
     #: keys into L2 (``cpu.DECODE_KPREFETCH_KEYS`` or 0, measured by the trial)
     attention_decode_kprefetch: int = cpu.DECODE_KPREFETCH_KEYS
     #: with the AVX-512 attention tiles: whether a decode step's P.V (and the keys-in-lanes path's)
-    #: fetches the next chunk's keys into L2 (measured by the decode fetch trial, the keys-in-lanes
+    #: fetches the next chunk's keys into L2 (measured by the fetch trial, the keys-in-lanes
     #: variants timed with it on; without those tiles it means nothing)
     attention_next_kprefetch: bool = True
 
@@ -489,12 +489,14 @@ def _linear_trial(model, backends: list[str], reps: int) -> dict[int, dict[str, 
 #: verify widths T = k + 1 at which the trial also times the keys-in-lanes score tiles against the
 #: AVX-512 ones (they transpose 32 keys per block once, which pays only when enough rows share it)
 KT_TRIAL_T = (1, 3, 5, 9, 17)
-#: the decode fetch trial (``_decode_fetch_trial``): rows of a decode step whose caches stream from
-#: memory, and its interleaved reps (its choices move the time by a few percent, where a best of three
-#: at batch 1 flipped from run to run on the AMD EPYC of benchmarks/RESULTS.md)
+#: the fetch trial (``_fetch_trial``): rows of a decode step and of a k = 2 verify whose caches
+#: stream from memory, and its interleaved reps (its choices move the time by a few percent, where a
+#: best of three at batch 1 flipped from run to run on the AMD EPYC of benchmarks/RESULTS.md)
 FETCH_TRIAL_BATCH, FETCH_TRIAL_REPS = 4, 9
-#: the attention trial's entry holding the decode fetch trial (not a width: no ``T``)
-FETCH_TRIAL_KEY = "decode-fetch"
+#: the fetch trial's verify width (k = 2: the k ``k="auto"`` picks most where it drafts)
+FETCH_TRIAL_VERIFY_T = 3
+#: the attention trial's entry holding the fetch trial (not a width: no ``T``)
+FETCH_TRIAL_KEY = "fetch"
 
 
 def _attention_trial(model, reps: int, context: int = 2048, k: int = 8) -> dict[str, dict[str, float]]:
@@ -502,9 +504,7 @@ def _attention_trial(model, reps: int, context: int = 2048, k: int = 8) -> dict[
     with its importance rows), over every layer's cache of ``context`` keys. Where built with
     AVX-512, our AVX2 tiles (``ss-avx2``) at those two widths, and the keys-in-lanes score tiles
     (``ss-kt``; ``ss-kt-late``: fetching the value rows late) against the AVX-512 ones (``ss``) at
-    every width of ``KT_TRIAL_T``, and those with their P.V fetching no value rows ahead
-    (``ss-pv-off``; ``ss`` fetches ``cpu.PV_PREFETCH_KEYS`` ahead); and under ``FETCH_TRIAL_KEY``
-    the decode fetch trial (``_decode_fetch_trial``)."""
+    every width of ``KT_TRIAL_T``; and under ``FETCH_TRIAL_KEY`` the fetch trial (``_fetch_trial``)."""
     from sparsespec.kernels.reference import grouped_attention
 
     cfg = model.cfg
@@ -560,43 +560,56 @@ def _attention_trial(model, reps: int, context: int = 2048, k: int = 8) -> dict[
                         cpu.set_attention_kt_vprefetch(True)
                 fns["ss-kt"] = ours_kt
                 fns["ss-kt-late"] = lambda ours_kt=ours_kt: ours_kt(early=False)
-                # the P.V phase without its value fetch ahead
-                fns["ss-pv-off"] = _with_setting(ours, cpu.set_attention_pv_prefetch, 0, cpu.PV_PREFETCH_KEYS)
             res[f"T{T}"] = _best_of(fns, reps)
-    res[FETCH_TRIAL_KEY] = _decode_fetch_trial(model, context, both_tiles)
+    res[FETCH_TRIAL_KEY] = _fetch_trial(model, context, both_tiles)
     return res
 
 
-def _decode_fetch_trial(model, context: int, both_tiles: bool, batch: int = FETCH_TRIAL_BATCH,
-                        reps: int = FETCH_TRIAL_REPS) -> dict[str, float]:
-    """A decode step's attention (``batch`` rows of ``context`` keys, every layer's own cache:
-    streamed from memory as in a step) with its fetches as they are (``ss``), without the far key
-    fetch into L2 (``ss-dk-off``) and, on the AVX-512 tiles, without the P.V's fetch of the next
-    chunk's keys (``ss-nk-off``): ``reps`` rounds interleaved, the order reversed every other
-    round. Returns each variant's median seconds and, under ``"<variant>/ss"``, the median of its
-    per-round time ratios to ``ss`` (the decisions read those: a drift between rounds cancels)."""
+def _fetch_trial(model, context: int, both_tiles: bool, batch: int = FETCH_TRIAL_BATCH,
+                 reps: int = FETCH_TRIAL_REPS, verify_t: int = FETCH_TRIAL_VERIFY_T) -> dict[str, float]:
+    """The attention of a decode step and of a verify (``verify_t`` queries per row, with its
+    importance rows), ``batch`` rows of ``context`` keys over every layer's own cache (streamed from
+    memory as in a step), with the fetches as they are (``ss``) and each switched off alone: at the
+    decode, the far key fetch into L2 (``ss-dk-off``) and, on the AVX-512 tiles, the P.V's fetch of
+    the next chunk's keys (``ss-nk-off``) and of the value rows ahead (``ss-pv-off``); at the verify
+    (names prefixed ``T<verify_t>:``), the latter. ``reps`` rounds, every variant in each, the order
+    reversed every other round. Returns each variant's median seconds and, under
+    ``"<variant>/ss"``, the median of its per-round time ratios to its width's ``ss`` (the
+    decisions read those: a drift between rounds cancels)."""
     cfg = model.cfg
     L, Hkv, H, D = cfg.num_layers, cfg.num_kv_heads, cfg.num_heads, cfg.head_dim
     g = torch.Generator().manual_seed(1)
-    kc = torch.randn(L, batch, Hkv, context + 1, D, generator=g, dtype=model.dtype)
-    vc = torch.randn(L, batch, Hkv, context + 1, D, generator=g, dtype=model.dtype)
-    q = torch.randn(batch, H, 1, D, generator=g, dtype=model.dtype)
+    kc = torch.randn(L, batch, Hkv, context + verify_t, D, generator=g, dtype=model.dtype)
+    vc = torch.randn(L, batch, Hkv, context + verify_t, D, generator=g, dtype=model.dtype)
     starts = torch.full((batch,), context, dtype=torch.int64)
 
-    def ours():
-        for i in range(L):
-            cpu.attention(q, kc[i], vc[i], starts, context, model.scale)
+    def width(T: int) -> Callable[[], None]:
+        q = torch.randn(batch, H, T, D, generator=g, dtype=model.dtype)
+        rows = torch.empty(batch, Hkv, T, context + T) if T > 1 else None
 
+        def run() -> None:
+            for i in range(L):
+                cpu.attention(q, kc[i], vc[i], starts, context, model.scale, rows)
+        return run
+
+    ours = width(1)
     fns: dict[str, Callable[[], Any]] = {
         "ss": ours,
         "ss-dk-off": _with_setting(ours, cpu.set_attention_decode_kprefetch, 0, cpu.DECODE_KPREFETCH_KEYS)}
     if both_tiles:
         fns["ss-nk-off"] = _with_setting(ours, cpu.set_attention_next_kprefetch, False, True)
+        fns["ss-pv-off"] = _with_setting(ours, cpu.set_attention_pv_prefetch, 0, cpu.PV_PREFETCH_KEYS)
+        verify = width(verify_t)
+        fns[f"T{verify_t}:ss"] = verify
+        fns[f"T{verify_t}:ss-pv-off"] = _with_setting(verify, cpu.set_attention_pv_prefetch, 0,
+                                                      cpu.PV_PREFETCH_KEYS)
     times = _interleaved(fns, reps)
     out = {name: statistics.median(ts) for name, ts in times.items()}
     for name in fns:
-        if name != "ss":
-            out[f"{name}/ss"] = statistics.median(t / b for t, b in zip(times[name], times["ss"]))
+        prefix, _, variant = name.rpartition(":")
+        if variant != "ss":
+            base = times[f"{prefix}:ss" if prefix else "ss"]
+            out[f"{name}/ss"] = statistics.median(t / b for t, b in zip(times[name], base))
     return out
 
 
@@ -678,20 +691,19 @@ def kt_variant_from_trial(att: Mapping[str, Mapping[str, float]]) -> str:
 
 
 def pv_prefetch_from_trial(att: Mapping[str, Mapping[str, float]]) -> int:
-    """0 where the AVX-512 tiles with their P.V fetching nothing ahead (``ss-pv-off``) measured
-    faster than fetching ``cpu.PV_PREFETCH_KEYS`` keys ahead (``ss``) by the geometric mean of
-    their time ratios over the trial's widths (each width a regime of its own: a sum would be the
-    widest one's, where the fetch matters least); else ``cpu.PV_PREFETCH_KEYS`` (also where it was
-    not timed)."""
-    ratios = [v["ss-pv-off"] / v["ss"] for v in att.values() if "ss-pv-off" in v and v.get("ss", 0) > 0]
+    """0 where the AVX-512 tiles with their P.V fetching nothing ahead measured faster than
+    fetching ``cpu.PV_PREFETCH_KEYS`` keys ahead in the fetch trial, by the geometric mean of its
+    median time ratios (``ss-pv-off/ss``) at the decode and the verify width (each width a regime
+    of its own); else ``cpu.PV_PREFETCH_KEYS`` (also where it was not timed)."""
+    ratios = [r for name, r in att.get(FETCH_TRIAL_KEY, {}).items() if name.endswith("ss-pv-off/ss")]
     if ratios and math.prod(ratios) < 1.0:
         return 0
     return cpu.PV_PREFETCH_KEYS
 
 
 def decode_kprefetch_from_trial(att: Mapping[str, Mapping[str, float]]) -> int:
-    """0 where a decode step without its far key fetch measured faster than with it in the decode
-    fetch trial (the median time ratio ``ss-dk-off/ss`` below 1); else ``cpu.DECODE_KPREFETCH_KEYS``
+    """0 where a decode step without its far key fetch measured faster than with it in the fetch
+    trial (the median time ratio ``ss-dk-off/ss`` below 1); else ``cpu.DECODE_KPREFETCH_KEYS``
     (also where it was not timed)."""
     v = att.get(FETCH_TRIAL_KEY, {})
     return 0 if v.get("ss-dk-off/ss", 1.0) < 1.0 else cpu.DECODE_KPREFETCH_KEYS
@@ -699,7 +711,7 @@ def decode_kprefetch_from_trial(att: Mapping[str, Mapping[str, float]]) -> int:
 
 def next_kprefetch_from_trial(att: Mapping[str, Mapping[str, float]]) -> bool:
     """False where a decode step without its fetch of the next chunk's keys measured faster than
-    with it in the decode fetch trial (the median time ratio ``ss-nk-off/ss`` below 1; timed on the
+    with it in the fetch trial (the median time ratio ``ss-nk-off/ss`` below 1; timed on the
     AVX-512 tiles); else True (also where it was not timed)."""
     return not att.get(FETCH_TRIAL_KEY, {}).get("ss-nk-off/ss", 1.0) < 1.0
 
@@ -825,7 +837,7 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
         if tiles == "avx2":
             att_total["ss"] = sum(att[s]["ss-avx2"] for s in base)
         else:  # and the keys-in-lanes score tiles from the row count where they measured faster
-            pv = pv_prefetch_from_trial(att)  # (the P.V's fetch distance, measured with the row-lanes scores)
+            pv = pv_prefetch_from_trial(att)  # (the P.V's fetch distance, measured in the fetch trial)
             nk = next_kprefetch_from_trial(att)
             group = model.cfg.num_heads // model.cfg.num_kv_heads
             kt = kt_variant_from_trial(att)
