@@ -288,12 +288,18 @@ def set_attention_kt_vprefetch(on: bool) -> bool | None:
     the block's scores (True, the library's default) or leaves them to the P.V phase (False):
     a speed choice (the same results), which the kernel plan's trial measures at load. Returns the
     setting (None: no kernels)."""
+    return _set_switch("kt_vprefetch", "ss_set_attention_kt_vprefetch", on)
+
+
+def _set_switch(key: str, setter: str, on: bool) -> bool | None:
+    """Call the library's on/off ``setter`` and record what it set under ``key``; None when the
+    kernels are unavailable."""
     lib = library()
     if lib is None:
         return None
     with _lock:
-        _state["kt_vprefetch"] = bool(lib.ss_set_attention_kt_vprefetch(int(bool(on))))
-    return _state["kt_vprefetch"]
+        _state[key] = bool(getattr(lib, setter)(int(bool(on))))
+    return _state[key]
 
 
 def _set_distance(key: str, setter: str, keys_ahead: int) -> int | None:
@@ -341,12 +347,7 @@ def set_attention_next_kprefetch(on: bool) -> bool | None:
     own fetches reach least far: a decode step (T = 1) and the keys-in-lanes score tiles (a wide
     verify). A speed choice (the same results) that depends on the CPU, which the kernel plan's
     trial measures at load. Returns the setting (None: no kernels)."""
-    lib = library()
-    if lib is None:
-        return None
-    with _lock:
-        _state["next_kprefetch"] = bool(lib.ss_set_attention_next_kprefetch(int(bool(on))))
-    return _state["next_kprefetch"]
+    return _set_switch("next_kprefetch", "ss_set_attention_next_kprefetch", on)
 
 
 def attention_next_kprefetch() -> bool:

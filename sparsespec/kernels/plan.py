@@ -430,17 +430,24 @@ def _weights(model) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     return [(w, b) for w, b in out if not isinstance(w, Int8Weight)]
 
 
-def _best_of(fns: Mapping[str, Callable[[], Any]], reps: int) -> dict[str, float]:
-    """Min seconds of each function, the functions interleaved (drift hits all alike)."""
-    best = {k: float("inf") for k in fns}
+def _interleaved(fns: Mapping[str, Callable[[], Any]], reps: int) -> dict[str, list[float]]:
+    """Seconds of each function per round after a warm-up round, ``reps`` rounds, the order
+    reversed every other round (neither order favoured)."""
     for f in fns.values():
-        f()  # warm-up: first-touch pages, one-off setup
-    for _ in range(reps):
-        for k, f in fns.items():
+        f()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    items = list(fns.items())
+    for r in range(reps):
+        for name, f in (items if r % 2 == 0 else items[::-1]):
             t0 = time.perf_counter()
             f()
-            best[k] = min(best[k], time.perf_counter() - t0)
-    return best
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def _best_of(fns: Mapping[str, Callable[[], Any]], reps: int) -> dict[str, float]:
+    """Min seconds of each function over ``_interleaved``'s rounds (drift hits all alike)."""
+    return {name: min(ts) for name, ts in _interleaved(fns, reps).items()}
 
 
 def _linear_trial(model, backends: list[str], reps: int) -> dict[int, dict[str, float]]:
@@ -611,21 +618,6 @@ def _fetch_trial(model, context: int, both_tiles: bool, batch: int = FETCH_TRIAL
             base = times[f"{prefix}:ss" if prefix else "ss"]
             out[f"{name}/ss"] = statistics.median(t / b for t, b in zip(times[name], base))
     return out
-
-
-def _interleaved(fns: Mapping[str, Callable[[], Any]], reps: int) -> dict[str, list[float]]:
-    """Seconds of each function per round after a warm-up round, ``reps`` rounds, the order
-    reversed every other round (neither order favoured)."""
-    for f in fns.values():
-        f()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    items = list(fns.items())
-    for r in range(reps):
-        for name, f in (items if r % 2 == 0 else items[::-1]):
-            t0 = time.perf_counter()
-            f()
-            times[name].append(time.perf_counter() - t0)
-    return times
 
 
 def _with_setting(fn: Callable[[], Any], setter: Callable[[Any], Any], value: Any, restore: Any) -> Callable[[], None]:

@@ -1302,16 +1302,11 @@ SS_INLINE void att_chunk_d(const attn_t *a, int64_t b, int64_t kv, int64_t c, co
             for (int64_t u = 0; u < kn; ++u) vp[u] = att_val(a, b, kv, j0 + u, nv, idx);
         const char *nk = NULL;  /* the next item's keys (the next chunk, or the next pair's first) */
         int64_t nkn = 0;
-        if (!a->sparse && ss_nk_pf && (T == 1 || use_kt)) {
-            if (j1 < n) {
-                nk = (const char *)(a->k + b * a->k_sb + kv * a->k_sh + j1 * D);
-                nkn = n - j1 < SS_CHUNK ? n - j1 : SS_CHUNK;
-            } else if (b * a->Hkv + kv + 1 < a->B * a->Hkv) {
-                const int64_t b2 = (b * a->Hkv + kv + 1) / a->Hkv, kv2 = (b * a->Hkv + kv + 1) % a->Hkv;
-                const int64_t n2 = att_nkeys(a, b2);
-                nk = (const char *)(a->k + b2 * a->k_sb + kv2 * a->k_sh);
-                nkn = n2 < SS_CHUNK ? n2 : SS_CHUNK;
-            }
+        const int64_t p2 = b * a->Hkv + kv + (j1 >= n);  /* this pair's next chunk or the next pair's */
+        if (!a->sparse && ss_nk_pf && (T == 1 || use_kt) && p2 < a->B * a->Hkv) {
+            const int64_t b2 = p2 / a->Hkv, j2 = j1 < n ? j1 : 0, left = att_nkeys(a, b2) - j2;
+            nk = (const char *)att_key(a, b2, p2 % a->Hkv, j2, 0, NULL);
+            nkn = left < SS_CHUNK ? left : SS_CHUNK;
         }
         pv512_rows(R, kn, S + j0, ld, vrows, D, a->sparse ? vp : NULL, D, part, D, a->sparse ? 0 : ss_pv_pf,
                    nk, D * 4, nkn);
