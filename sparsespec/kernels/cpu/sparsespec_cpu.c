@@ -186,7 +186,11 @@ SS_API void ss_linear(int64_t M, int64_t N, int64_t K, const float *x, int64_t l
 
 /* one row of 16 outputs (accumulators passed by value: an escaping address would keep them in memory) */
 SS_INLINE void pk_store_row(__m256 c0, __m256 c1, float *yr, const float *bias, int acc, int ncols) {
-    if (ncols == SS_NB && !bias) {
+    if (ncols == SS_NB) {  /* (the loop below, by element, compiles to calls to memcpy) */
+        if (bias) {
+            c0 = _mm256_add_ps(c0, _mm256_loadu_ps(bias));
+            c1 = _mm256_add_ps(c1, _mm256_loadu_ps(bias + 8));
+        }
         if (acc) {
             c0 = _mm256_add_ps(_mm256_loadu_ps(yr), c0);
             c1 = _mm256_add_ps(_mm256_loadu_ps(yr + 8), c1);
@@ -318,7 +322,8 @@ static void pk_rows(int64_t M, int64_t K, const float *x, int64_t ldx, const flo
 #endif
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 SS_INLINE void pk512_store(__m512 c, float *yr, const float *bias, int acc, int ncols) {
-    if (ncols == SS_NB && !bias) {
+    if (ncols == SS_NB) {  /* (the loop below, by element, compiles to calls to memcpy) */
+        if (bias) c = _mm512_add_ps(c, _mm512_loadu_ps(bias));
         if (acc) c = _mm512_add_ps(_mm512_loadu_ps(yr), c);
         _mm512_storeu_ps(yr, c);
         return;
@@ -1270,9 +1275,14 @@ SS_INLINE void att_chunk_d(const attn_t *a, int64_t b, int64_t kv, int64_t c, co
                 a2 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(kp[2] + d), a2);
                 a3 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(kp[3] + d), a3);
             }
-            float sv[8];
-            _mm256_storeu_ps(sv, hsum8x8(a0, a1, a2, a3, a0, a1, a2, a3));
-            for (int u = 0; u < nk; ++u) S[r * ld + j + u] = sv[u];
+            const __m256 s8 = hsum8x8(a0, a1, a2, a3, a0, a1, a2, a3);
+            if (nk == 4) {  /* (the store loop below compiles to a call to memcpy: 1.14x a decode's time) */
+                _mm_storeu_ps(S + r * ld + j, _mm256_castps256_ps128(s8));
+            } else {
+                float sv[8];
+                _mm256_storeu_ps(sv, s8);
+                for (int u = 0; u < nk; ++u) S[r * ld + j + u] = sv[u];
+            }
         }
         if (j + nk - 1 > att_limit(a, b, 0, nv))  /* the causal tail */
             for (int64_t rr = 0; rr < R; ++rr) {
