@@ -290,8 +290,8 @@ def test_the_avx512_tiles_give_the_avx2_tiles_results_bit_for_bit(G, D):
     """Where the library has AVX-512 tiles (score row pairs, 16-lane exp and P.V; keys-in-lanes score
     tiles from 6 query rows of a KV head), they run the same operations as the AVX2 ones: dense
     (decode and verify widths, with rows) and sparse attention. Rows per KV head G * T: 3 .. 119
-    (keys-in-lanes tiles of 6 .. 12 rows), keys not a multiple of the 32-key block, causal tails
-    inside a block."""
+    (keys-in-lanes tiles of 6 .. 12 rows; odd counts, the row-pair tiles' padded row), keys not a
+    multiple of the 32-key block, causal tails inside a block."""
     if not (cpu.set_attention_avx512(True) or "").startswith("avx512"):
         pytest.skip("this CPU's build has no AVX-512 tiles")
     g = _gen(11)
@@ -303,7 +303,7 @@ def test_the_avx512_tiles_give_the_avx2_tiles_results_bit_for_bit(G, D):
     nv, kt, vt = torch.tensor([300, 17, 260]), torch.randn(B, Hkv, 3, D, generator=g), torch.randn(B, Hkv, 3, D, generator=g)
     modes = {"avx512-kt": (True, 1), "avx512": (True, 0), "avx2": (False, 0)}
     try:
-        for T in (1, 2, 5, 9, 17):
+        for T in (1, 2, 3, 5, 9, 17):  # T = 3, G = 3: nine rows, one row-pair tile of five pairs (one padded)
             q = torch.randn(B, Hkv * G, T, D, generator=g)
             got = {}
             for mode, (on, kt_on) in modes.items():

@@ -787,30 +787,35 @@ SS_INLINE void sc512_store(__m512 s, int rows, float *S, int64_t ld, int64_t j, 
         a##p##2 = _mm512_fmadd_ps(x, k2, a##p##2);                                    \
         a##p##3 = _mm512_fmadd_ps(x, k3, a##p##3);                                    \
     }
-/* scores of rows r .. r + 2 NP - 1 (NP row pairs: 1, 2 or 4) x keys kp[0..3] (nk valid) into S
- * (rows ld apart, column j); q2: the pairs' queries, pair p's d-block [d, d+8) of both rows at
- * q2 + p * 2D + 2d (row r + 2p in the low half) */
+/* scores of rows r .. r + vr - 1 (vr <= 2 NP; NP row pairs: 1, 2, 4 or 5, the last pair's second row
+ * zeros where vr is odd) x keys kp[0..3] (nk valid) into S (rows ld apart, column j); q2: the
+ * pairs' queries, pair p's d-block [d, d+8) of both rows at q2 + p * 2D + 2d (row r + 2p in the low
+ * half). Nine or ten rows (a k = 2 verify over 3 query heads per KV head) run as one tile of five
+ * pairs: an odd ninth row in a tile call of its own (or the AVX2 rows) cost 1.12x the attention. */
 SS_INLINE void sc512_tile(const int NP, const float *q2, const float *const *kp, int nk, const int64_t D, float *S,
-                          int64_t ld, int64_t j) {
-    S5_ACC(0) S5_ACC(1) S5_ACC(2) S5_ACC(3)
+                          int64_t ld, int64_t j, int vr) {
+    S5_ACC(0) S5_ACC(1) S5_ACC(2) S5_ACC(3) S5_ACC(4)
     for (int64_t d = 0; d < D; d += 8) {
         const __m512 k0 = _mm512_broadcast_f32x8(_mm256_loadu_ps(kp[0] + d));
         const __m512 k1 = _mm512_broadcast_f32x8(_mm256_loadu_ps(kp[1] + d));
         const __m512 k2 = _mm512_broadcast_f32x8(_mm256_loadu_ps(kp[2] + d));
         const __m512 k3 = _mm512_broadcast_f32x8(_mm256_loadu_ps(kp[3] + d));
-        S5_ROW(0) S5_ROW(1) S5_ROW(2) S5_ROW(3)
+        S5_ROW(0) S5_ROW(1) S5_ROW(2) S5_ROW(3) S5_ROW(4)
     }
-    if (NP == 1) sc512_store(hsum16x8(a00, a01, a02, a03, a00, a01, a02, a03), 2, S, ld, j, nk);
-    if (NP >= 2) sc512_store(hsum16x8(a00, a01, a02, a03, a10, a11, a12, a13), 4, S, ld, j, nk);
-    if (NP >= 4) sc512_store(hsum16x8(a20, a21, a22, a23, a30, a31, a32, a33), 4, S + 4 * ld, ld, j, nk);
+    if (NP == 1) sc512_store(hsum16x8(a00, a01, a02, a03, a00, a01, a02, a03), vr, S, ld, j, nk);
+    if (NP >= 2) sc512_store(hsum16x8(a00, a01, a02, a03, a10, a11, a12, a13), vr < 4 ? vr : 4, S, ld, j, nk);
+    if (NP >= 4)
+        sc512_store(hsum16x8(a20, a21, a22, a23, a30, a31, a32, a33), vr < 8 ? vr - 4 : 4, S + 4 * ld, ld, j, nk);
+    if (NP == 5) sc512_store(hsum16x8(a40, a41, a42, a43, a40, a41, a42, a43), vr - 8, S + 8 * ld, ld, j, nk);
 }
 
-/* q2 of rows [0, R2) (R2 even) from the scaled queries qs [R, D] */
-SS_INLINE void sc512_pack_pairs(const float *qs, int64_t R2, const int64_t D, float *q2) {
+/* q2 of rows [0, R2) (R2 = R rounded up to even; a padding row zeros) from the scaled queries qs [R, D] */
+SS_INLINE void sc512_pack_pairs(const float *qs, int64_t R, int64_t R2, const int64_t D, float *q2) {
     for (int64_t p = 0; p < R2 / 2; ++p)
         for (int64_t d = 0; d < D; d += 8) {
-            memcpy(q2 + p * 2 * D + 2 * d, qs + 2 * p * D + d, 8 * sizeof(float));
-            memcpy(q2 + p * 2 * D + 2 * d + 8, qs + (2 * p + 1) * D + d, 8 * sizeof(float));
+            _mm256_storeu_ps(q2 + p * 2 * D + 2 * d, _mm256_loadu_ps(qs + 2 * p * D + d));
+            const __m256 odd = 2 * p + 1 < R ? _mm256_loadu_ps(qs + (2 * p + 1) * D + d) : _mm256_setzero_ps();
+            _mm256_storeu_ps(q2 + p * 2 * D + 2 * d + 8, odd);
         }
 }
 
@@ -1183,12 +1188,12 @@ SS_INLINE void att_chunk_d(const attn_t *a, int64_t b, int64_t kv, int64_t c, co
     float *qs = part;  /* q * scale, in the partials' room until P.V overwrites it (after the scores) */
     for (int64_t i = 0; i < R * D; ++i) qs[i] = q[i] * a->scale;
 #if SS_HAVE512
-    /* rows [0, R5) in the AVX-512 tiles (pairs of rows), from 4 rows up (a decode step's G = 3
-     * rows stay on the AVX2 tiles) */
+    /* every row in the AVX-512 tiles (pairs of rows; an odd count's last row padded), from 4 rows up
+     * (a decode step's G = 3 rows stay on the AVX2 tiles: 1.3x slower in the row-pair tiles) */
     const int use_kt = ss_att512 && ss_att_kt && R >= ss_att_kt && D % 16 == 0;
-    const int64_t R5 = (ss_att512 && !use_kt && R >= SS_R512_MIN) ? R / 2 * 2 : 0;
+    const int64_t R5 = (ss_att512 && !use_kt && R >= SS_R512_MIN) ? (R + 1) / 2 * 2 : 0;
     float *q2 = part + R * D + (a->sparse ? SS_CHUNK * D : 0);
-    if (R5) sc512_pack_pairs(qs, R5, D, q2);
+    if (R5) sc512_pack_pairs(qs, R, R5, D, q2);
 #endif
     /* 1. scores: dot products, 2 rows x 4 keys per block (8 FMA chains over d in 8 lanes, then
      *    hsum8x8's tree), q pre-scaled */
@@ -1251,9 +1256,16 @@ SS_INLINE void att_chunk_d(const attn_t *a, int64_t b, int64_t kv, int64_t c, co
             }
         int64_t r = 0;
 #if SS_HAVE512
-        for (; r + 8 <= R5; r += 8) sc512_tile(4, q2 + r * D, kp, nk, D, S + r * ld, ld, j);
-        for (; r + 4 <= R5; r += 4) sc512_tile(2, q2 + r * D, kp, nk, D, S + r * ld, ld, j);
-        for (; r + 2 <= R5; r += 2) sc512_tile(1, q2 + r * D, kp, nk, D, S + r * ld, ld, j);
+        if (R5 == 10) {
+            sc512_tile(5, q2, kp, nk, D, S, ld, j, (int)R);
+            r = R5;
+        }
+#define SC512_ROWS(NP_) (int)(R - r < 2 * (NP_) ? R - r : 2 * (NP_))
+        for (; r + 8 <= R5; r += 8) sc512_tile(4, q2 + r * D, kp, nk, D, S + r * ld, ld, j, SC512_ROWS(4));
+        for (; r + 4 <= R5; r += 4) sc512_tile(2, q2 + r * D, kp, nk, D, S + r * ld, ld, j, SC512_ROWS(2));
+        for (; r + 2 <= R5; r += 2) sc512_tile(1, q2 + r * D, kp, nk, D, S + r * ld, ld, j, SC512_ROWS(1));
+#undef SC512_ROWS
+        if (r > R) r = R;
 #endif
         for (; r + 2 <= R; r += 2) {
             const float *q0 = qs + r * D, *q1 = q0 + D;
