@@ -21,11 +21,13 @@ times the kernel from cache, 1.3-3x faster than inside a step. Compare with
     .venv/bin/python benchmarks/attention_cpu.py --batch 8 --context 8192 --widths 1,3 --fetch 16/32,0/32,16/0,0/0
     .venv/bin/python benchmarks/attention_cpu.py --batch 4 --context 6144 --widths 1,3 --fetch 16/32/1,16/32/0
 
-``--fetch PV/DK[/NK],...`` times the prefetches side by side (the same bits): PV, the keys ahead
+``--fetch PV/DK[/NK[/VK]],...`` times the prefetches side by side (the same bits): PV, the keys ahead
 whose value rows the P.V phase fetches (``cpu.set_attention_pv_prefetch``), DK, the keys ahead a
 one-token forward's scores fetch into L2 (``cpu.set_attention_decode_kprefetch``), NK (1 or 0;
 default: the current setting), whether the P.V of a decode step and of the keys-in-lanes tiles
-fetches the next chunk's keys into L2 (``cpu.set_attention_next_kprefetch``); the kernel plan chooses all three at load.
+fetches the next chunk's keys into L2 (``cpu.set_attention_next_kprefetch``), VK (default: the current
+setting), the widest verify in the row-pair tiles whose P.V does too (``cpu.set_attention_verify_kprefetch``;
+0: none); the kernel plan chooses all four at load.
 """
 from __future__ import annotations
 
@@ -52,8 +54,8 @@ def main(argv=None) -> int:
                          "value rows fetched late, avx512, avx2; "
                          "bitwise the same results); default: what the library runs now")
     ap.add_argument("--fetch", default=None,
-                    help="comma-separated PV/DK[/NK] prefetches to time side by side (PV, DK: distances in "
-                         "keys; NK: 1 or 0; e.g. 16/32,0/0,16/32/0); "
+                    help="comma-separated PV/DK[/NK[/VK]] prefetches to time side by side (PV, DK: distances in "
+                         "keys; NK: 1 or 0; VK: a verify width; e.g. 16/32,0/0,16/32/0,16/32/1/0); "
                          "default: what the library runs now")
     a = ap.parse_args(argv)
     if a.threads:
@@ -79,21 +81,21 @@ def main(argv=None) -> int:
     if bad:
         ap.error(f"--tiles: unknown {bad} (avx512-kt, avx512-kt-late, avx512, avx2)")
 
-    nk_now = int(kc.attention_next_kprefetch())
+    now = (kc.attention_pv_prefetch(), kc.attention_decode_kprefetch(), int(kc.attention_next_kprefetch()),
+           kc.attention_verify_kprefetch())
     try:
-        fetches = [tuple(int(x) for x in f.split("/")) for f in a.fetch.split(",")] if a.fetch else \
-            [(kc.attention_pv_prefetch(), kc.attention_decode_kprefetch(), nk_now)]
+        fetches = [tuple(int(x) for x in f.split("/")) for f in a.fetch.split(",")] if a.fetch else [now]
     except ValueError:
-        ap.error(f"--fetch: expected PV/DK or PV/DK/NK integers, e.g. 16/32,0/0,16/32/0, got {a.fetch!r}")
-    fetches = [f + (nk_now,) if len(f) == 2 else f for f in fetches]
-    if any(len(f) != 3 or min(f) < 0 or max(f[:2]) > kc.CHUNK or f[2] > 1 for f in fetches):
-        ap.error(f"--fetch: each PV/DK in [0, {kc.CHUNK}] and NK 0 or 1, got {a.fetch!r}")
-    restore = (kc.attention_pv_prefetch(), kc.attention_decode_kprefetch(), nk_now)
+        ap.error(f"--fetch: expected PV/DK, PV/DK/NK or PV/DK/NK/VK integers, e.g. 16/32,0/0,16/32/0, got {a.fetch!r}")
+    fetches = [f + now[len(f):] if 2 <= len(f) < 4 else f for f in fetches]
+    if any(len(f) != 4 or min(f) < 0 or max(f) > kc.CHUNK or f[2] > 1 for f in fetches):
+        ap.error(f"--fetch: each PV/DK/VK in [0, {kc.CHUNK}] and NK 0 or 1, got {a.fetch!r}")
 
     def use(tile, fetch):
         kc.set_attention_pv_prefetch(fetch[0])
         kc.set_attention_decode_kprefetch(fetch[1])
         kc.set_attention_next_kprefetch(bool(fetch[2]))
+        kc.set_attention_verify_kprefetch(fetch[3])
         kc.set_attention_avx512(tile != "avx2")
         kc.set_attention_kt_vprefetch(tile != "avx512-kt-late")
         if kc.set_attention_kt(1 if tile.startswith("avx512-kt") else 0) != tile.removesuffix("-late"):
@@ -121,13 +123,14 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             f()
             times[key].append((time.perf_counter() - t0) / L)
-    kc.set_attention_pv_prefetch(restore[0])
-    kc.set_attention_decode_kprefetch(restore[1])
-    kc.set_attention_next_kprefetch(bool(restore[2]))
+    kc.set_attention_pv_prefetch(now[0])
+    kc.set_attention_decode_kprefetch(now[1])
+    kc.set_attention_next_kprefetch(bool(now[2]))
+    kc.set_attention_verify_kprefetch(now[3])
     print(f"{kc.cpu_model()} [{kc.isa_summary()}], {torch.get_num_threads()} threads; read {bw / 1e9:.1f} GB/s, "
           f"GEMM {gemm / 1e9:.0f} GFLOP/s ({machine['gemm_backend']}); B={B} S={S} H={H} H_kv={Hkv} D={D}, {L} layer(s) per call, "
           f"times per layer\n")
-    print("| T | rows | tiles | fetch PV/DK/NK | ms | x roofline | GB/s (K+V) | GFLOP/s |")
+    print("| T | rows | tiles | fetch PV/DK/NK/VK | ms | x roofline | GB/s (K+V) | GFLOP/s |")
     print("|---|---|---|---|---|---|---|---|")
     kv_bytes = 2 * B * Hkv * S * D * 4
     for (T, rows, tile, fetch), ts in times.items():

@@ -23,7 +23,7 @@ def test_prints_one_row_per_width_and_rows_variant(capsys):
                                                  [" 3 ", " yes ", f" {tile} "]]
     for r in rows:  # ms and x roofline positive; GB/s and GFLOP/s numbers (0.0 when rounded on a loaded machine)
         assert r.split("|")[4].strip() == (f"{kc.attention_pv_prefetch()}/{kc.attention_decode_kprefetch()}/"
-                                           f"{int(kc.attention_next_kprefetch())}")
+                                           f"{int(kc.attention_next_kprefetch())}/{kc.attention_verify_kprefetch()}")
         ms, roof, gbs, gflops = (float(c) for c in r.split("|")[5:9])
         assert ms > 0 and roof > 0 and gbs >= 0 and gflops >= 0
 
@@ -58,17 +58,19 @@ def test_each_call_runs_every_layer_and_times_are_per_layer(monkeypatch, capsys)
 @pytest.mark.skipif(not kc.available(), reason="our CPU kernels are not built here")
 def test_the_fetch_distances_run_side_by_side_restored_after_and_bad_ones_refused(monkeypatch, capsys):
     seen, real = [], kc.attention
-    monkeypatch.setattr(kc, "attention", lambda q, *a, **kw: seen.append(
-        (kc.attention_pv_prefetch(), kc.attention_decode_kprefetch(), kc.attention_next_kprefetch()))
-        or real(q, *a, **kw))
-    before = (kc.attention_pv_prefetch(), kc.attention_decode_kprefetch(), kc.attention_next_kprefetch())
-    nk = int(before[2])  # a PV/DK pair keeps the current next-key fetch
+    state = lambda: (kc.attention_pv_prefetch(), kc.attention_decode_kprefetch(), kc.attention_next_kprefetch(),
+                     kc.attention_verify_kprefetch())
+    monkeypatch.setattr(kc, "attention", lambda q, *a, **kw: seen.append(state()) or real(q, *a, **kw))
+    before = state()
+    nk, vk = int(before[2]), before[3]  # a PV/DK pair keeps the current next-key fetches
     assert bench.main(["--batch", "1", "--context", "64", "--widths", "1", "--reps", "1", "--layers", "1",
-                       "--fetch", f"16/32,0/0,3/200,16/32/{1 - nk}"]) == 0
+                       "--fetch", f"16/32,0/0,3/200,16/32/{1 - nk},16/32/1/{vk + 2}"]) == 0
     rows = [line.split("|")[4].strip() for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 |")]
-    assert rows == [f"16/32/{nk}", f"0/0/{nk}", f"3/200/{nk}", f"16/32/{1 - nk}"]
-    assert set(seen) == {(16, 32, bool(nk)), (0, 0, bool(nk)), (3, 200, bool(nk)), (16, 32, not nk)}
-    assert (kc.attention_pv_prefetch(), kc.attention_decode_kprefetch(), kc.attention_next_kprefetch()) == before
-    for bad in ("16", "a/b", "-1/0", f"0/{kc.CHUNK + 1}", "16/32/2", "16/32/1/0"):
+    assert rows == [f"16/32/{nk}/{vk}", f"0/0/{nk}/{vk}", f"3/200/{nk}/{vk}", f"16/32/{1 - nk}/{vk}",
+                    f"16/32/1/{vk + 2}"]
+    assert set(seen) == {(16, 32, bool(nk), vk), (0, 0, bool(nk), vk), (3, 200, bool(nk), vk),
+                         (16, 32, not nk, vk), (16, 32, True, vk + 2)}
+    assert state() == before
+    for bad in ("16", "a/b", "-1/0", f"0/{kc.CHUNK + 1}", "16/32/2", f"16/32/1/{kc.CHUNK + 1}", "16/32/1/0/0"):
         with pytest.raises(SystemExit):
             bench.main(["--fetch", bad])

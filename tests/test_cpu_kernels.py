@@ -18,6 +18,7 @@ from sparsespec.kernels import cpu
 from sparsespec.kernels.plan import (LINEAR_RANGES, TIE_MARGIN, KernelPlan, apply_tiles, choose, kt_rows_from_trial,
                                     FETCH_TRIAL_KEY, FETCH_TRIAL_REPS, decode_kprefetch_from_trial,
                                     kt_variant_from_trial, next_kprefetch_from_trial, ours_plan,
+                                    verify_kprefetch_from_trial,
                                     pv_prefetch_from_trial, range_worst, tune_plan)
 from sparsespec.kernels.reference import sparse_attention_ref, verify_attention_ref
 from sparsespec.kv.cache import KVCache
@@ -634,7 +635,8 @@ def test_choose_switches_the_attention_tiles_and_the_environment_keeps_them_off(
         assert plan.describe()["linear_tiles"] == plan.linear_tiles
         plan = dataclasses.replace(plan, attention_tiles="avx512", linear_tiles="avx512",
                                    attention_kt_rows=0, attention_kt_vprefetch=True,
-                                   attention_pv_prefetch=cpu.PV_PREFETCH_KEYS, attention_next_kprefetch=True)
+                                   attention_pv_prefetch=cpu.PV_PREFETCH_KEYS, attention_next_kprefetch=True,
+                                   attention_verify_kprefetch=cpu.VERIFY_KPREFETCH_T)
         assert plan.summary().count("(avx512)") == 2
         cpu.set_attention_avx512(False)  # a plan that says avx512 switches them back on
         cpu.set_linear_avx512(False)
@@ -822,7 +824,7 @@ def test_the_attention_trial_times_the_fetches_on_and_off_in_their_own_trial(mon
 
     def spy(q, *args, **kwargs):  # the fetch settings each timed call ran with, by batch and width
         seen.add((q.shape[0], q.shape[2], cpu.attention_pv_prefetch(), cpu.attention_decode_kprefetch(),
-                  cpu.attention_next_kprefetch()))
+                  cpu.attention_next_kprefetch(), cpu.attention_verify_kprefetch()))
         return real(q, *args, **kwargs)
 
     monkeypatch.setattr(cpu, "attention", spy)
@@ -830,16 +832,18 @@ def test_the_attention_trial_times_the_fetches_on_and_off_in_their_own_trial(mon
     widths = {s: v for s, v in att.items() if s != FETCH_TRIAL_KEY}
     assert sorted(widths) == ["T1", "T17", "T3", "T5", "T9"] and all("ss" in v for v in widths.values())
     fetch = att[FETCH_TRIAL_KEY]  # on and off in their own trial, one off at a time
-    assert set(fetch) == {"ss", "ss-dk-off", "ss-nk-off", "ss-pv-off", "T3:ss", "T3:ss-pv-off", "ss-dk-off/ss",
-                          "ss-nk-off/ss", "ss-pv-off/ss", "T3:ss-pv-off/ss"}
+    assert set(fetch) == {"ss", "ss-dk-off", "ss-nk-off", "ss-pv-off", "T3:ss", "T3:ss-pv-off", "T3:ss-nk-off",
+                          "ss-dk-off/ss", "ss-nk-off/ss", "ss-pv-off/ss", "T3:ss-pv-off/ss", "T3:ss-nk-off/ss"}
     assert not any(name.startswith(("ss-dk", "ss-nk", "ss-pv")) for v in widths.values() for name in v)
-    on = (cpu.PV_PREFETCH_KEYS, cpu.DECODE_KPREFETCH_KEYS, True)
+    on = (cpu.PV_PREFETCH_KEYS, cpu.DECODE_KPREFETCH_KEYS, True, cpu.VERIFY_KPREFETCH_T)
     offs = {(B, T, *f) for B, T, *f in seen if tuple(f) != on}
     # at batch 4 (at batch 1, where the caches are a quarter, the decisions flipped from run to run):
-    # the decode without each fetch, the k = 2 verify without the value fetch
-    assert offs == {(4, 1, 0, *on[1:]), (4, 1, on[0], 0, True), (4, 1, *on[:2], False), (4, 3, 0, *on[1:])}
+    # the decode without each fetch, the k = 2 verify without the value fetch and without its next keys
+    assert offs == {(4, 1, 0, *on[1:]), (4, 1, on[0], 0, *on[2:]), (4, 1, *on[:2], False, on[3]),
+                    (4, 3, 0, *on[1:]), (4, 3, *on[:3], 0)}
     assert {(B, T) for B, T, *f in seen if B == 4} == {(4, 1), (4, 3)}
-    assert (cpu.attention_pv_prefetch(), cpu.attention_decode_kprefetch(), cpu.attention_next_kprefetch()) == on
+    assert (cpu.attention_pv_prefetch(), cpu.attention_decode_kprefetch(), cpu.attention_next_kprefetch(),
+            cpu.attention_verify_kprefetch()) == on
 
 
 def test_the_far_key_fetch_of_a_one_token_forward_is_a_speed_choice_only():
@@ -906,19 +910,21 @@ def test_the_far_key_fetch_follows_the_trial_the_plan_and_the_environment(monkey
 
 def test_the_decode_fetch_of_the_next_chunks_keys_is_a_speed_choice_only():
     """Decode (dense, T = 1: the fetch runs; the chunk after the last of a row is the next row's
-    or head's first, of any length), a verify in the row-pair tiles (T = 3: it does not run) and in
-    the keys-in-lanes tiles (T = 3 with them from 1 row: it runs) give the same bits with the next
+    or head's first, of any length), a verify in the row-pair tiles (T = 3: it runs up to the
+    verify width set, ``set_attention_verify_kprefetch``; T = 5: it does not) and in the
+    keys-in-lanes tiles (T = 3 with them from 1 row: it runs) give the same bits with the next
     chunk's keys fetched during P.V or not, on either tiles, right against the reference."""
     g = _gen(73)
     B, Hkv, G, D, S = 3, 2, 3, 64, 1100  # several chunks per row; rows of 1100, 300 and 37 keys
-    kc, vc = torch.randn(B, Hkv, S + 3, D, generator=g), torch.randn(B, Hkv, S + 3, D, generator=g)
+    kc, vc = torch.randn(B, Hkv, S + 5, D, generator=g), torch.randn(B, Hkv, S + 5, D, generator=g)
     starts = torch.tensor([S, 300, 37])
     tiles = [True, False] if (cpu.set_attention_avx512(True) or "").startswith("avx512") else [False]
     try:
         for on in tiles:
             cpu.set_attention_avx512(on)
-            for T, kt in ((1, 0), (3, 0), (3, 1)):
+            for T, kt, vt in ((1, 0, 0), (3, 0, 3), (3, 0, 0), (5, 0, 5), (5, 0, 3), (3, 1, 0)):
                 cpu.set_attention_kt(kt)
+                assert cpu.set_attention_verify_kprefetch(vt) == vt == cpu.attention_verify_kprefetch()
                 q = torch.randn(B, Hkv * G, T, D, generator=g)
                 got = []
                 for fetch in (False, True):
@@ -932,6 +938,7 @@ def test_the_decode_fetch_of_the_next_chunks_keys_is_a_speed_choice_only():
         cpu.set_attention_avx512(True)
         cpu.set_attention_kt(0)
         cpu.set_attention_next_kprefetch(True)
+        cpu.set_attention_verify_kprefetch(cpu.VERIFY_KPREFETCH_T)
 
 
 def test_the_fetch_trial_decides_by_the_median_of_paired_ratios(monkeypatch):
@@ -940,7 +947,8 @@ def test_the_fetch_trial_decides_by_the_median_of_paired_ratios(monkeypatch):
     from sparsespec.kernels import plan as plan_mod
 
     rounds = {"ss": [1.0, 2.0, 4.0], "ss-dk-off": [1.1, 1.0, 4.4], "ss-nk-off": [0.9, 2.2, 3.6],
-              "ss-pv-off": [1.05, 2.1, 3.0], "T3:ss": [3.0, 6.0, 9.0], "T3:ss-pv-off": [2.7, 6.6, 8.1]}
+              "ss-pv-off": [1.05, 2.1, 3.0], "T3:ss": [3.0, 6.0, 9.0], "T3:ss-pv-off": [2.7, 6.6, 8.1],
+              "T3:ss-nk-off": [3.3, 5.4, 9.9]}
     seen = []
 
     def fake(fns, reps):
@@ -956,6 +964,8 @@ def test_the_fetch_trial_decides_by_the_median_of_paired_ratios(monkeypatch):
     assert decode_kprefetch_from_trial({FETCH_TRIAL_KEY: out}) == cpu.DECODE_KPREFETCH_KEYS
     assert next_kprefetch_from_trial({FETCH_TRIAL_KEY: out}) is False
     assert pv_prefetch_from_trial({FETCH_TRIAL_KEY: out}) == 0  # 1.05 x 0.9 < 1
+    assert out["T3:ss-nk-off/ss"] == pytest.approx(1.1)  # the verify's own switch, against its own ss
+    assert verify_kprefetch_from_trial({FETCH_TRIAL_KEY: out}) == cpu.VERIFY_KPREFETCH_T
     seen.clear()
     out = plan_mod._fetch_trial(random_transformer("tiny"), 32, False)
     assert seen[0][0] == ["ss", "ss-dk-off"]  # without the AVX-512 tiles: neither P.V fetch to time
@@ -996,6 +1006,36 @@ def test_the_next_key_fetch_follows_the_trial_the_plan_and_the_environment(monke
                 apply_tiles(plan)
     finally:
         cpu.set_attention_next_kprefetch(True)
+
+
+def test_the_verify_next_key_fetch_follows_the_trial_the_plan_and_the_environment(monkeypatch):
+    assert verify_kprefetch_from_trial({FETCH_TRIAL_KEY: {"T3:ss-nk-off/ss": 1.02}}) == cpu.VERIFY_KPREFETCH_T
+    assert verify_kprefetch_from_trial({FETCH_TRIAL_KEY: {"T3:ss-nk-off/ss": 0.98, "ss-nk-off/ss": 1.2}}) == 0
+    assert verify_kprefetch_from_trial({FETCH_TRIAL_KEY: {"ss-nk-off/ss": 0.5}}) == cpu.VERIFY_KPREFETCH_T  # not timed
+    for bad in (-1, cpu.CHUNK + 1, True, 2.0, None):
+        with pytest.raises(ValueError, match="attention_verify_kprefetch"):
+            KernelPlan(attention="ss", attention_tiles="avx512", attention_verify_kprefetch=bad)
+    off = KernelPlan(attention="ss", attention_tiles="avx512", attention_verify_kprefetch=0)
+    assert "verify fetches no next keys" in off.summary() and off.describe()["attention_verify_kprefetch"] == 0
+    assert "next keys" not in dataclasses.replace(off, attention_verify_kprefetch=3).summary()
+    assert "verify fetches" not in dataclasses.replace(off, attention_next_kprefetch=False).summary()  # all off
+    assert KernelPlan(attention="torch").describe()["attention_verify_kprefetch"] is None  # moot
+    if not (cpu.set_attention_avx512(True) or "").startswith("avx512"):
+        return
+    plan = KernelPlan(((None, "ss"),), "ss", True, 2, "user", attention_tiles=cpu.attention_isa(),
+                      attention_kt_rows=cpu.attention_kt_rows(), attention_verify_kprefetch=0)
+    try:
+        assert apply_tiles(plan).attention_verify_kprefetch == 0 == cpu.attention_verify_kprefetch()
+        back = dataclasses.replace(plan, attention_verify_kprefetch=3)
+        assert apply_tiles(back).attention_verify_kprefetch == 3 == cpu.attention_verify_kprefetch()
+        monkeypatch.setenv("SPARSESPEC_ATTENTION_VERIFY_KPREFETCH", "9")  # the user's setting wins
+        assert apply_tiles(plan).attention_verify_kprefetch == 9 == cpu.attention_verify_kprefetch()
+        for bad in ("-1", "x", str(cpu.CHUNK + 1)):
+            monkeypatch.setenv("SPARSESPEC_ATTENTION_VERIFY_KPREFETCH", bad)
+            with pytest.raises(ValueError, match="SPARSESPEC_ATTENTION_VERIFY_KPREFETCH=.*widest verify"):
+                apply_tiles(plan)
+    finally:
+        cpu.set_attention_verify_kprefetch(cpu.VERIFY_KPREFETCH_T)
 
 
 def test_the_pv_value_fetch_follows_the_trial_the_plan_and_the_environment(monkeypatch):

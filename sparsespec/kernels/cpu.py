@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu") / "sparsespec_cpu.c"
-ABI_VERSION = 16
+ABI_VERSION = 17
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
 #: keys per attention chunk in the C kernels (SS_CHUNK)
 CHUNK = 256
@@ -61,6 +61,10 @@ PV_PREFETCH_KEYS = 16
 #: how far ahead a one-token forward's score loop fetches keys into L2, the library's start and what
 #: the plan's trial tries against 0 (32 and 64 both 8-15 % faster than none at T = 1 on that CPU)
 DECODE_KPREFETCH_KEYS = 32
+#: the widest verify (query positions) in the row-pair score tiles whose P.V also fetches the next
+#: chunk's keys, the library's start and what the plan's fetch trial tries against 0 (a k = 2 verify,
+#: timed at that width; a k = 8 verify measured slower with it on that CPU, twenty-seventh session)
+VERIFY_KPREFETCH_T = 3
 _ENV = "SPARSESPEC_CPU_KERNELS"
 #: ``0`` keeps the attention and the packed linear on their AVX2 tiles where the library was built
 #: with AVX-512
@@ -183,6 +187,7 @@ _SIGNATURES = {
     "ss_set_attention_pv_prefetch": ([_INT], _INT),
     "ss_set_attention_decode_kprefetch": ([_INT], _INT),
     "ss_set_attention_next_kprefetch": ([_INT], _INT),
+    "ss_set_attention_verify_kprefetch": ([_INT], _INT),
     "ss_sparse_attention": ([_I64] * 5 + [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR,
                                           _PTR, _I64, _I64, _I64, _F32, _PTR, _I64, _I64, _PTR, _I64, _INT], None),
 }
@@ -216,6 +221,7 @@ def library() -> ctypes.CDLL | None:
                 _state["pv_prefetch"] = int(lib.ss_set_attention_pv_prefetch(PV_PREFETCH_KEYS))
                 _state["decode_kprefetch"] = int(lib.ss_set_attention_decode_kprefetch(DECODE_KPREFETCH_KEYS))
                 _state["next_kprefetch"] = bool(lib.ss_set_attention_next_kprefetch(1))
+                _state["verify_kprefetch"] = int(lib.ss_set_attention_verify_kprefetch(VERIFY_KPREFETCH_T))
                 _state["path"] = str(path)
             except (RuntimeError, OSError, AttributeError) as e:
                 lib, reason = None, str(e)
@@ -303,8 +309,8 @@ def _set_switch(key: str, setter: str, on: bool) -> bool | None:
 
 
 def _set_distance(key: str, setter: str, keys_ahead: int) -> int | None:
-    """Call the library's fetch-distance ``setter`` (it clamps to [0, CHUNK]) and record what it
-    set under ``key``; None when the kernels are unavailable."""
+    """Call the library's fetch ``setter`` (a distance in keys, or a verify width; it clamps to [0,
+    CHUNK]) and record what it set under ``key``; None when the kernels are unavailable."""
     lib = library()
     if lib is None:
         return None
@@ -354,6 +360,21 @@ def attention_next_kprefetch() -> bool:
     """Whether the P.V fetches the next chunk's keys (``set_attention_next_kprefetch``)."""
     library()
     return bool(_state.get("next_kprefetch", True))
+
+
+def set_attention_verify_kprefetch(max_t: int) -> int | None:
+    """The widest verify (query positions per row; 0: none, capped at ``CHUNK``) whose P.V in the
+    row-pair score tiles also fetches the next chunk's keys into L2 (where
+    ``set_attention_next_kprefetch`` is on): a speed choice (the same results) that depends on the
+    CPU, which the kernel plan's fetch trial measures at load (``VERIFY_KPREFETCH_T`` or 0). Returns
+    the setting (None: no kernels)."""
+    return _set_distance("verify_kprefetch", "ss_set_attention_verify_kprefetch", max_t)
+
+
+def attention_verify_kprefetch() -> int:
+    """The widest row-pair verify that fetches the next keys (``set_attention_verify_kprefetch``; 0: none)."""
+    library()
+    return int(_state.get("verify_kprefetch", VERIFY_KPREFETCH_T))
 
 
 def attention_kt_vprefetch() -> bool:

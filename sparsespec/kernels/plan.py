@@ -15,8 +15,9 @@ A ``KernelPlan`` names, for one model on one device:
   keys transposed once, then GEMM-like tiles of up to 12 query rows without horizontal sums, and
   ``attention_kt_vprefetch``: whether that path fetches a block's value rows early), and with the
   AVX-512 tiles ``attention_pv_prefetch``: how many keys ahead the P.V phase fetches value rows
-  (0: none) and ``attention_next_kprefetch``: whether a decode step's P.V (and the keys-in-lanes
-  path's) fetches the next chunk's keys into L2, and with any of them
+  (0: none), ``attention_next_kprefetch``: whether a decode step's P.V (and the keys-in-lanes
+  path's) fetches the next chunk's keys into L2 and ``attention_verify_kprefetch``: the widest
+  verify (query positions) in the row-pair score tiles that does too (0: none), and with any of them
   ``attention_decode_kprefetch``: how many keys ahead a one-token forward's scores fetch keys into
   L2 (0: none); all give bitwise the same results, so this is a speed choice only (``""``: not
   applicable);
@@ -47,6 +48,7 @@ the keys-in-lanes score tiles from N query rows per KV head (0: never) whatever 
 ``SPARSESPEC_ATTENTION_PV_PREFETCH=N`` sets the P.V phase's value fetch distance (keys; 0: none);
 ``SPARSESPEC_ATTENTION_DECODE_KPREFETCH=N`` a one-token forward's far key fetch (keys; 0: none);
 ``SPARSESPEC_ATTENTION_NEXT_KPREFETCH=1|0`` whether a decode (or keys-in-lanes) P.V fetches the next keys;
+``SPARSESPEC_ATTENTION_VERIFY_KPREFETCH=N`` the widest row-pair verify (query positions) whose P.V does too (0: none);
 ``SPARSESPEC_PREFILL_ATTENTION=ss|torch`` picks the prefill chunks' attention.
 The chosen plan goes into every run's provenance and every bench row (``KernelPlan.describe``).
 """
@@ -90,8 +92,8 @@ FORWARD_TRIAL_K, FORWARD_TRIAL_CONTEXT, FORWARD_TRIAL_UPTO = 8, 256, 128
 _KERNELS_ENV, _LINEAR_ENV, _KT_ENV = "SPARSESPEC_KERNELS", "SPARSESPEC_LINEAR", "SPARSESPEC_ATTENTION_KT"
 _PREFILL_ENV, _PV_ENV = "SPARSESPEC_PREFILL_ATTENTION", "SPARSESPEC_ATTENTION_PV_PREFETCH"
 _DK_ENV = "SPARSESPEC_ATTENTION_DECODE_KPREFETCH"
-_NK_ENV = "SPARSESPEC_ATTENTION_NEXT_KPREFETCH"
-TUNE_VERSION = 17
+_NK_ENV, _VK_ENV = "SPARSESPEC_ATTENTION_NEXT_KPREFETCH", "SPARSESPEC_ATTENTION_VERIFY_KPREFETCH"
+TUNE_VERSION = 18
 #: the prefill trial's chunk: ``PREFILL_TRIAL_T`` queries after ``PREFILL_TRIAL_START`` keys (a chunk
 #: of the engine's 512 inside a 2K prompt), over ``PREFILL_TRIAL_LAYERS`` layers' caches
 PREFILL_TRIAL_T, PREFILL_TRIAL_START, PREFILL_TRIAL_LAYERS = 512, 1536, 4
@@ -140,6 +142,10 @@ class KernelPlan:
     #: fetches the next chunk's keys into L2 (measured by the fetch trial, the keys-in-lanes
     #: variants timed with it on; without those tiles it means nothing)
     attention_next_kprefetch: bool = True
+    #: with the AVX-512 attention tiles and the fetch above: the widest verify (query positions) in
+    #: the row-pair score tiles whose P.V fetches the next chunk's keys too (``cpu.VERIFY_KPREFETCH_T``
+    #: or 0, measured by the fetch trial at that width)
+    attention_verify_kprefetch: int = cpu.VERIFY_KPREFETCH_T
 
     def __post_init__(self) -> None:
         uppers = [u for u, _ in self.linear]
@@ -157,7 +163,7 @@ class KernelPlan:
             raise ValueError(f"linear_tiles must be avx512, avx2 or empty, got {self.linear_tiles!r}")
         if self.prefill_attention not in ("ss", "torch"):
             raise ValueError(f"prefill_attention must be ss or torch, got {self.prefill_attention!r}")
-        for name in ("attention_pv_prefetch", "attention_decode_kprefetch"):
+        for name in ("attention_pv_prefetch", "attention_decode_kprefetch", "attention_verify_kprefetch"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= cpu.CHUNK:
                 raise ValueError(f"{name} must be an integer in [0, {cpu.CHUNK}], got {v!r}")
@@ -196,6 +202,7 @@ class KernelPlan:
                 "attention_kt_vprefetch": self.attention_kt_vprefetch if self.attention_kt_rows else None,
                 "attention_pv_prefetch": self.attention_pv_prefetch if self._pv_tiles else None,
                 "attention_next_kprefetch": self.attention_next_kprefetch if self._pv_tiles else None,
+                "attention_verify_kprefetch": self.attention_verify_kprefetch if self._pv_tiles else None,
                 "attention_decode_kprefetch": self.attention_decode_kprefetch if self.attention == "ss" else None,
                 "linear_tiles": self.linear_tiles or None, "prefill_attention": self.prefill_attention,
                 "fused": self.fused, "threads": self.threads,
@@ -206,8 +213,8 @@ class KernelPlan:
 
     @property
     def _pv_tiles(self) -> bool:
-        """Whether ``attention_pv_prefetch`` and ``attention_next_kprefetch`` apply: our attention on
-        its AVX-512 tiles."""
+        """Whether ``attention_pv_prefetch``, ``attention_next_kprefetch`` and
+        ``attention_verify_kprefetch`` apply: our attention on its AVX-512 tiles."""
         return self.attention == "ss" and self.attention_tiles.startswith("avx512")
 
     def summary(self) -> str:
@@ -218,6 +225,8 @@ class KernelPlan:
         kt += "" if self.attention_kt_vprefetch or not self.attention_kt_rows else ", values fetched late"
         kt += ", P.V fetches nothing ahead" if self._pv_tiles and not self.attention_pv_prefetch else ""
         kt += ", decode fetches no next keys" if self._pv_tiles and not self.attention_next_kprefetch else ""
+        kt += ", verify fetches no next keys" if self._pv_tiles and self.attention_next_kprefetch and \
+            not self.attention_verify_kprefetch else ""
         kt += ", decode fetches no keys far ahead" if self.attention == "ss" and not self.attention_decode_kprefetch \
             else ""
         tiles = f" ({self.attention_tiles}{kt})" if self.attention_tiles else ""
@@ -325,6 +334,7 @@ def apply_tiles(plan: KernelPlan) -> KernelPlan:
         ValueError: ``SPARSESPEC_ATTENTION_KT`` is not a non-negative integer;
             ``SPARSESPEC_ATTENTION_PV_PREFETCH`` or ``SPARSESPEC_ATTENTION_DECODE_KPREFETCH`` is not
             an integer in ``[0, cpu.CHUNK]``; ``SPARSESPEC_ATTENTION_NEXT_KPREFETCH`` is not 0 or 1;
+            ``SPARSESPEC_ATTENTION_VERIFY_KPREFETCH`` is not an integer in ``[0, cpu.CHUNK]``;
             ``SPARSESPEC_PREFILL_ATTENTION`` is not ss or torch, or ss where it cannot run.
     """
     prefill = plan.prefill_attention
@@ -362,6 +372,9 @@ def apply_tiles(plan: KernelPlan) -> KernelPlan:
             cpu.set_attention_next_kprefetch(_env_switch(_NK_ENV, "the P.V fetches the next chunk's keys",
                                                          plan.attention_next_kprefetch if plan.attention_tiles else
                                                          cpu.attention_next_kprefetch()))
+            cpu.set_attention_verify_kprefetch(_env_keys(
+                _VK_ENV, "fetches the next chunk's keys", plan.attention_verify_kprefetch if plan.attention_tiles
+                else cpu.attention_verify_kprefetch(), expect="the widest verify (query positions) whose P.V"))
         dk = _env_keys(_DK_ENV, "a one-token forward fetches keys into L2", plan.attention_decode_kprefetch)
         cpu.set_attention_decode_kprefetch(dk)
         att = (cpu.set_attention_avx512(want != "avx2") or "") if want else ""
@@ -372,19 +385,21 @@ def apply_tiles(plan: KernelPlan) -> KernelPlan:
     vpf = cpu.attention_kt_vprefetch() if kt_rows else plan.attention_kt_vprefetch  # without kt tiles: moot
     pv = cpu.attention_pv_prefetch() if att.startswith("avx512") else plan.attention_pv_prefetch  # likewise
     nk = cpu.attention_next_kprefetch() if att.startswith("avx512") else plan.attention_next_kprefetch
+    vk = cpu.attention_verify_kprefetch() if att.startswith("avx512") else plan.attention_verify_kprefetch
     dk = cpu.attention_decode_kprefetch() if plan.attention == "ss" else plan.attention_decode_kprefetch
-    if (att, lin, kt_rows, vpf, pv, dk, nk) == (plan.attention_tiles, plan.linear_tiles, plan.attention_kt_rows,
-                                                plan.attention_kt_vprefetch, plan.attention_pv_prefetch,
-                                                plan.attention_decode_kprefetch, plan.attention_next_kprefetch):
+    if (att, lin, kt_rows, vpf, pv, dk, nk, vk) == (
+            plan.attention_tiles, plan.linear_tiles, plan.attention_kt_rows, plan.attention_kt_vprefetch,
+            plan.attention_pv_prefetch, plan.attention_decode_kprefetch, plan.attention_next_kprefetch,
+            plan.attention_verify_kprefetch):
         return plan
     return dataclasses.replace(plan, attention_tiles=att, linear_tiles=lin, attention_kt_rows=kt_rows,
                                attention_kt_vprefetch=vpf, attention_pv_prefetch=pv, attention_decode_kprefetch=dk,
-                               attention_next_kprefetch=nk)
+                               attention_next_kprefetch=nk, attention_verify_kprefetch=vk)
 
 
-def _env_keys(name: str, what: str, default: int) -> int:
-    """A fetch distance in keys from the environment variable ``name`` (digits, at most ``cpu.CHUNK``),
-    else ``default``.
+def _env_keys(name: str, what: str, default: int, expect: str = "how many keys ahead") -> int:
+    """A fetch distance in keys (or, as ``expect`` says, a verify width) from the environment
+    variable ``name`` (digits, at most ``cpu.CHUNK``), else ``default``.
 
     Raises:
         ValueError: the variable is set to anything else.
@@ -393,7 +408,7 @@ def _env_keys(name: str, what: str, default: int) -> int:
     if not env:
         return default
     if not env.isdigit() or int(env) > cpu.CHUNK:
-        raise ValueError(f"{name}={env!r}: expected how many keys ahead {what}, 0 to {cpu.CHUNK} (0: none)")
+        raise ValueError(f"{name}={env!r}: expected {expect} {what}, 0 to {cpu.CHUNK} (0: none)")
     return int(env)
 
 
@@ -501,7 +516,7 @@ KT_TRIAL_T = (1, 3, 5, 9, 17)
 #: best of three at batch 1 flipped from run to run on the AMD EPYC of benchmarks/RESULTS.md)
 FETCH_TRIAL_BATCH, FETCH_TRIAL_REPS = 4, 9
 #: the fetch trial's verify width (k = 2: the k ``k="auto"`` picks most where it drafts)
-FETCH_TRIAL_VERIFY_T = 3
+FETCH_TRIAL_VERIFY_T = cpu.VERIFY_KPREFETCH_T
 #: the attention trial's entry holding the fetch trial (not a width: no ``T``)
 FETCH_TRIAL_KEY = "fetch"
 
@@ -527,6 +542,7 @@ def _attention_trial(model, reps: int, context: int = 2048, k: int = 8) -> dict[
     cpu.set_attention_pv_prefetch(cpu.PV_PREFETCH_KEYS)
     cpu.set_attention_decode_kprefetch(cpu.DECODE_KPREFETCH_KEYS)
     cpu.set_attention_next_kprefetch(True)
+    cpu.set_attention_verify_kprefetch(cpu.VERIFY_KPREFETCH_T)
     with torch.inference_mode():
         for T in widths:
             q = torch.randn(1, H, T, D, generator=g, dtype=model.dtype)
@@ -579,7 +595,8 @@ def _fetch_trial(model, context: int, both_tiles: bool, batch: int = FETCH_TRIAL
     memory as in a step), with the fetches as they are (``ss``) and each switched off alone: at the
     decode, the far key fetch into L2 (``ss-dk-off``) and, on the AVX-512 tiles, the P.V's fetch of
     the next chunk's keys (``ss-nk-off``) and of the value rows ahead (``ss-pv-off``); at the verify
-    (names prefixed ``T<verify_t>:``), the latter. ``reps`` rounds, every variant in each, the order
+    (names prefixed ``T<verify_t>:``), the latter two (the next keys: the verify's own switch,
+    ``cpu.set_attention_verify_kprefetch``). ``reps`` rounds, every variant in each, the order
     reversed every other round. Returns each variant's median seconds and, under
     ``"<variant>/ss"``, the median of its per-round time ratios to its width's ``ss`` (the
     decisions read those: a drift between rounds cancels)."""
@@ -610,6 +627,8 @@ def _fetch_trial(model, context: int, both_tiles: bool, batch: int = FETCH_TRIAL
         fns[f"T{verify_t}:ss"] = verify
         fns[f"T{verify_t}:ss-pv-off"] = _with_setting(verify, cpu.set_attention_pv_prefetch, 0,
                                                       cpu.PV_PREFETCH_KEYS)
+        fns[f"T{verify_t}:ss-nk-off"] = _with_setting(verify, cpu.set_attention_verify_kprefetch, 0,
+                                                      cpu.VERIFY_KPREFETCH_T)
     times = _interleaved(fns, reps)
     out = {name: statistics.median(ts) for name, ts in times.items()}
     for name in fns:
@@ -708,6 +727,14 @@ def next_kprefetch_from_trial(att: Mapping[str, Mapping[str, float]]) -> bool:
     return not att.get(FETCH_TRIAL_KEY, {}).get("ss-nk-off/ss", 1.0) < 1.0
 
 
+def verify_kprefetch_from_trial(att: Mapping[str, Mapping[str, float]]) -> int:
+    """0 where a verify of ``FETCH_TRIAL_VERIFY_T`` queries in the row-pair tiles without its fetch of
+    the next chunk's keys measured faster than with it in the fetch trial (the median time ratio
+    ``T<width>:ss-nk-off/ss`` below 1); else ``cpu.VERIFY_KPREFETCH_T`` (also where it was not timed)."""
+    r = att.get(FETCH_TRIAL_KEY, {}).get(f"T{FETCH_TRIAL_VERIFY_T}:ss-nk-off/ss", 1.0)
+    return 0 if r < 1.0 else cpu.VERIFY_KPREFETCH_T
+
+
 def range_worst(lin: Mapping[int, Mapping[str, float]], widths: tuple[int, ...]) -> dict[str, float]:
     """Each backend's worst time over ``widths`` as a multiple of the fastest backend at that width
     (``lin``: seconds per width and backend, as ``_linear_trial`` returns them)."""
@@ -791,7 +818,9 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
                               attention_pv_prefetch=int(data.get("attention_pv_prefetch", cpu.PV_PREFETCH_KEYS)),
                               attention_decode_kprefetch=int(data.get("attention_decode_kprefetch",
                                                                       cpu.DECODE_KPREFETCH_KEYS)),
-                              attention_next_kprefetch=bool(data.get("attention_next_kprefetch", True)))
+                              attention_next_kprefetch=bool(data.get("attention_next_kprefetch", True)),
+                              attention_verify_kprefetch=int(data.get("attention_verify_kprefetch",
+                                                                      cpu.VERIFY_KPREFETCH_T)))
         except (OSError, ValueError, KeyError, TypeError):
             pass  # a corrupt cache entry: measure again
     if progress:
@@ -821,7 +850,7 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
     base = [s for s in att if "torch" in att[s]]  # the decode and verify widths
     att_total = {be: sum(att[s][be] for s in base) for be in ("ss", "torch")}
     attention = min(att_total, key=att_total.get)
-    tiles, kt_rows, kt_vprefetch, pv, nk = "", 0, True, cpu.PV_PREFETCH_KEYS, True
+    tiles, kt_rows, kt_vprefetch, pv, nk, vk = "", 0, True, cpu.PV_PREFETCH_KEYS, True, cpu.VERIFY_KPREFETCH_T
     dk = decode_kprefetch_from_trial(att)
     cpu.set_attention_decode_kprefetch(dk)
     if all("ss-avx2" in att[s] for s in base):  # the AVX-512 tiles unless the AVX2 ones measured faster
@@ -831,6 +860,7 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
         else:  # and the keys-in-lanes score tiles from the row count where they measured faster
             pv = pv_prefetch_from_trial(att)  # (the P.V's fetch distance, measured in the fetch trial)
             nk = next_kprefetch_from_trial(att)
+            vk = verify_kprefetch_from_trial(att)
             group = model.cfg.num_heads // model.cfg.num_kv_heads
             kt = kt_variant_from_trial(att)
             kt_rows = kt_rows_from_trial(att, group, kt)
@@ -843,6 +873,7 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
         cpu.set_attention_kt_vprefetch(kt_vprefetch)
         cpu.set_attention_pv_prefetch(pv)
         cpu.set_attention_next_kprefetch(nk)
+        cpu.set_attention_verify_kprefetch(vk)
     pre = _prefill_trial(model, reps) if attention == "ss" else {}
     prefill = "ss" if pre and pre["ss"] < pre["torch"] else "torch"
     fwd: dict[str, dict[str, float]] = {}
@@ -865,7 +896,7 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
                       attention_kt_rows=kt_rows if attention == "ss" else 0,
                       attention_kt_vprefetch=kt_vprefetch if attention == "ss" and kt_rows else True,
                       prefill_attention=prefill, attention_pv_prefetch=pv, attention_decode_kprefetch=dk,
-                      attention_next_kprefetch=nk)
+                      attention_next_kprefetch=nk, attention_verify_kprefetch=vk)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -876,6 +907,7 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
                                    "attention_pv_prefetch": plan.attention_pv_prefetch,
                                    "attention_decode_kprefetch": plan.attention_decode_kprefetch,
                                    "attention_next_kprefetch": plan.attention_next_kprefetch,
+                                   "attention_verify_kprefetch": plan.attention_verify_kprefetch,
                                    "prefill_attention": plan.prefill_attention,
                                    "fused": plan.fused, "tune_s": tune_s, "timings": timings,
                                    "cpu": cpu.cpu_model(), "isa": cpu.isa_summary(), "threads": threads,

@@ -51,7 +51,7 @@
 #error "sparsespec_cpu.c needs AVX2 and FMA (the loader falls back to torch without them)"
 #endif
 
-SS_API int ss_abi_version(void) { return 16; }
+SS_API int ss_abi_version(void) { return 17; }
 
 
 /* ------------------------------------------------------------------ vector helpers (AVX2) */
@@ -1055,14 +1055,29 @@ static int64_t ss_pv_pf = 16;
  * 32 keys only). Measured at load by the kernel plan (the same results either way): on the AMD
  * EPYC of benchmarks/RESULTS.md (twenty-sixth session, alternated in one process, 30 layers'
  * caches) the decode attention ran 4-8 % faster at batch 1 x 4K to 8 x 8K and a k = 8 verify's
- * in keys-in-lanes tiles 10 % at 4 x 6K; with the row-pair score tiles of a k = 2 verify, bound by
- * their arithmetic there, it was 2-3 % slower, so it does not run with those. */
+ * in keys-in-lanes tiles 10 % at 4 x 6K; with the row-pair score tiles of a verify it runs up to
+ * the width ss_nk_vt (below). */
 static int ss_nk_pf = 1;
+
+/* > 0: the same fetch also in a verify of up to this many query positions (T) in the row-pair
+ * score tiles; 0: not there. Measured at load by the kernel plan's fetch trial at T = 3 (k = 2):
+ * on the AMD EPYC of benchmarks/RESULTS.md (twenty-seventh session, one layer's attention at 4 x 6K
+ * alternated in one process, ten pairs) it made a k = 2 verify's attention 1.08x faster (median;
+ * 0.95-1.32) once that attention's own arithmetic got faster, and a k = 8 verify's (T = 9, row-pair
+ * tiles) 0.93x: wider verifies keep without it. */
+static int64_t ss_nk_vt = 3;
 
 /* Switch the decode's fetch of the next item's keys on (1) or off (0); returns the setting. */
 SS_API int ss_set_attention_next_kprefetch(int on) {
     ss_nk_pf = on != 0;
     return ss_nk_pf;
+}
+
+/* Set the widest verify (query positions, 0: none; at most SS_CHUNK) in the row-pair tiles whose P.V
+ * also fetches the next item's keys (with ss_set_attention_next_kprefetch on); returns the setting. */
+SS_API int ss_set_attention_verify_kprefetch(int max_t) {
+    ss_nk_vt = max_t < 0 ? 0 : max_t > SS_CHUNK ? SS_CHUNK : max_t;
+    return (int)ss_nk_vt;
 }
 
 /* Set how many keys ahead the dense P.V fetches value rows (0: none; at most SS_CHUNK); returns the
@@ -1337,7 +1352,7 @@ SS_INLINE void att_chunk_d(const attn_t *a, int64_t b, int64_t kv, int64_t c, co
         const char *nk = NULL;  /* the next item's keys (the next chunk, or the next pair's first) */
         int64_t nkn = 0;
         const int64_t p2 = b * a->Hkv + kv + (j1 >= n);  /* this pair's next chunk or the next pair's */
-        if (!a->sparse && ss_nk_pf && (T == 1 || use_kt) && p2 < a->B * a->Hkv) {
+        if (!a->sparse && ss_nk_pf && (T == 1 || use_kt || T <= ss_nk_vt) && p2 < a->B * a->Hkv) {
             const int64_t b2 = p2 / a->Hkv, j2 = j1 < n ? j1 : 0, left = att_nkeys(a, b2) - j2;
             nk = (const char *)att_key(a, b2, p2 % a->Hkv, j2, 0, NULL);
             nkn = left < SS_CHUNK ? left : SS_CHUNK;
