@@ -656,7 +656,8 @@ SS_INLINE int64_t att_chunks_of(const attn_t *a, int64_t b) { return (att_nkeys(
  * chunk): m [R], l [R] (padded to 16 floats), o [R, D], the AVX-512 tiles' query pairs [R + 1, D]
  * and in sparse mode room to gather the chunk's value rows [SS_CHUNK, D]; per pair: M [R], L [R].
  * o and the query pairs start on a cache line where D % 16 == 0 (their 64-byte loads and stores
- * split across two lines otherwise: measured 1.3x a k = 2 verify's attention on the AMD EPYC). */
+ * split across two lines otherwise: a k = 2 verify's attention 1.17x slower in L2 and 1.10-1.14x
+ * at 4 x 6K on the AMD EPYC of benchmarks/RESULTS.md, twenty-seventh session). */
 SS_INLINE int64_t att_pad16(int64_t n) { return (n + 15) / 16 * 16; }
 
 /* the scores' row stride: n_max rounded up to a cache line */
@@ -1204,7 +1205,8 @@ SS_INLINE void att_chunk_d(const attn_t *a, int64_t b, int64_t kv, int64_t c, co
     for (int64_t i = 0; i < R * D; ++i) qs[i] = q[i] * a->scale;
 #if SS_HAVE512
     /* every row in the AVX-512 tiles (pairs of rows; an odd count's last row padded), from 4 rows up
-     * (a decode step's G = 3 rows stay on the AVX2 tiles: 1.3x slower in the row-pair tiles) */
+     * (a decode step's G = 3 rows stay on the AVX2 tiles: 1.27x slower in the row-pair tiles, in L2,
+     * measured before the workspace was aligned) */
     const int use_kt = ss_att512 && ss_att_kt && R >= ss_att_kt && D % 16 == 0;
     const int64_t R5 = (ss_att512 && !use_kt && R >= SS_R512_MIN) ? (R + 1) / 2 * 2 : 0;
     float *q2 = part + R * D + (a->sparse ? SS_CHUNK * D : 0);
@@ -1407,7 +1409,8 @@ static void att_combine(const attn_t *a, int64_t b, int64_t kv) {
         for (int64_t d = 0; d < D; d += 8) {
             __m256 s = _mm256_setzero_ps();
             for (int64_t c = 0; c < nc; ++c)
-                s = _mm256_fmadd_ps(_mm256_set1_ps(f[c]), _mm256_loadu_ps(att_item(a, b, kv, c) + att_item_o(R) + r * D + d), s);
+                s = _mm256_fmadd_ps(_mm256_set1_ps(f[c]),
+                                    _mm256_loadu_ps(att_item(a, b, kv, c) + att_item_o(R) + r * D + d), s);
             _mm256_storeu_ps(o + d, _mm256_div_ps(s, inv));
         }
     }
