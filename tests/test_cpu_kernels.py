@@ -876,6 +876,23 @@ def test_the_far_key_fetch_of_a_one_token_forward_is_a_speed_choice_only():
         cpu.set_attention_decode_kprefetch(cpu.DECODE_KPREFETCH_KEYS)
 
 
+def _assert_plan_then_env_apply(monkeypatch, field, current, on, env, user, bads, match):
+    """A plan's integer kernel switch ``field`` is applied at 0 and at ``on`` (``current()`` reads the
+    library's setting), the environment variable ``env`` at ``user`` wins over the plan (the user's
+    setting), and each of ``bads`` there is a ValueError matching ``match``."""
+    plan = KernelPlan(((None, "ss"),), "ss", True, 2, "user", attention_tiles=cpu.attention_isa() or "avx2",
+                      attention_kt_rows=cpu.attention_kt_rows(), **{field: 0})
+    assert getattr(apply_tiles(plan), field) == 0 == current()
+    back = dataclasses.replace(plan, **{field: on})
+    assert getattr(apply_tiles(back), field) == on == current()
+    monkeypatch.setenv(env, str(user))
+    assert getattr(apply_tiles(plan), field) == user == current()
+    for bad in bads:
+        monkeypatch.setenv(env, bad)
+        with pytest.raises(ValueError, match=match):
+            apply_tiles(plan)
+
+
 def test_the_far_key_fetch_follows_the_trial_the_plan_and_the_environment(monkeypatch):
     # the median ratio decides, not the median seconds (a drift between rounds cancels in the ratios)
     assert decode_kprefetch_from_trial({FETCH_TRIAL_KEY: {"ss": 1.0, "ss-dk-off": 0.9, "ss-dk-off/ss": 1.01}}) \
@@ -891,19 +908,10 @@ def test_the_far_key_fetch_follows_the_trial_the_plan_and_the_environment(monkey
     on = dataclasses.replace(off, attention_decode_kprefetch=cpu.DECODE_KPREFETCH_KEYS)
     assert "far ahead" not in on.summary() and on.describe()["attention_decode_kprefetch"] == cpu.DECODE_KPREFETCH_KEYS
     assert KernelPlan(attention="torch", attention_decode_kprefetch=0).describe()["attention_decode_kprefetch"] is None
-    plan = KernelPlan(((None, "ss"),), "ss", True, 2, "user", attention_tiles=cpu.attention_isa() or "avx2",
-                      attention_kt_rows=cpu.attention_kt_rows(), attention_decode_kprefetch=0)
     try:
-        assert apply_tiles(plan).attention_decode_kprefetch == 0 == cpu.attention_decode_kprefetch()
-        back = dataclasses.replace(plan, attention_decode_kprefetch=cpu.DECODE_KPREFETCH_KEYS)
-        assert apply_tiles(back).attention_decode_kprefetch == cpu.DECODE_KPREFETCH_KEYS
-        assert cpu.attention_decode_kprefetch() == cpu.DECODE_KPREFETCH_KEYS
-        monkeypatch.setenv("SPARSESPEC_ATTENTION_DECODE_KPREFETCH", "64")  # the user's setting wins
-        assert apply_tiles(plan).attention_decode_kprefetch == 64 == cpu.attention_decode_kprefetch()
-        for bad in ("-1", "far", str(cpu.CHUNK + 1)):
-            monkeypatch.setenv("SPARSESPEC_ATTENTION_DECODE_KPREFETCH", bad)
-            with pytest.raises(ValueError, match="SPARSESPEC_ATTENTION_DECODE_KPREFETCH"):
-                apply_tiles(plan)
+        _assert_plan_then_env_apply(monkeypatch, "attention_decode_kprefetch", cpu.attention_decode_kprefetch,
+                                    cpu.DECODE_KPREFETCH_KEYS, "SPARSESPEC_ATTENTION_DECODE_KPREFETCH", 64,
+                                    ("-1", "far", str(cpu.CHUNK + 1)), "SPARSESPEC_ATTENTION_DECODE_KPREFETCH")
     finally:
         cpu.set_attention_decode_kprefetch(cpu.DECODE_KPREFETCH_KEYS)
 
@@ -1022,18 +1030,10 @@ def test_the_verify_next_key_fetch_follows_the_trial_the_plan_and_the_environmen
     assert KernelPlan(attention="torch").describe()["attention_verify_kprefetch"] is None  # moot
     if not (cpu.set_attention_avx512(True) or "").startswith("avx512"):
         return
-    plan = KernelPlan(((None, "ss"),), "ss", True, 2, "user", attention_tiles=cpu.attention_isa(),
-                      attention_kt_rows=cpu.attention_kt_rows(), attention_verify_kprefetch=0)
     try:
-        assert apply_tiles(plan).attention_verify_kprefetch == 0 == cpu.attention_verify_kprefetch()
-        back = dataclasses.replace(plan, attention_verify_kprefetch=3)
-        assert apply_tiles(back).attention_verify_kprefetch == 3 == cpu.attention_verify_kprefetch()
-        monkeypatch.setenv("SPARSESPEC_ATTENTION_VERIFY_KPREFETCH", "9")  # the user's setting wins
-        assert apply_tiles(plan).attention_verify_kprefetch == 9 == cpu.attention_verify_kprefetch()
-        for bad in ("-1", "x", str(cpu.CHUNK + 1)):
-            monkeypatch.setenv("SPARSESPEC_ATTENTION_VERIFY_KPREFETCH", bad)
-            with pytest.raises(ValueError, match="SPARSESPEC_ATTENTION_VERIFY_KPREFETCH=.*widest verify"):
-                apply_tiles(plan)
+        _assert_plan_then_env_apply(monkeypatch, "attention_verify_kprefetch", cpu.attention_verify_kprefetch, 3,
+                                    "SPARSESPEC_ATTENTION_VERIFY_KPREFETCH", 9, ("-1", "x", str(cpu.CHUNK + 1)),
+                                    "SPARSESPEC_ATTENTION_VERIFY_KPREFETCH=.*widest verify")
     finally:
         cpu.set_attention_verify_kprefetch(cpu.VERIFY_KPREFETCH_T)
 
