@@ -9,6 +9,14 @@ prints ms and GB/s per M. The kernel plan (``sparsespec.kernels.plan``) makes th
 from its own trial; this is the per-M view of it. CPU only, needs our kernels::
 
     python benchmarks/linear_rows.py --shape smollm2-135m --rows 1,2,3,4,8 --threads 2
+
+``--resident MB`` times instead one weight of about that many MB (rows of the model's hidden
+size), small enough to stay in the last-level cache across repetitions: the tile's compute rate,
+which the host's memory state does not move (streamed from memory, a tile whose compute rate is
+not well above the read rate overlaps badly with it; on the AMD EPYC of benchmarks/RESULTS.md the
+host's read swings between ~30 and ~66 GB/s within minutes)::
+
+    python benchmarks/linear_rows.py --rows 1,2,4,8,12 --threads 2 --resident 16
 """
 from __future__ import annotations
 
@@ -26,7 +34,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,2,3,4,5,8")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--resident", type=float, default=0.0,
+                    help="time one weight of about this many MB (cache-resident) instead of the model's")
     args = ap.parse_args(argv)
+    if args.resident < 0:
+        ap.error(f"--resident must be >= 0 MB, got {args.resident}")
     if args.threads:
         torch.set_num_threads(args.threads)
     from sparsespec.kernels import cpu
@@ -40,10 +52,17 @@ def main(argv=None) -> int:
     E, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     shapes = [((cfg.num_heads + 2 * cfg.num_kv_heads) * D, E), (E, cfg.num_heads * D), (2 * I, E), (E, I)]
     g = torch.Generator().manual_seed(0)
-    weights = [(N, cpu.pack_weight(torch.randn(N, K, generator=g))) for _ in range(cfg.num_layers) for N, K in shapes]
+    if args.resident:  # one weight of E columns, 16-row panels, about --resident MB
+        N = max(16, int(args.resident * 1e6 / (4 * E)) // 16 * 16)
+        shapes, layers, what = [(N, E)], 1, f"one {N} x {E} weight, cache-resident"
+    else:
+        layers, what = cfg.num_layers, "every layer's linears, streamed"
+    weights = [(N, cpu.pack_weight(torch.randn(N, K, generator=g))) for _ in range(layers) for N, K in shapes]
+    if args.resident:  # the same weight over and over: each repetition reads ~400 MB, as the streamed one does
+        weights = weights * max(1, int(400e6 / (weights[0][1].numel() * 4)))
     nbytes = sum(wp.numel() * wp.element_size() for _, wp in weights)
     print(f"{cpu.cpu_model()} [{cpu.isa_summary()}] · {torch.get_num_threads()} threads · {args.shape}: "
-          f"{len(weights)} linears, {nbytes / 1e6:.0f} MB packed")
+          f"{len(weights)} linear calls, {nbytes / 1e6:.1f} MB read ({what})")
     print("| M | " + " | ".join(f"{t} ms | {t} GB/s" for t in tiles) + " | same bits |")
     print("|---|" + "---|---|" * len(tiles) + "---|")
     try:
