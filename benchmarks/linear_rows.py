@@ -47,6 +47,7 @@ def main(argv=None) -> int:
     if not cpu.available():
         print(f"linear_rows: our CPU kernels are unavailable: {cpu.unavailable_reason()}", file=sys.stderr)
         return 1
+    before = cpu.linear_isa()  # put back at the end
     tiles = ("avx512", "avx2") if cpu.set_linear_avx512(True) == "avx512" else ("avx2",)
     cfg = get_shape(args.shape)
     E, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
                 cells.append(f"{s * 1e3:.2f} | {nbytes / s / 1e9:.0f}")
             print(f"| {M} | " + " | ".join(cells) + f" | {same} |", flush=True)
     finally:
-        cpu.set_linear_avx512(True)
+        cpu.set_linear_avx512(before == "avx512")
     return 0
 
 
