@@ -737,9 +737,13 @@ def test_the_keys_in_lanes_rows_are_where_the_trial_measured_them_faster_at_ever
     t = {"T1": {"ss": 1.0, "ss-kt": 1.2}, "T3": {"ss": 2.0, "ss-kt": 1.9}, "T5": {"ss": 3.0, "ss-kt": 3.1},
          "T9": {"ss": 5.0, "ss-kt": 4.0}, "T17": {"ss": 9.0, "ss-kt": 7.0}}
     assert kt_rows_from_trial(t, 3) == 27  # T = 3 won, T = 5 lost: from T = 9 on
-    t["T5"]["ss-kt"] = 2.9
-    assert kt_rows_from_trial(t, 7) == 21  # from T = 3, 7 rows per KV head each
-    t["T17"]["ss-kt"] = 9.0  # a tie at the widest: never
+    t["T5"]["ss-kt"] = 2.9  # 3 % faster: within TIE_MARGIN, a tie, so still from T = 9
+    assert kt_rows_from_trial(t, 3) == 27
+    t["T5"]["ss-kt"] = 2.8
+    assert kt_rows_from_trial(t, 7) == 21  # from T = 3 (5 % faster), 7 rows per KV head each
+    t["T17"]["ss-kt"] = 8.7  # 3 % faster at the widest: a tie, never
+    assert kt_rows_from_trial(t, 3) == 0
+    t["T17"]["ss-kt"] = 9.0
     assert kt_rows_from_trial(t, 3) == 0
     assert kt_rows_from_trial({"T1": {"ss": 1.0, "torch": 2.0}}, 3) == 0  # not timed (no AVX-512)
     late = {s: {**v, "ss-kt-late": v["ss-kt"] * 0.5} for s, v in t.items()}  # the late fetch: faster

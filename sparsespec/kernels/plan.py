@@ -93,7 +93,7 @@ _KERNELS_ENV, _LINEAR_ENV, _KT_ENV = "SPARSESPEC_KERNELS", "SPARSESPEC_LINEAR", 
 _PREFILL_ENV, _PV_ENV = "SPARSESPEC_PREFILL_ATTENTION", "SPARSESPEC_ATTENTION_PV_PREFETCH"
 _DK_ENV = "SPARSESPEC_ATTENTION_DECODE_KPREFETCH"
 _NK_ENV, _VK_ENV = "SPARSESPEC_ATTENTION_NEXT_KPREFETCH", "SPARSESPEC_ATTENTION_VERIFY_KPREFETCH"
-TUNE_VERSION = 18
+TUNE_VERSION = 19
 #: the prefill trial's chunk: ``PREFILL_TRIAL_T`` queries after ``PREFILL_TRIAL_START`` keys (a chunk
 #: of the engine's 512 inside a 2K prompt), over ``PREFILL_TRIAL_LAYERS`` layers' caches
 PREFILL_TRIAL_T, PREFILL_TRIAL_START, PREFILL_TRIAL_LAYERS = 512, 1536, 4
@@ -681,12 +681,14 @@ def _prefill_trial(model, reps: int) -> dict[str, float]:
 
 def kt_rows_from_trial(att: Mapping[str, Mapping[str, float]], group: int, kt: str = "ss-kt") -> int:
     """The fewest query rows per KV head (``group`` x T) from which the keys-in-lanes tiles (timed
-    as ``kt``) measured faster than the AVX-512 ones at every wider trial width; 0 where they lost
-    at the widest."""
+    as ``kt``) measured faster than the AVX-512 row-pair ones by more than ``TIE_MARGIN`` at every
+    wider trial width; 0 where they did not at the widest. (Without the margin the choice at 51
+    rows flipped between fresh tunes on the AMD EPYC of benchmarks/RESULTS.md once the row-pair
+    tiles ran as fast there: a coin toss between two paths with the same results.)"""
     widths = sorted(int(s[1:]) for s, v in att.items() if kt in v and "ss" in v)
     rows = 0
     for T in reversed(widths):
-        if att[f"T{T}"][kt] >= att[f"T{T}"]["ss"]:
+        if att[f"T{T}"][kt] * (1.0 + TIE_MARGIN) >= att[f"T{T}"]["ss"]:
             break
         rows = group * T
     return rows
