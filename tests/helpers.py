@@ -1,7 +1,9 @@
 """Shared test utilities (real model loaded once per test process)."""
 from __future__ import annotations
 
+import contextlib
 import functools
+import uuid
 from pathlib import Path
 
 import torch
@@ -16,6 +18,30 @@ def real_engine():
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     return Engine.from_pretrained("smollm2-135m", dtype="float32")
+
+
+@contextlib.contextmanager
+def fresh_pg_database(admin_url: str):
+    """A new, empty PostgreSQL database on ``admin_url``'s server for one test; yields its URL and
+    drops it afterwards. Each test gets its own, so tests on several pytest-xdist workers never
+    create or drop the same tables at once (sharing ``admin_url``'s database raced:
+    ``UniqueViolation`` on ``pg_type_typname_nsp_index`` when two workers created a table of one
+    name together)."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    name = f"sparsespec_test_{uuid.uuid4().hex[:16]}"
+    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")  # CREATE/DROP DATABASE: no transaction
+    try:
+        with admin.connect() as c:
+            c.execute(text(f'CREATE DATABASE "{name}"'))
+        try:
+            yield make_url(admin_url).set(database=name).render_as_string(hide_password=False)
+        finally:
+            with admin.connect() as c:
+                c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    finally:
+        admin.dispose()
 
 
 def chat_prompt(tokenizer, user: str) -> list[int]:

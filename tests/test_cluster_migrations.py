@@ -24,21 +24,11 @@ from cluster.results.store import (
     main,
     open_store,
 )
+from tests.helpers import fresh_pg_database
 
 ROOT = Path(__file__).resolve().parents[1]
 STORE_TABLES = {"runs", "results", "shards", "bench", "serve_requests", "acceptance_steps", "run_id_map"}
 LEGACY_TABLES = ("runs", "results", "shards", "bench", "serve_requests")
-
-
-def _wipe(url: str) -> None:
-    """Drop every store table and the revision table (PostgreSQL: the shared test database)."""
-    eng = create_engine(url)
-    try:
-        with eng.begin() as c:
-            Base.metadata.drop_all(c)
-            c.execute(text("DROP TABLE IF EXISTS alembic_version"))
-    finally:
-        eng.dispose()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -49,10 +39,8 @@ def db_url(request, tmp_path):
     url = os.environ.get("SPARSESPEC_TEST_PG_URL")
     if not url:
         pytest.skip("set SPARSESPEC_TEST_PG_URL=postgresql+psycopg://... to test PostgreSQL")
-    _wipe(url)
-    yield url
-    _wipe(url)
-    open_store(url).close()  # leave the shared database at head for the other test files
+    with fresh_pg_database(url) as own:  # a database of its own: xdist workers never share one
+        yield own
 
 
 def _engine(url):

@@ -10,6 +10,7 @@ from cluster.results.store import (
     StoreURLError,
     open_store,
 )
+from tests.helpers import fresh_pg_database
 
 
 def _row(run_id="r1", task="t", sample_id="s1", method="ar", **kw):
@@ -27,24 +28,17 @@ def _row(run_id="r1", task="t", sample_id="s1", method="ar", **kw):
 @pytest.fixture(params=["sqlite", "postgresql"])
 def store(request, tmp_path):
     if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path}/nested/dir/results.db"
-    else:
-        url = os.environ.get("SPARSESPEC_TEST_PG_URL")
-        if not url:
-            pytest.skip("set SPARSESPEC_TEST_PG_URL=postgresql+psycopg://... to test PostgreSQL")
-    s = open_store(url)
-    if request.param == "postgresql":  # start clean: a new database, migrated from nothing
-        from sqlalchemy import text
-
-        from cluster.results.store import Base
-
-        with s.engine.begin() as c:
-            Base.metadata.drop_all(c)
-            c.execute(text("DROP TABLE IF EXISTS alembic_version"))
+        s = open_store(f"sqlite:///{tmp_path}/nested/dir/results.db")
+        yield s
         s.close()
-        s = open_store(url)
-    yield s
-    s.close()
+        return
+    url = os.environ.get("SPARSESPEC_TEST_PG_URL")
+    if not url:
+        pytest.skip("set SPARSESPEC_TEST_PG_URL=postgresql+psycopg://... to test PostgreSQL")
+    with fresh_pg_database(url) as own:  # start clean: a new database, migrated from nothing
+        s = open_store(own)
+        yield s
+        s.close()
 
 
 def test_open_creates_parent_dirs_and_tables(tmp_path):
@@ -192,3 +186,32 @@ def test_serve_requests_round_trip_and_idempotent(store):
     with pytest.raises(ValueError, match="unknown fields"):
         store.add_serve_requests([dict(request_id="x", experiment="e", model="m", endpoint="c", status=200,
                                        bogus=1)])
+
+
+def test_each_postgresql_test_gets_a_database_of_its_own():
+    """The PostgreSQL fixtures' helper: a new empty database per use, never the server's shared one
+    (tests on two xdist workers creating one table name in one database raced), dropped after."""
+    url = os.environ.get("SPARSESPEC_TEST_PG_URL")
+    if not url:
+        pytest.skip("set SPARSESPEC_TEST_PG_URL=postgresql+psycopg://... to test PostgreSQL")
+    from sqlalchemy import create_engine, inspect, text
+    from sqlalchemy.engine import make_url
+
+    def databases() -> set[str]:
+        eng = create_engine(url)
+        try:
+            with eng.connect() as c:
+                return {r[0] for r in c.execute(text("SELECT datname FROM pg_database"))}
+        finally:
+            eng.dispose()
+
+    with fresh_pg_database(url) as a, fresh_pg_database(url) as b:
+        names = {make_url(a).database, make_url(b).database}
+        assert len(names) == 2 and make_url(url).database not in names
+        assert names <= databases()
+        eng = create_engine(a)
+        try:
+            assert inspect(eng).get_table_names() == []
+        finally:
+            eng.dispose()
+    assert not names & databases()
