@@ -348,7 +348,7 @@ def apply_tiles(plan: KernelPlan) -> KernelPlan:
         prefill = env
     elif prefill == "ss" and not (plan.attention == "ss" and cpu.prefill_attention_supported(16)):
         prefill = "torch"  # e.g. a cached plan read with SPARSESPEC_AVX512=0: say what runs
-    if prefill != plan.prefill_attention:
+    if prefill != plan.prefill_attention or env:  # the user's choice is the provenance, even where it is the default
         plan = dataclasses.replace(plan, prefill_attention=prefill, **(
             {"source": "env", "note": (plan.note + "; " if plan.note else "") + f"{_PREFILL_ENV}={env}"} if env else {}))
     att = lin = ""
