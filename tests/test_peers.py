@@ -192,6 +192,8 @@ def test_runner_thread_env_binds_the_first_allowed_cpus(tmp_path):
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == str(first)
     assert env["OMP_NUM_THREADS"] == "1"  # frontend and engine core; vLLM sets the worker's
     assert env["HF_HUB_OFFLINE"] == env["TRANSFORMERS_OFFLINE"] == "1"
+    # a batch's prefill is one engine step: vLLM's 300 s default killed a 4 x 8K one on a 2-core CPU
+    assert int(env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"]) >= 3600
     every = runner.thread_env(runner.parse_request({**REQUEST, "model": str(tmp_path)}))
     assert runner.cpu_ids(every["VLLM_CPU_OMP_THREADS_BIND"]) == sorted(os.sched_getaffinity(0))
     assert runner.cpu_ids("0-2,5") == [0, 1, 2, 5]
@@ -345,3 +347,50 @@ def test_vllm_cli_answers_vllms_version_as_vllms_platform_check_does():
     del installed["vllm"], installed["vllm-cpu"]
     with pytest.raises(md.PackageNotFoundError):
         version("vllm")
+
+
+ENGINE_DIED = """
+    print("(EngineCore pid=7) ERROR 12-07 01:18:20 [core.py:1] EngineCore encountered a fatal error.", file=sys.stderr)
+    print("(EngineCore pid=7) Traceback (most recent call last):", file=sys.stderr)
+    print("(EngineCore pid=7) ERROR 12-07 01:35:41 [core.py:1512]     raise TimeoutError", file=sys.stderr)
+    print("(EngineCore pid=7) ERROR 12-07 01:35:41 [core.py:1512] TimeoutError: RPC call to execute_model timed out.",
+          file=sys.stderr)
+    print("vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above)",
+          file=sys.stderr)
+"""
+
+
+def test_engine_death_quotes_the_root_cause_from_the_log(tmp_path, monkeypatch):
+    # vLLM's front end says only "see stack trace (above)"; the engine core's exception is in the log
+    # (the lines as vllm-cpu 0.32.0 printed them when a 4 x 8K prefill outlasted its 300 s step timeout)
+    fake_venv(tmp_path, monkeypatch, ENGINE_DIED + """
+    json.dump({"error": "EngineDeadError: EngineCore encountered an issue. See stack trace (above)"}, open(out_path, "w"))
+    sys.exit(1)
+    """)
+    row = peers.run_vllm(REQUEST, timeout_s=30)
+    assert row == {"error": "EngineDeadError: EngineCore encountered an issue. See stack trace (above) "
+                            "(runner log: TimeoutError: RPC call to execute_model timed out.)"}
+
+
+def test_a_failed_case_gets_the_root_cause_and_the_others_stay(tmp_path, monkeypatch):
+    fake_venv(tmp_path, monkeypatch, ENGINE_DIED + """
+    json.dump({"cases": [{"label": "1024/1", "token_ids": [[1]]},
+                         {"label": "8192/4", "error": "EngineDeadError: EngineCore encountered an issue."}]},
+              open(out_path, "w"))
+    """)
+    cases = peers.run_vllm(REQUEST, timeout_s=30)["cases"]
+    assert cases[0] == {"label": "1024/1", "token_ids": [[1]]}
+    assert cases[1]["error"].endswith("(runner log: TimeoutError: RPC call to execute_model timed out.)")
+
+
+def test_root_cause_is_empty_without_another_exception(tmp_path):
+    from cluster.peers.engine import root_cause, with_cause
+
+    log = tmp_path / "log"
+    log.write_text("INFO starting\nValueError: bad prompt\n")
+    assert root_cause(log, "ValueError: bad prompt") == ""  # the error itself is not its own cause
+    assert with_cause("ValueError: bad prompt", log) == "ValueError: bad prompt"
+    assert with_cause("RuntimeError: x", tmp_path / "missing") == "RuntimeError: x"
+    assert with_cause("RuntimeError: x", None) == "RuntimeError: x"
+    log.write_text("(EngineCore pid=3) KeyboardInterrupt\nINFO shutting down\n")
+    assert root_cause(log, "EngineDeadError: died") == "KeyboardInterrupt"

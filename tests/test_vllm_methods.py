@@ -172,6 +172,22 @@ os._exit(9)
     assert peer.proc is None
 
 
+def test_peer_batch_error_names_the_engine_cores_exception(tmp_path, monkeypatch):
+    # vLLM's EngineDeadError says "see stack trace (above)": the exception above it is in the log
+    fake_venv(tmp_path, monkeypatch, """
+print(json.dumps({"ready": True}), flush=True)
+sys.stdin.readline()
+print("(EngineCore pid=7) RuntimeError: shm broadcast timed out", file=sys.stderr, flush=True)
+print(json.dumps({"error": "EngineDeadError: EngineCore encountered an issue. See stack trace (above)"}), flush=True)
+sys.stdin.readline()
+""")
+    peer = ve.VllmPeer({"model": "m"}, log_path=tmp_path / "log")
+    peer.start(timeout_s=30)
+    with pytest.raises(ve.PeerError, match=r"rejected the batch: EngineDeadError: .*\(runner log: RuntimeError: shm "):
+        peer.generate([[1]], [{"max_tokens": 1}], timeout_s=30)
+    peer.close()
+
+
 def test_peer_without_the_venv_says_make_peers(tmp_path, monkeypatch):
     monkeypatch.setenv(peers.VENV_ENV, str(tmp_path / "absent"))
     with pytest.raises(ve.PeerError, match="run make peers"):

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 # the venv and the runner (defined beside the vLLM method backend, which needs them too)
-from cluster.peers.engine import _DROP_ENV, REPO_ROOT, RUNNER, VENV_ENV, peers_python, peers_venv  # noqa: F401
+from cluster.peers.engine import _DROP_ENV, REPO_ROOT, RUNNER, VENV_ENV, peers_python, peers_venv, with_cause  # noqa: F401
 
 
 def _last_line(path: Path, limit: int = 300) -> str:
@@ -94,10 +94,14 @@ def run_vllm(request: dict, timeout_s: float, *, log_path: str | os.PathLike | N
             return {"error": f"vllm runner exited with status {rc} and wrote no result" + (f": {tail}" if tail else "")}
         except (OSError, ValueError) as exc:
             return {"error": f"malformed output from vllm runner (status {rc}): {exc}"}
-    if not isinstance(result, dict):
-        return {"error": f"malformed output from vllm runner (status {rc}): not a JSON object"}
-    if "error" in result:
-        return {"error": str(result["error"]).splitlines()[0] if str(result["error"]).strip() else f"vllm runner failed (status {rc})"}
+        if not isinstance(result, dict):
+            return {"error": f"malformed output from vllm runner (status {rc}): not a JSON object"}
+        if "error" in result:
+            first = str(result["error"]).strip().splitlines()
+            return {"error": with_cause(first[0], log) if first else f"vllm runner failed (status {rc})"}
+        for case in result.get("cases") or []:  # a case that failed: what the log says killed it
+            if isinstance(case, dict) and isinstance(case.get("error"), str):
+                case["error"] = with_cause(case["error"], log)
     if rc != 0:
         return {"error": f"vllm runner exited with status {rc} despite a result"}
     return result

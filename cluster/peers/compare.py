@@ -21,7 +21,6 @@ Rows (``kind="peer"``) go into ``cluster.speed.measure``'s result and store, key
 """
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any

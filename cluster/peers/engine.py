@@ -24,6 +24,7 @@ import json
 import math
 import os
 import queue
+import re
 import signal
 import subprocess
 import tempfile
@@ -97,6 +98,36 @@ def kv_cache_gib(folder, dtype: str, tokens: int, headroom: float = 2.0) -> int:
     return max(1, math.ceil(nbytes / 2**30))
 
 
+#: an exception's line in a log: "SomeError: message" (a dotted module path allowed), at the start or
+#: after a prefix such as vLLM's "(EngineCore pid=12) ERROR 12-07 01:35:41 [core.py:1512] "
+_EXCEPTION_LINE = re.compile(r"(?:^|[)\]] )((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)(?::.*)?)$")
+
+
+def root_cause(path: Path, error: str, limit: int = 300) -> str:
+    """The log's last exception line that is not ``error``'s own exception: vLLM's engine core
+    prints what killed it there, and the front end then raises ``EngineDeadError: ... See stack
+    trace (above) for the root cause``, which alone says nothing. "" when there is none."""
+    def name(line: str) -> str:  # "vllm.v1.engine.exceptions.EngineDeadError: ..." -> "EngineDeadError"
+        return line.split(":", 1)[0].strip().rsplit(".", 1)[-1]
+
+    own = name(error)
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for ln in reversed(lines):
+        m = _EXCEPTION_LINE.search(ln.strip())
+        if m and name(m.group(1)) != own:
+            return m.group(1)[:limit]
+    return ""
+
+
+def with_cause(error: str, log: Path | None) -> str:
+    """``error``, with the log's root cause (``root_cause``) appended where it names one."""
+    cause = root_cause(log, error) if log is not None else ""
+    return f"{error} (runner log: {cause})" if cause else error
+
+
 class VllmPeer:
     """One persistent vLLM engine (``vllm_runner.py --serve``) in the peers venv.
 
@@ -141,7 +172,7 @@ class VllmPeer:
         msg = self._answer(timeout_s, "start-up")
         if not msg.get("ready"):
             self.close()
-            raise PeerError(f"vLLM did not start: {msg.get('error') or msg}")
+            raise PeerError(f"vLLM did not start: {with_cause(str(msg.get('error') or msg), self.log_path)}")
         self.ready = msg
         return msg
 
@@ -201,7 +232,7 @@ class VllmPeer:
             raise PeerError(f"vLLM engine is gone: {exc}") from None
         msg = self._answer(timeout_s, "a batch")
         if "error" in msg:
-            raise PeerError(f"vLLM rejected the batch: {msg['error']}")
+            raise PeerError(f"vLLM rejected the batch: {with_cause(str(msg['error']), self.log_path)}")
         for key in ("token_ids", "times", "wall_s"):
             if key not in msg:
                 raise PeerError(f"malformed answer from vLLM: no {key}")

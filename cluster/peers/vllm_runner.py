@@ -170,6 +170,10 @@ def cpu_ids(bind: str) -> list[int]:
     return ids
 
 
+#: vLLM's limit on one engine step (its default: 300 s), see ``thread_env``
+EXECUTE_MODEL_TIMEOUT_S = 7200
+
+
 def thread_env(req: dict) -> dict[str, str]:
     """The environment that confines vLLM's CPU backend to `threads` cores.
 
@@ -202,6 +206,11 @@ def thread_env(req: dict) -> dict[str, str]:
         # set by vLLM from VLLM_CPU_OMP_THREADS_BIND when it spawns the worker)
         "OMP_NUM_THREADS": "1",
         "TOKENIZERS_PARALLELISM": "false",
+        # one engine step may be a whole batch's prefill (our peers prefill a batch in one step):
+        # 4 x 8K prompts outlasted vLLM's default 300 s on a 2-core AMD EPYC without AVX-512
+        # (2026-12-07) and killed the engine ("RPC call to execute_model timed out"). The caller's
+        # own timeout (``run_vllm``, a sweep's) bounds the run instead.
+        "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(EXECUTE_MODEL_TIMEOUT_S),
     }
     if req["omp"] == "iomp":
         iomp = os.path.join(sys.prefix, "lib", "libiomp5.so")
