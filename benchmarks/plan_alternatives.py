@@ -4,12 +4,14 @@ For one model, the AR step (T = 1) and the verify step (T = k + 1, importance ro
 target, as the engine runs it) at the given batch sizes and context, under each plan:
 
 * ``default``: what ``model.use_kernels("auto")`` chose here (measured at load, or cached);
+* ``again``: the default once more (an A/A control: the spread between identical plans);
 * ``torch``: PyTorch's ops only (MKL ``F.linear``, the reference attention);
-* ``onednn``: oneDNN's prepacked linears with our attention and fused ops;
-* ``mkl``: PyTorch's ``F.linear`` with our attention and fused ops;
-* ``ss``: ours everywhere.
+* ``onednn``: oneDNN's prepacked linears for every width, the rest as the default;
+* ``mkl``: PyTorch's ``F.linear`` for every width, the rest as the default;
+* ``ss``: our packed linear for every width, the rest as the default.
 
-The plans are timed interleaved (best of ``--reps``), each step as a multiple of the default's::
+The plans are timed interleaved, in a new seeded order each round and after an untimed step of their
+own (best of ``--reps``), each step as a multiple of the default's::
 
     .venv/bin/python benchmarks/plan_alternatives.py --model smollm2-135m --context 4096 --batch-sizes 1,4
 
@@ -18,13 +20,15 @@ Run it alone on the machine: it is a measurement.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import random
 import time
 
 import torch
 
 from sparsespec.kernels import cpu
-from sparsespec.kernels.plan import KernelPlan, torch_plan
+from sparsespec.kernels.plan import torch_plan
 from sparsespec.kv.cache import KVCache
 from sparsespec.kv.index import RowsTarget
 from sparsespec.model import Transformer
@@ -44,10 +48,13 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     model = Transformer.from_folder(resolve_model(a.model))
     default = model.kernel_plan
-    plans = {"default": default, "torch": torch_plan("alternative", "user"),
-             "onednn": KernelPlan(((None, "onednn"),), "ss", True, a.threads, "user"),
-             "mkl": KernelPlan(((None, "mkl"),), "ss", True, a.threads, "user"),
-             "ss": KernelPlan(((None, "ss"),), "ss", True, a.threads, "user")}
+    # the library plans keep the default's attention and its measured knobs (tiles, prefetches): each
+    # differs from the default in its linears only. "again" is the default itself, timed as one more
+    # plan: the spread between two identical plans in the same run is what a difference must exceed.
+    plans = {"default": default, "again": dataclasses.replace(default, source="user"),
+             "torch": torch_plan("alternative", "user"),
+             **{lin: dataclasses.replace(default, linear=((None, lin),), source="user")
+                for lin in ("onednn", "mkl", "ss")}}
     P, K, cfg = a.context, a.k, model.cfg
     rows_out = []
     print(f"{a.model}: CPU {cpu.cpu_model()} [{cpu.isa_summary()}], default {default.summary()}")
@@ -61,17 +68,21 @@ def main() -> None:
                           torch.arange(K + 1).repeat(B, 1))
         t1, tv = torch.full((B, 1), 42), torch.full((B, K + 1), 42)
         best = {(n, s): float("inf") for n in plans for s in ("ar", "verify")}
+        order = random.Random(B)
         with torch.inference_mode():
             for rep in range(a.reps + 1):  # the first round warms every plan up (not kept)
-                for name, plan in plans.items():
-                    model.use_kernels(plan)
-                    for step, ids, target in (("ar", t1, None), ("verify", tv, ring)):
+                # a new order each round and an untimed step after each switch: in a fixed order the
+                # first plan timed after a switch ran 4-9 % slower than the same plan right after it
+                # (the "again" control, AMD EPYC without AVX-512, 2026-12-07)
+                for name in order.sample(list(plans), len(plans)):
+                    model.use_kernels(plans[name])
+                    for step, ids, target in (("warm", t1, None), ("ar", t1, None), ("verify", tv, ring)):
                         t0 = time.perf_counter()
                         model.forward_dense_features(ids, cache, want_rows=ids.shape[1] if target else 0,
                                                      rows_into=target)
                         dt = time.perf_counter() - t0
                         cache.rollback([P] * B)
-                        if rep:
+                        if rep and step != "warm":
                             best[(name, step)] = min(best[(name, step)], dt)
         model.use_kernels(default)
         for step in ("ar", "verify"):
