@@ -72,7 +72,7 @@ def main() -> None:
         with torch.inference_mode():
             for rep in range(a.reps + 1):  # the first round warms every plan up (not kept)
                 # a new order each round and an untimed step after each switch: in a fixed order the
-                # first plan timed after a switch ran 4-9 % slower than the same plan right after it
+                # first plan timed after a switch ran 1-13 % slower than the same plan right after it
                 # (the "again" control, AMD EPYC without AVX-512, 2026-12-07)
                 for name in order.sample(list(plans), len(plans)):
                     model.use_kernels(plans[name])

@@ -188,6 +188,17 @@ sys.stdin.readline()
     peer.close()
 
 
+def test_peer_errors_quote_no_cause_from_an_earlier_engine_in_the_same_log(tmp_path, monkeypatch):
+    fake_venv(tmp_path, monkeypatch, ECHO)
+    (tmp_path / "log").write_text("RuntimeError: an earlier engine's\n")
+    peer = ve.VllmPeer({"model": "m"}, log_path=tmp_path / "log")
+    peer.start(timeout_s=30)
+    with pytest.raises(ve.PeerError) as err:
+        peer.generate([[0]], [{"max_tokens": 1}], timeout_s=30)
+    assert str(err.value) == "vLLM rejected the batch: ValueError: bad batch"
+    peer.close()
+
+
 def test_peer_without_the_venv_says_make_peers(tmp_path, monkeypatch):
     monkeypatch.setenv(peers.VENV_ENV, str(tmp_path / "absent"))
     with pytest.raises(ve.PeerError, match="run make peers"):

@@ -104,16 +104,19 @@ _EXCEPTION_LINE = re.compile(
     r"(?:^|[)\]] )((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)(?::.*)?)$")
 
 
-def root_cause(path: Path, error: str, limit: int = 300) -> str:
-    """The log's last exception line that is not ``error``'s own exception: vLLM's engine core
-    prints what killed it there, and the front end then raises ``EngineDeadError: ... See stack
-    trace (above) for the root cause``, which alone says nothing. "" when there is none."""
+def root_cause(path: Path, error: str, limit: int = 300, start: int = 0) -> str:
+    """The log's last exception line (from byte ``start`` on) that is not ``error``'s own exception:
+    vLLM's engine core prints what killed it there, and the front end then raises
+    ``EngineDeadError: ... See stack trace (above) for the root cause``, which alone says nothing.
+    "" when there is none."""
     def name(line: str) -> str:  # "vllm.v1.engine.exceptions.EngineDeadError: ..." -> "EngineDeadError"
         return line.split(":", 1)[0].strip().rsplit(".", 1)[-1]
 
     own = name(error)
     try:
-        lines = path.read_text(errors="replace").splitlines()
+        with open(path, "rb") as f:
+            f.seek(start)
+            lines = f.read().decode(errors="replace").splitlines()
     except OSError:
         return ""
     for ln in reversed(lines):
@@ -123,9 +126,10 @@ def root_cause(path: Path, error: str, limit: int = 300) -> str:
     return ""
 
 
-def with_cause(error: str, log: Path | None) -> str:
-    """``error``, with the log's root cause (``root_cause``) appended where it names one."""
-    cause = root_cause(log, error) if log is not None else ""
+def with_cause(error: str, log: Path | None, start: int = 0) -> str:
+    """``error``, with the log's root cause (``root_cause``, from byte ``start``) appended where it
+    names one."""
+    cause = root_cause(log, error, start=start) if log is not None else ""
     return f"{error} (runner log: {cause})" if cause else error
 
 
@@ -145,6 +149,7 @@ class VllmPeer:
         self._lines: queue.Queue = queue.Queue()
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._log = None
+        self._log_start = 0
 
     # ------------------------------------------------------------------ process
     def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> dict[str, Any]:
@@ -162,6 +167,7 @@ class VllmPeer:
         env = {k: v for k, v in os.environ.items() if k not in _DROP_ENV}
         env["PYTHONNOUSERSITE"] = "1"
         self._log = open(log, "ab")
+        self._log_start = self._log.tell()  # a log given by the caller may hold earlier engines' lines
         try:
             self.proc = subprocess.Popen([str(python), str(RUNNER), "--serve", str(cfg_path)], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=self._log, cwd=tmp, env=env,
@@ -173,7 +179,8 @@ class VllmPeer:
         msg = self._answer(timeout_s, "start-up")
         if not msg.get("ready"):
             self.close()
-            raise PeerError(f"vLLM did not start: {with_cause(str(msg.get('error') or msg), self.log_path)}")
+            why = with_cause(str(msg.get("error") or msg), self.log_path, self._log_start)
+            raise PeerError(f"vLLM did not start: {why}")
         self.ready = msg
         return msg
 
@@ -233,7 +240,7 @@ class VllmPeer:
             raise PeerError(f"vLLM engine is gone: {exc}") from None
         msg = self._answer(timeout_s, "a batch")
         if "error" in msg:
-            raise PeerError(f"vLLM rejected the batch: {with_cause(str(msg['error']), self.log_path)}")
+            raise PeerError(f"vLLM rejected the batch: {with_cause(str(msg['error']), self.log_path, self._log_start)}")
         for key in ("token_ids", "times", "wall_s"):
             if key not in msg:
                 raise PeerError(f"malformed answer from vLLM: no {key}")
