@@ -25,15 +25,7 @@ from pathlib import Path
 
 # the venv and the runner (defined beside the vLLM method backend, which needs them too)
 from cluster.peers.engine import (  # noqa: F401
-    _DROP_ENV, REPO_ROOT, RUNNER, VENV_ENV, peers_python, peers_venv, with_cause)
-
-
-def _last_line(path: Path, limit: int = 300) -> str:
-    try:
-        lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return ""
-    return lines[-1][:limit] if lines else ""
+    _DROP_ENV, REPO_ROOT, RUNNER, VENV_ENV, last_line, peers_python, peers_venv, with_cause)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -91,7 +83,7 @@ def run_vllm(request: dict, timeout_s: float, *, log_path: str | os.PathLike | N
         try:
             result = json.loads(out_path.read_text())
         except FileNotFoundError:
-            tail = _last_line(log)
+            tail = last_line(log)
             return {"error": f"vllm runner exited with status {rc} and wrote no result" + (f": {tail}" if tail else "")}
         except (OSError, ValueError) as exc:
             return {"error": f"malformed output from vllm runner (status {rc}): {exc}"}

@@ -126,6 +126,15 @@ def root_cause(path: Path, error: str, limit: int = 300, start: int = 0) -> str:
     return ""
 
 
+def last_line(path: Path, limit: int = 300) -> str:
+    """The log's last non-blank line (at most ``limit`` characters); "" when unreadable or empty."""
+    try:
+        lines = [ln.strip() for ln in Path(path).read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:limit] if lines else ""
+
+
 def with_cause(error: str, log: Path | None, start: int = 0) -> str:
     """``error``, with the log's root cause (``root_cause``, from byte ``start``) appended where it
     names one."""
@@ -197,7 +206,7 @@ class VllmPeer:
             raise PeerError(f"vLLM gave no answer to {what} within {timeout_s:g} s (log: {self.log_path})") from None
         if line is None:
             rc = self.proc.wait() if self.proc else None
-            tail = self._log_tail()
+            tail = last_line(self.log_path) if self.log_path else ""
             self.close()
             raise PeerError(f"vLLM exited (status {rc}) during {what}" + (f": {tail}" if tail else ""))
         try:
@@ -210,12 +219,6 @@ class VllmPeer:
             raise PeerError(f"malformed answer from vLLM to {what}: not an object")
         return msg
 
-    def _log_tail(self) -> str:
-        try:
-            lines = [ln.strip() for ln in Path(self.log_path).read_text(errors="replace").splitlines() if ln.strip()]
-        except (OSError, TypeError):
-            return ""
-        return lines[-1][:300] if lines else ""
 
     def _signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
