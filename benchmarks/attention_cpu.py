@@ -67,15 +67,14 @@ def main(argv=None) -> int:
         print(f"attention_cpu: our CPU kernels are unavailable here: {kc.unavailable_reason()}")
         return 1
     B, H, Hkv, D, S = a.batch, a.heads, a.kv_heads, a.head_dim, a.context
-    widths = [int(x) for x in a.widths.split(",")]
-    machine = measure_machine("cpu", torch.float32, reps=3)
-    bw, gemm = machine["read_bytes_per_s"], machine["gemm_flops_per_s"]
+    # every argument is checked before the machine is measured (seconds): a bad one costs nothing
+    try:
+        widths = [int(x) for x in a.widths.split(",")]
+    except ValueError:
+        ap.error(f"--widths: expected comma-separated integers, got {a.widths!r}")
     L = a.layers
     if L < 1:
         ap.error("--layers must be at least 1")
-    k = torch.randn(L, B, Hkv, S + max(widths), D)  # every layer's own cache, as in a step
-    v = torch.randn_like(k)
-    starts = torch.full((B,), S, dtype=torch.int64)
     tiles = a.tiles.split(",") if a.tiles else [kc.attention_isa()]
     bad = [t for t in tiles if t not in ("avx512-kt", "avx512-kt-late", "avx512", "avx2")]
     if bad:
@@ -90,6 +89,11 @@ def main(argv=None) -> int:
     fetches = [f + now[len(f):] if 2 <= len(f) < 4 else f for f in fetches]
     if any(len(f) != 4 or min(f) < 0 or max(f) > kc.CHUNK or f[2] > 1 for f in fetches):
         ap.error(f"--fetch: each PV/DK/VK in [0, {kc.CHUNK}] and NK 0 or 1, got {a.fetch!r}")
+    machine = measure_machine("cpu", torch.float32, reps=3)
+    bw, gemm = machine["read_bytes_per_s"], machine["gemm_flops_per_s"]
+    k = torch.randn(L, B, Hkv, S + max(widths), D)  # every layer's own cache, as in a step
+    v = torch.randn_like(k)
+    starts = torch.full((B,), S, dtype=torch.int64)
 
     def use(tile, fetch):
         kc.set_attention_pv_prefetch(fetch[0])
@@ -115,18 +119,24 @@ def main(argv=None) -> int:
                 if T > 1:
                     rows = torch.zeros(B, Hkv, T, S + T)
                     calls[(T, True, tile, fetch)] = (lambda run=run, rows=rows: run(rows=rows))
-    for f in calls.values():
-        f()
     times: dict = {key: [] for key in calls}
-    for rep in range(a.reps):
-        for key, f in (calls.items() if rep % 2 == 0 else reversed(calls.items())):  # neither order favoured
-            t0 = time.perf_counter()
+    tiles_now = (kc.attention_isa() == "avx512", kc.attention_kt_rows(), kc.attention_kt_vprefetch())
+    try:
+        for f in calls.values():
             f()
-            times[key].append((time.perf_counter() - t0) / L)
-    kc.set_attention_pv_prefetch(now[0])
-    kc.set_attention_decode_kprefetch(now[1])
-    kc.set_attention_next_kprefetch(bool(now[2]))
-    kc.set_attention_verify_kprefetch(now[3])
+        for rep in range(a.reps):
+            for key, f in (calls.items() if rep % 2 == 0 else reversed(calls.items())):  # neither order favoured
+                t0 = time.perf_counter()
+                f()
+                times[key].append((time.perf_counter() - t0) / L)
+    finally:  # the library's settings as they were, also after an error
+        kc.set_attention_pv_prefetch(now[0])
+        kc.set_attention_decode_kprefetch(now[1])
+        kc.set_attention_next_kprefetch(bool(now[2]))
+        kc.set_attention_verify_kprefetch(now[3])
+        kc.set_attention_avx512(tiles_now[0])
+        kc.set_attention_kt(tiles_now[1])
+        kc.set_attention_kt_vprefetch(tiles_now[2])
     print(f"{kc.cpu_model()} [{kc.isa_summary()}], {torch.get_num_threads()} threads; read {bw / 1e9:.1f} GB/s, "
           f"GEMM {gemm / 1e9:.0f} GFLOP/s ({machine['gemm_backend']}); B={B} S={S} H={H} H_kv={Hkv} D={D}, {L} layer(s) per call, "
           f"times per layer\n")

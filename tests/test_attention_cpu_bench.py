@@ -71,6 +71,14 @@ def test_the_fetch_distances_run_side_by_side_restored_after_and_bad_ones_refuse
     assert set(seen) == {(16, 32, bool(nk), vk), (0, 0, bool(nk), vk), (3, 200, bool(nk), vk),
                          (16, 32, not nk, vk), (16, 32, True, vk + 2)}
     assert state() == before
+    import sparsespec.roofline
+
+    measured = []  # a bad argument is refused before the machine is measured (seconds each)
+    monkeypatch.setattr(sparsespec.roofline, "measure_machine", lambda *a, **kw: measured.append(a))
     for bad in ("16", "a/b", "-1/0", f"0/{kc.CHUNK + 1}", "16/32/2", f"16/32/1/{kc.CHUNK + 1}", "16/32/1/0/0"):
         with pytest.raises(SystemExit):
             bench.main(["--fetch", bad])
+    for bad in (["--layers", "0"], ["--widths", "1,x"], ["--tiles", "avx1024"]):
+        with pytest.raises(SystemExit):
+            bench.main(bad)
+    assert measured == []
