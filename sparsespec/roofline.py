@@ -110,9 +110,9 @@ def measure_machine(device: str, dtype: Any, reps: int = 7) -> dict[str, Any]:
     Bandwidth: ``x.sum()`` over a float32 buffer of 1 GiB (CPU) or 4 GiB (GPU), the best of
     ``reps`` (a reduction reads every byte once; the buffer is far larger than any cache).
 
-    GEMM: the best of ``reps`` square products in ``dtype`` (n = 2048 CPU, 8192 GPU), by every
-    GEMM this process can run, the fastest counting: on a CPU ``torch`` (``a @ b``: MKL, which
-    runs AVX2 code on AMD CPUs), oneDNN's prepacked linear (``onednn``, where
+    GEMM: the best of ``reps`` square products in ``dtype`` (CPU: n = 1024 in fp32, else 2048;
+    GPU: 8192), by every GEMM this process can run, the fastest counting: on a CPU ``torch``
+    (``a @ b``: MKL, which runs AVX2 code on AMD CPUs), oneDNN's prepacked linear (``onednn``, where
     ``sparsespec.quant.prepack_available``) and our packed AVX-512/AVX2 linear (``ss``, where
     ``sparsespec.kernels.cpu`` is built). A compute floor from a GEMM slower than the machine can
     run would let a step read faster than its roofline (on the AMD EPYC of benchmarks/RESULTS.md
@@ -136,7 +136,11 @@ def measure_machine(device: str, dtype: Any, reps: int = 7) -> dict[str, Any]:
         times.append(time.perf_counter() - t0)
     read_bw = nbytes / min(times[1:])
     del x
-    n = 8192 if cuda else 2048
+    # fp32 on a CPU: n = 1024, as fast per FLOP as 2048 (AMD EPYC without AVX-512, interleaved: 138-158
+    # GFLOP/s at 1024 against 127-155 at 2048 on 2 threads, 75-85 against 67-78 on one; a faster rate
+    # only lowers the floor) at an eighth of the time (the probe runs at every worker start). Other
+    # dtypes keep 2048: a bf16 AMX product of 1024 takes about a millisecond, where overheads show.
+    n = 8192 if cuda else (1024 if dtype == torch.float32 else 2048)
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     rates: dict[str, float] = {}
