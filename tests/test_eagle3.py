@@ -425,7 +425,8 @@ def test_the_trainer_cli_saves_a_head_the_drafter_loads(tmp_path):
 
     out = tmp_path / "head"
     assert main(["--out", str(out), "--book-tokens", "3000", "--chats", "2", "--chat-tokens", "8", "--steps", "2",
-                 "--seq-len", "64", "--batch-size", "4", "--draft-vocab", "512", "--threads", "2"]) == 0
+                 "--seq-len", "64", "--batch-size", "4", "--draft-vocab", "512", "--eval-chats", "1",
+                 "--threads", "2"]) == 0
     meta = json.loads((out / "config.json").read_text())["sparsespec"]
     assert meta["steps"] == 2 and len(meta["held_out_top1_per_step"]) == 3 and 0 <= meta["held_out_alpha_k4"] <= 1
     engine = real_engine()
