@@ -64,11 +64,14 @@ demo: provision
 	$(BIN)/python -m cluster.sweep configs/demo.yaml --db $(DB)
 
 # The fast tests (tiny models, no Ray) run in parallel, one pytest-xdist worker per core (at
-# most TEST_JOBS); the slow ones (the real model, one Ray, one Serve app) after them in one process.
+# most TEST_JOBS); the slow ones (the real model, Ray, a Serve app) after them, also one worker per
+# core but a whole file per worker (--dist loadfile: a file's model, Ray and Serve app are set up
+# once). In one process they left the cores idle half the time (Ray and Serve starts, subprocesses).
 TEST_JOBS ?= 4
+SLOW := -m slow -n auto --maxprocesses $(TEST_JOBS) --dist loadfile
 test: provision
 	$(BIN)/python -m pytest -q -m "not slow" -n auto --maxprocesses $(TEST_JOBS)
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/python -m pytest -q $(SLOW)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" -n auto --maxprocesses $(TEST_JOBS)
@@ -79,7 +82,7 @@ test-fast: $(STAMP)
 COV := --cov=sparsespec --cov=evals --cov=cluster --cov=dashboard
 coverage: provision
 	$(BIN)/python -m pytest -q -m "not slow" -n auto --maxprocesses $(TEST_JOBS) $(COV) --cov-report=
-	$(BIN)/python -m pytest -q -m slow $(COV) --cov-append --cov-report=
+	$(BIN)/python -m pytest -q $(SLOW) $(COV) --cov-append --cov-report=
 	$(BIN)/python -m coverage report --skip-covered --skip-empty --sort=cover | awk 'NR <= 2 || /TOTAL/ || ($$NF+0 < 80)'
 
 report: $(STAMP)

@@ -12,7 +12,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test-fast` runs the fast test
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """One local Ray for the whole test session (2 CPUs, no dashboard, small object store).
+    """One local Ray for the whole test session (2 CPUs, no dashboard, small object store); under
+    pytest-xdist (``make test``) one per worker process.
 
     Uses an already initialised Ray as is; shuts down only the Ray it started (never `ray stop`).
     """
