@@ -110,17 +110,18 @@ def measure_machine(device: str, dtype: Any, reps: int = 7) -> dict[str, Any]:
     Bandwidth: ``x.sum()`` over a float32 buffer of 1 GiB (CPU) or 4 GiB (GPU), the best of
     ``reps`` (a reduction reads every byte once; the buffer is far larger than any cache).
 
-    GEMM: the best of ``reps`` square products in ``dtype`` (CPU: n = 1024 in fp32, else 2048;
-    GPU: 8192), by every GEMM this process can run, the fastest counting: on a CPU ``torch``
-    (``a @ b``: MKL, which runs AVX2 code on AMD CPUs), oneDNN's prepacked linear (``onednn``, where
-    ``sparsespec.quant.prepack_available``) and our packed AVX-512/AVX2 linear (``ss``, where
-    ``sparsespec.kernels.cpu`` is built). A compute floor from a GEMM slower than the machine can
-    run would let a step read faster than its roofline (on the AMD EPYC of benchmarks/RESULTS.md
-    ``a @ b`` ran at 236 GFLOP/s and our packed linear at 510). A backend whose product differs
-    from ``a @ b`` by more than rounding is left out (a wrong fast kernel must not set the floor).
+    GEMM: the best of ``reps`` square products in ``dtype`` (CPU: the smallest n of 512, 1024
+    and 2048 whose product takes 10 ms, ``_cpu_gemm_n``; GPU: 8192), by every GEMM this process
+    can run, the fastest counting: on a CPU ``torch`` (``a @ b``: MKL, which runs AVX2 code on AMD
+    CPUs), oneDNN's prepacked linear (``onednn``, where ``sparsespec.quant.prepack_available``)
+    and our packed AVX-512/AVX2 linear (``ss``, where ``sparsespec.kernels.cpu`` is built). A
+    compute floor from a GEMM slower than the machine can run would let a step read faster than
+    its roofline (on the AMD EPYC of benchmarks/RESULTS.md ``a @ b`` ran at 236 GFLOP/s and our
+    packed linear at 510). A backend whose product differs from ``a @ b`` by more than rounding
+    is left out (a wrong fast kernel must not set the floor).
 
     Returns ``{"read_bytes_per_s", "gemm_flops_per_s", "gemm_backend" (the fastest's name),
-    "gemm_rates" ({backend: FLOP/s})}``.
+    "gemm_rates" ({backend: FLOP/s}), "gemm_n" (the probe's n)}``.
     """
     import torch
 
@@ -136,11 +137,7 @@ def measure_machine(device: str, dtype: Any, reps: int = 7) -> dict[str, Any]:
         times.append(time.perf_counter() - t0)
     read_bw = nbytes / min(times[1:])
     del x
-    # fp32 on a CPU: n = 1024, as fast per FLOP as 2048 (AMD EPYC without AVX-512, interleaved: 138-158
-    # GFLOP/s at 1024 against 127-155 at 2048 on 2 threads, 75-85 against 67-78 on one; a faster rate
-    # only lowers the floor) at an eighth of the time (the probe runs at every worker start). Other
-    # dtypes keep 2048: a bf16 AMX product of 1024 takes about a millisecond, where overheads show.
-    n = 8192 if cuda else (1024 if dtype == torch.float32 else 2048)
+    n = 8192 if cuda else _cpu_gemm_n(dtype)
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     rates: dict[str, float] = {}
@@ -156,7 +153,32 @@ def measure_machine(device: str, dtype: Any, reps: int = 7) -> dict[str, Any]:
                 times.append(time.perf_counter() - t0)
             rates[name] = 2 * n**3 / min(times[1:])
     best = max(rates, key=rates.__getitem__)
-    return {"read_bytes_per_s": read_bw, "gemm_flops_per_s": rates[best], "gemm_backend": best, "gemm_rates": rates}
+    return {"read_bytes_per_s": read_bw, "gemm_flops_per_s": rates[best], "gemm_backend": best, "gemm_rates": rates,
+            "gemm_n": n}
+
+
+#: a CPU GEMM probe's product takes at least this long (s): per-call overheads stay under 1 %
+GEMM_PROBE_MIN_S = 0.01
+
+
+def _cpu_gemm_n(dtype: Any, sizes: tuple[int, ...] = (512, 1024, 2048)) -> int:
+    """The smallest of ``sizes`` whose square ``a @ b`` in ``dtype`` takes ``GEMM_PROBE_MIN_S`` or
+    more here (its second call), else the largest. The rate per FLOP is the same above that
+    (AMD EPYC without AVX-512, fp32, interleaved: 138-158 GFLOP/s at 1024 against 127-155 at 2048 on
+    2 threads, 75-85 against 67-78 on one; a faster rate only lowers the floor), and the probe runs
+    at every worker start: fp32 there takes 1024 (16 ms a product, an eighth of 2048's time), and a
+    bf16 product on a CPU without bf16 instructions, which took 195 s of probing at 2048, takes 512."""
+    import torch
+
+    for n in sizes:
+        a = torch.randn(n, n).to(dtype)
+        with torch.inference_mode():
+            a @ a
+            t0 = time.perf_counter()
+            a @ a
+            if time.perf_counter() - t0 >= GEMM_PROBE_MIN_S:
+                return n
+    return sizes[-1]
 
 
 def _gemm_backends(a: Any, b: Any, ref: Any, cuda: bool) -> dict[str, Callable[[], Any]]:

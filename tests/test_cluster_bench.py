@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -107,6 +108,21 @@ def test_the_gemm_rate_is_the_fastest_correct_gemm_here(monkeypatch):
         assert "ss" not in rl.measure_machine("cpu", torch.float32, reps=1)["gemm_rates"]
     # bf16: our kernels are fp32 only
     assert "ss" not in rl.measure_machine("cpu", torch.bfloat16, reps=1)["gemm_rates"]
+
+
+def test_the_cpu_gemm_probe_is_the_smallest_product_that_takes_long_enough(monkeypatch):
+    """n = the first of 512, 1024, 2048 whose product takes GEMM_PROBE_MIN_S (a bf16 product on a
+    CPU without bf16 instructions took 195 s of probing at 2048), else 2048; the result says which."""
+    monkeypatch.setattr(rl, "GEMM_PROBE_MIN_S", 0.0)
+    assert rl._cpu_gemm_n(torch.float32) == 512
+    assert rl.measure_machine("cpu", torch.float32, reps=1)["gemm_n"] == 512
+    monkeypatch.setattr(rl, "GEMM_PROBE_MIN_S", 1e9)
+    assert rl._cpu_gemm_n(torch.float32, sizes=(64, 128)) == 128
+    calls = []  # each size is timed on its second call (the first warms the pools), smallest first
+    real = time.perf_counter
+    monkeypatch.setattr(rl.time, "perf_counter", lambda: calls.append(1) or real())
+    monkeypatch.setattr(rl, "GEMM_PROBE_MIN_S", 0.0)
+    assert rl._cpu_gemm_n(torch.float32, sizes=(64, 128)) == 64 and len(calls) == 2
 
 
 def test_rooflines_are_recomputed_at_the_best_rates_of_the_run():
