@@ -65,11 +65,10 @@ demo: provision
 
 # The fast tests (tiny models, no Ray) run in parallel, one pytest-xdist worker per core (at
 # most TEST_JOBS); the slow ones (the real model, Ray, a Serve app) after them, also one worker per
-# core but a whole file per worker and every file on Ray on one worker (--dist loadgroup with the
-# groups of tests/conftest.py: a file's model and Serve app are set up once, and one Ray runs).
-# In one process they left the cores idle half the time (Ray and Serve starts, subprocesses).
+# core but a whole file per worker (--dist loadfile: a file's model, Ray and Serve app are set up
+# once). In one process they left the cores idle half the time (Ray and Serve starts, subprocesses).
 TEST_JOBS ?= 4
-SLOW := -m slow -n auto --maxprocesses $(TEST_JOBS) --dist loadgroup
+SLOW := -m slow -n auto --maxprocesses $(TEST_JOBS) --dist loadfile
 test: provision
 	$(BIN)/python -m pytest -q -m "not slow" -n auto --maxprocesses $(TEST_JOBS)
 	$(BIN)/python -m pytest -q $(SLOW)

@@ -10,20 +10,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test-fast` runs the fast test
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
-def pytest_collection_modifyitems(config, items):
-    """``make test`` runs the slow tests with ``--dist loadgroup``: each file on one worker (its
-    module fixtures built once), and every file with a test on Ray on the same worker, so the
-    session starts one local Ray, not one per worker (Ray's own processes take CPU beside the
-    tests). Without ``--dist loadgroup`` these marks change nothing."""
-    on_ray = {item.path for item in items if "ray_session" in getattr(item, "fixturenames", ())}
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group("ray" if item.path in on_ray else item.path.name))
-
-
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray for the whole test session (2 CPUs, no dashboard, small object store); under
-    pytest-xdist, one per worker that runs a test on Ray (``make test``'s slow tests: one worker).
+    pytest-xdist (``make test``) one per worker process.
 
     Uses an already initialised Ray as is; shuts down only the Ray it started (never `ray stop`).
     """
