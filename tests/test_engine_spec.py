@@ -7,7 +7,6 @@ int8 drafts for every method) run on a tiny random-weight model in ``test_engine
 in milliseconds a case; here each behaviour runs once more on the real model's weights, shapes
 and tokenizer."""
 import pytest
-import torch
 
 from sparsespec import METHODS, Engine
 from sparsespec.stats import derive
