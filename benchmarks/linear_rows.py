@@ -84,7 +84,7 @@ def main(argv=None) -> int:
             cells = []
             for t in tiles:
                 s = statistics.median(times[t][1:])
-                cells.append(f"{s * 1e3:.2f} | {nbytes / s / 1e9:.0f}")
+                cells.append(f"{s * 1e3:.2f} | {nbytes / s / 1e9:.3g}")
             print(f"| {M} | " + " | ".join(cells) + f" | {same} |", flush=True)
     finally:
         cpu.set_linear_avx512(before == "avx512")

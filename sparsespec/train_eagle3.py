@@ -26,6 +26,7 @@ reads, under ``$SPARSESPEC_CACHE/eagle3/<model>`` by default.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -305,15 +306,22 @@ def _strip_gutenberg(text: str) -> str:
     return text
 
 
+@functools.lru_cache(maxsize=16)
+def _token_ids(tokenizer, text: str) -> tuple[int, ...]:
+    """``text``'s token ids (no special tokens). Remembered: a run reads each book for its chat
+    prompts and again for its windows, and tokenising the six books takes seconds."""
+    return tuple(tokenizer(text, add_special_tokens=False).input_ids)
+
+
 def chat_prompts(tokenizer, texts: Sequence[str], n: int, seed: int, passage_tokens: int = 160) -> list[list[int]]:
     """``n`` chat prompts (token ids, generation prompt added): a template over a passage of a book."""
     rng = random.Random(seed)
     out = []
-    tokenised = [tokenizer(_strip_gutenberg(t), add_special_tokens=False).input_ids for t in texts]
+    tokenised = [_token_ids(tokenizer, _strip_gutenberg(t)) for t in texts]
     for i in range(n):
         ids = tokenised[i % len(tokenised)]
         s = rng.randrange(0, max(1, len(ids) - passage_tokens))
-        passage = tokenizer.decode(ids[s : s + passage_tokens]).strip()
+        passage = tokenizer.decode(list(ids[s : s + passage_tokens])).strip()
         user = PROMPT_TEMPLATES[rng.randrange(len(PROMPT_TEMPLATES))].format(p=passage)
         text = tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
                                              tokenize=False)
@@ -401,13 +409,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="no training: write the trained head folder HEAD to --out in bf16 with a manifest "
                          "(size, sha256, target) for shipping, then measure the exported head")
     ap.add_argument("--eval-chats", type=int, default=6, help="held-out chat prompts the acceptance is measured on")
+    ap.add_argument("--eval-tokens", type=int, default=64,
+                    help="tokens generated per held-out chat prompt for the acceptance")
     args = ap.parse_args(argv)
     try:
         cfg = TrainConfig(seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, minutes=args.minutes,
                           lr=args.lr, ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab, seed=args.seed)
     except ValueError as e:
         ap.error(str(e))
-    for name in ("book_tokens", "chats", "chat_tokens", "eval_chats"):
+    for name in ("book_tokens", "chats", "chat_tokens", "eval_chats", "eval_tokens"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.export and args.out is None:
@@ -432,7 +442,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out) if args.out else trained_head_dir(name)
     print(f"target {name}: {model.cfg.num_layers} layers, hidden {model.cfg.hidden_size}; head -> {out}")
     held_text = _strip_gutenberg(book_texts(held_out=True)[0][1])
-    held_ids = tok(held_text, add_special_tokens=False).input_ids
+    held_ids = list(_token_ids(tok, held_text))
     held = pack([held_ids[5000 : 5000 + 16 * cfg.seq_len]], cfg.seq_len)
     aux = Eagle3Config.for_target(model.cfg, 1).aux_layers
     eval_prompts = chat_prompts(tok, [held_text], args.eval_chats, args.seed + 1)
@@ -447,9 +457,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         h_feats, h_finals, _ = teacher_pass(model, held, aux)
         agree = held_out_agreement(load_head(model, out), h_feats, h_finals, held, cfg.ttt_steps)
-        acc = chat_acceptance(engine, out, eval_prompts)
+        acc = chat_acceptance(engine, out, eval_prompts, max_new_tokens=args.eval_tokens)
         figures = {"held_out_top1_per_step": agree, "held_out_alpha_k4": acc["alpha"], "held_out_tau_k4": acc["tau"],
-                   "held_out_chats": args.eval_chats}
+                   "held_out_chats": args.eval_chats, "held_out_chat_tokens": args.eval_tokens}
         cfg_path = out / "config.json"  # the figures join the config; the weights and manifest stay as written
         config = json.loads(cfg_path.read_text())
         config["sparsespec"]["exported_figures"] = figures
@@ -476,7 +486,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rng = random.Random(args.seed)
     streams = list(chats)
     for text in texts:
-        ids = tok(text, add_special_tokens=False).input_ids
+        ids = list(_token_ids(tok, text))
         s = rng.randrange(0, max(1, len(ids) - per_book))
         streams.append(ids[s : s + per_book])
     rng.shuffle(streams)
@@ -505,8 +515,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     head.save(out, meta)
 
     # 4. acceptance measured by the engine on held-out chat prompts (greedy, k = 4)
-    acc = chat_acceptance(engine, out, eval_prompts)
+    acc = chat_acceptance(engine, out, eval_prompts, max_new_tokens=args.eval_tokens)
     meta |= {"held_out_alpha_k4": acc["alpha"], "held_out_tau_k4": acc["tau"], "held_out_chats": args.eval_chats,
+             "held_out_chat_tokens": args.eval_tokens,
              "total_seconds": round(time.perf_counter() - t_start, 1)}
     head.save(out, meta)
     print(f"held-out chat prompts, greedy, k=4: alpha {acc['alpha']:.3f}, tau {acc['tau']:.2f} tokens per verify step")

@@ -372,6 +372,9 @@ def test_trainer_cli_refuses_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         main(["--chats", "0"])
     assert "--chats must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--eval-tokens", "0"])
+    assert "--eval-tokens must be >= 1" in capsys.readouterr().err
     assert main(["--model", "no-such-model-anywhere"]) == 2
     assert "cannot load the target 'no-such-model-anywhere'" in capsys.readouterr().err
 
@@ -424,11 +427,12 @@ def test_the_trainer_cli_saves_a_head_the_drafter_loads(tmp_path):
     from tests.helpers import real_engine
 
     out = tmp_path / "head"
-    assert main(["--out", str(out), "--book-tokens", "3000", "--chats", "2", "--chat-tokens", "8", "--steps", "2",
+    assert main(["--out", str(out), "--book-tokens", "1000", "--chats", "2", "--chat-tokens", "8", "--steps", "2",
                  "--seq-len", "64", "--batch-size", "4", "--draft-vocab", "512", "--eval-chats", "1",
-                 "--threads", "2"]) == 0
+                 "--eval-tokens", "16", "--threads", "2"]) == 0
     meta = json.loads((out / "config.json").read_text())["sparsespec"]
     assert meta["steps"] == 2 and len(meta["held_out_top1_per_step"]) == 3 and 0 <= meta["held_out_alpha_k4"] <= 1
+    assert (meta["held_out_chats"], meta["held_out_chat_tokens"]) == (1, 16)
     engine = real_engine()
     prompt = engine.tokenizer("The capital of France is Paris. The capital of Italy is").input_ids
     ar = engine.generate([prompt], method="ar", max_new_tokens=12, ignore_eos=True)[0]
@@ -439,12 +443,13 @@ def test_the_trainer_cli_saves_a_head_the_drafter_loads(tmp_path):
     from sparsespec.drafters.eagle3 import verify_shipped
 
     shipped = tmp_path / "shipped"
-    assert main(["--export", str(out), "--out", str(shipped), "--eval-chats", "1", "--seq-len", "64",
-                 "--threads", "2"]) == 0
+    assert main(["--export", str(out), "--out", str(shipped), "--eval-chats", "1", "--eval-tokens", "16",
+                 "--seq-len", "64", "--threads", "2"]) == 0
     manifest = verify_shipped(shipped)
     assert manifest["dtype"] == "bfloat16" and manifest["target"]["preset"] == "smollm2-135m"
     figures = json.loads((shipped / "config.json").read_text())["sparsespec"]["exported_figures"]
-    assert len(figures["held_out_top1_per_step"]) == 3 and figures["held_out_chats"] == 1
+    assert len(figures["held_out_top1_per_step"]) == 3
+    assert (figures["held_out_chats"], figures["held_out_chat_tokens"]) == (1, 16)
     assert "out" not in json.loads((shipped / "config.json").read_text())["sparsespec"]["train"]
     with pytest.raises(SystemExit):  # --export needs --out: an argparse error, nothing written
         main(["--export", str(out), "--threads", "2"])
