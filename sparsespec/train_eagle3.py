@@ -459,7 +459,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         agree = held_out_agreement(load_head(model, out), h_feats, h_finals, held, cfg.ttt_steps)
         acc = chat_acceptance(engine, out, eval_prompts, max_new_tokens=args.eval_tokens)
         figures = {"held_out_top1_per_step": agree, "held_out_alpha_k4": acc["alpha"], "held_out_tau_k4": acc["tau"],
-                   "held_out_chats": args.eval_chats, "held_out_chat_tokens": args.eval_tokens}
+                   "held_out_chats": args.eval_chats, "held_out_chat_tokens": args.eval_tokens,
+                   "held_out_acceptance_k4": acc}
         cfg_path = out / "config.json"  # the figures join the config; the weights and manifest stay as written
         config = json.loads(cfg_path.read_text())
         config["sparsespec"]["exported_figures"] = figures
@@ -517,7 +518,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # 4. acceptance measured by the engine on held-out chat prompts (greedy, k = 4)
     acc = chat_acceptance(engine, out, eval_prompts, max_new_tokens=args.eval_tokens)
     meta |= {"held_out_alpha_k4": acc["alpha"], "held_out_tau_k4": acc["tau"], "held_out_chats": args.eval_chats,
-             "held_out_chat_tokens": args.eval_tokens,
+             "held_out_chat_tokens": args.eval_tokens, "held_out_acceptance_k4": acc,
              "total_seconds": round(time.perf_counter() - t_start, 1)}
     head.save(out, meta)
     print(f"held-out chat prompts, greedy, k=4: alpha {acc['alpha']:.3f}, tau {acc['tau']:.2f} tokens per verify step")
