@@ -433,7 +433,7 @@ def test_the_trainer_cli_saves_a_head_the_drafter_loads(tmp_path):
     meta = json.loads((out / "config.json").read_text())["sparsespec"]
     assert meta["steps"] == 2 and len(meta["held_out_top1_per_step"]) == 3 and 0 <= meta["held_out_alpha_k4"] <= 1
     assert (meta["held_out_chats"], meta["held_out_chat_tokens"]) == (1, 16)
-    assert 0 < meta["held_out_acceptance_k4"]["rounds"] <= 16  # 16 tokens generated, >= 1 per round
+    assert 0 < meta["held_out_counts_k4"]["rounds"] <= 16  # 16 tokens generated, >= 1 per round
     engine = real_engine()
     prompt = engine.tokenizer("The capital of France is Paris. The capital of Italy is").input_ids
     ar = engine.generate([prompt], method="ar", max_new_tokens=12, ignore_eos=True)[0]
@@ -451,7 +451,7 @@ def test_the_trainer_cli_saves_a_head_the_drafter_loads(tmp_path):
     figures = json.loads((shipped / "config.json").read_text())["sparsespec"]["exported_figures"]
     assert len(figures["held_out_top1_per_step"]) == 3
     assert (figures["held_out_chats"], figures["held_out_chat_tokens"]) == (1, 16)
-    assert 0 < figures["held_out_acceptance_k4"]["rounds"] <= 16
+    assert 0 < figures["held_out_counts_k4"]["rounds"] <= 16
     assert "out" not in json.loads((shipped / "config.json").read_text())["sparsespec"]["train"]
     with pytest.raises(SystemExit):  # --export needs --out: an argparse error, nothing written
         main(["--export", str(out), "--threads", "2"])
