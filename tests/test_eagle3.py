@@ -379,6 +379,41 @@ def test_trainer_cli_refuses_bad_arguments(capsys):
     assert "cannot load the target 'no-such-model-anywhere'" in capsys.readouterr().err
 
 
+def test_chat_prompts_tokenise_each_book_once_and_keep_their_ids():
+    """The trainer reads each book for its chat prompts and again for its windows: one tokenisation
+    per text (``_token_ids``), and the prompts the same as from a fresh tokenisation."""
+    from sparsespec.train_eagle3 import _token_ids, chat_prompts
+
+    class Enc:
+        def __init__(self, ids):
+            self.input_ids = ids
+
+    class CharTokenizer:  # one id per character; counts the texts it tokenises
+        def __init__(self):
+            self.seen = []
+
+        def __call__(self, text, add_special_tokens=False):
+            self.seen.append(text)
+            return Enc([ord(c) for c in text])
+
+        def decode(self, ids):
+            return "".join(map(chr, ids))
+
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+            return f"<user>{messages[0]['content']}<assistant>"
+
+    books = ["The first book. " * 40, "A second, different book. " * 30]
+    tok = CharTokenizer()
+    first = chat_prompts(tok, books, 3, seed=5, passage_tokens=20)
+    again = chat_prompts(tok, books, 3, seed=5, passage_tokens=20)
+    assert list(_token_ids(tok, books[1])) == [ord(c) for c in books[1]]
+    assert sorted(t for t in tok.seen if t in books) == sorted(books)  # each book once, for all three calls
+    assert first == again and len(first) == 3
+    for p in first:  # a template around a 20-token passage of one of the books
+        text = tok.decode(p)
+        assert text.startswith("<user>") and text.endswith("<assistant>") and len(p) > 20
+
+
 def test_train_config_is_validated():
     with pytest.raises(ValueError, match="seq_len must be at least"):
         TrainConfig(seq_len=3, ttt_steps=3)
