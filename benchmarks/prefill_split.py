@@ -1,7 +1,7 @@
 """A whole chunked prefill with each prefill attention, interleaved in one process on the same
 random prompt: the masked SDPA, PyTorch's flash split in two (``sparsespec.model.chunk_attention_cpu``:
 the prefix as grouped query rows plus the chunk's own causal block, merged by log-sum-exp) and ours
-(``sparsespec.kernels.cpu.prefill_attention``, where the kernels were built with AVX-512), with the
+(``sparsespec.kernels.cpu.prefill_attention``, AVX-512 or AVX2 tiles as the plan runs them), with the
 largest logit difference of each from the masked SDPA. The rest of the forward is the measured
 kernel plan's in all three.
 
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         variants["ours"] = (split, "ss")
     print(f"{a.model}, {a.threads} threads, {cpu.cpu_model()}; kernels: {plan.summary()}")
     if not ours:
-        print("(our prefill attention does not run here: needs our kernels built with AVX-512)")
+        print(f"(our prefill attention does not run here: {cpu.unavailable_reason() or 'head_dim % 16 != 0'})")
     lengths = [int(x) for x in a.lengths.split(",")]
     ids = torch.randint(100, min(30000, model.cfg.vocab_size), (1, max(lengths)),
                         generator=torch.Generator().manual_seed(0))

@@ -19,7 +19,7 @@ Attention backends (``sparsespec.kernels``): on CUDA with triton importable, dec
 attention (T <= 32 new tokens, with the importance rows) and draft attention run Triton kernels;
 on the CPU our kernels (``sparsespec.kernels.cpu``) where the kernel plan chose them, else the
 PyTorch code below. Prefill chunks (T > 32) run our flash kernel where the plan measured it faster
-(``KernelPlan.prefill_attention``, AVX-512 builds), else SDPA (on CPU with equal starts, as two
+(``KernelPlan.prefill_attention``), else SDPA (on CPU with equal starts, as two
 unmasked flash calls merged by log-sum-exp: ``chunk_attention_cpu``; on the Triton path their
 importance rows come from the verify kernel run on the last W queries).
 ``SPARSESPEC_ATTENTION=torch|triton`` overrides the choice.

@@ -172,7 +172,17 @@ def test_sparse_attention_matches_the_reference(Hkv, G, D):
 
 
 needs_prefill_kernel = pytest.mark.skipif(not cpu.prefill_attention_supported(16),
-                                          reason="the prefill attention kernel needs an AVX-512 build")
+                                          reason="our CPU kernels do not load here")
+
+
+@pytest.fixture(params=["avx2", "avx512"])
+def prefill_tiles(request):
+    """The prefill attention on its AVX2 tiles, then (where built) its AVX-512 ones."""
+    if request.param == "avx512" and not (cpu.set_attention_avx512(True) or "").startswith("avx512"):
+        pytest.skip("no AVX-512 tiles in this build")
+    cpu.set_attention_avx512(request.param == "avx512")
+    yield request.param
+    cpu.set_attention_avx512(True)
 
 
 def _causal_ref(q, kc, vc, starts, scale):
@@ -199,7 +209,7 @@ def _causal_ref(q, kc, vc, starts, scale):
     (2, 1, 13, 50, 16, [3, 64]),  # 13 heads per KV head: rows past 192 per item
     (1, 1, 2, 40, 256, [70]),    # D = 256
 ])
-def test_prefill_attention_matches_a_float64_causal_softmax(B, Hkv, G, T, D, starts):
+def test_prefill_attention_matches_a_float64_causal_softmax(B, Hkv, G, T, D, starts, prefill_tiles):
     g = _gen(B * 1000 + G * 10 + D)
     S_max = max(starts) + T + 7
     kc, vc = torch.randn(B, Hkv, S_max, D, generator=g), torch.randn(B, Hkv, S_max, D, generator=g)
@@ -211,7 +221,7 @@ def test_prefill_attention_matches_a_float64_causal_softmax(B, Hkv, G, T, D, sta
 
 
 @needs_prefill_kernel
-def test_prefill_attention_is_batch_and_thread_invariant_and_reads_strided_caches():
+def test_prefill_attention_is_batch_and_thread_invariant_and_reads_strided_caches(prefill_tiles):
     """A row's output is the same bits alone or in a batch and on 1 or 2 threads; the caches may be
     one layer of a [L, B, H_kv, S, D] pool (strided batch and head)."""
     g = _gen(31)
@@ -233,14 +243,38 @@ def test_prefill_attention_is_batch_and_thread_invariant_and_reads_strided_cache
     torch.testing.assert_close(out.double(), _causal_ref(q, pool_k[1], pool_v[1], st, 0.125), rtol=1e-5, atol=2e-6)
 
 
+@needs_prefill_kernel
+def test_prefill_attentions_avx2_tiles_give_the_avx512_tiles_bits():
+    """Where the library has AVX-512 tiles, the prefill attention's AVX2 tiles (the only ones on a CPU
+    without AVX-512) run the same operations per element: the same bits. Rows per item not a multiple
+    of 8 or 16 (G = 7), a partial last key block, ragged starts, D = 64 and 128."""
+    if not (cpu.set_attention_avx512(True) or "").startswith("avx512"):
+        pytest.skip("this CPU's build has no AVX-512 tiles")
+    g = _gen(41)
+    try:
+        for B, Hkv, G, T, D, starts in ((2, 2, 7, 100, 64, [0, 37]), (1, 3, 3, 300, 128, [517])):
+            kc = torch.randn(B, Hkv, max(starts) + T + 3, D, generator=g)
+            vc = torch.randn(B, Hkv, max(starts) + T + 3, D, generator=g)
+            q = torch.randn(B, Hkv * G, T, D, generator=g)
+            got = []
+            for on in (True, False):
+                cpu.set_attention_avx512(on)
+                got.append(cpu.prefill_attention(q, kc, vc, torch.tensor(starts), D ** -0.5))
+            assert torch.equal(got[0], got[1]), (G, D)
+    finally:
+        cpu.set_attention_avx512(True)
+
+
 def test_prefill_attention_says_where_it_cannot_run(monkeypatch):
     q = torch.randn(1, 2, 40, 24)
     kc = torch.randn(1, 1, 40, 24)
+    assert not cpu.prefill_attention_supported(24)
     with pytest.raises(RuntimeError, match="head_dim % 16 == 0"):
         cpu.prefill_attention(q, kc, kc, torch.tensor([0]), 0.2)
-    monkeypatch.setitem(cpu._state, "built512", False)  # a build without AVX-512 (or SPARSESPEC_AVX512=0)
+    monkeypatch.setitem(cpu._state, "lib", None)  # our kernels did not load (no compiler, SPARSESPEC_CPU_KERNELS=0)
+    monkeypatch.setitem(cpu._state, "reason", "no compiler")
     assert not cpu.prefill_attention_supported(64)
-    with pytest.raises(RuntimeError, match="AVX-512"):
+    with pytest.raises(RuntimeError, match="no compiler"):
         cpu.prefill_attention(torch.randn(1, 2, 40, 64), torch.randn(1, 1, 40, 64), torch.randn(1, 1, 40, 64),
                               torch.tensor([0]), 0.2)
 
@@ -266,7 +300,7 @@ def test_the_library_builds_for_a_cpu_without_avx512(tmp_path):
     assert lib.ss_set_attention_avx512(1) == 0 and lib.ss_set_linear_avx512(1) == 0  # nothing to switch on
     args, res = cpu._SIGNATURES["ss_prefill_attention"]
     lib.ss_prefill_attention.argtypes, lib.ss_prefill_attention.restype = args, res
-    assert lib.ss_prefill_attention(*([0] * 5 + [None] * 2 + [0, 0, None, 0, 0, None, 1.0, None, 0, 0, 1])) == -1
+    assert lib.ss_prefill_attention(*([0] * 5 + [None] * 2 + [0, 0, None, 0, 0, None, 1.0, None, 0, 0, 1])) == -1  # D 0
 
 
 def test_the_avx512_linear_tile_gives_the_avx2_tiles_results_bit_for_bit():
@@ -706,7 +740,7 @@ def test_the_environment_picks_the_prefill_attention(monkeypatch):
         apply_tiles(KernelPlan())
     if cpu.prefill_attention_supported(16):
         assert apply_tiles(dataclasses.replace(plan, prefill_attention="torch")).prefill_attention == "ss"
-    monkeypatch.setitem(cpu._state, "built512", False)
+    monkeypatch.setattr(cpu, "prefill_attention_supported", lambda head_dim: False)  # e.g. head_dim 24
     with pytest.raises(ValueError, match="does not run here"):
         apply_tiles(plan)
     monkeypatch.delenv("SPARSESPEC_PREFILL_ATTENTION")  # a plan measured with it, read where it cannot run

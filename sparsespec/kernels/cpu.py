@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu") / "sparsespec_cpu.c"
-ABI_VERSION = 17
+ABI_VERSION = 18
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
 #: keys per attention chunk in the C kernels (SS_CHUNK)
 CHUNK = 256
@@ -212,7 +212,7 @@ def library() -> ctypes.CDLL | None:
                     fn.argtypes, fn.restype = args, res
                 if lib.ss_abi_version() != ABI_VERSION:
                     raise RuntimeError(f"{path}: ABI {lib.ss_abi_version()} != {ABI_VERSION}")
-                # AVX-512 in this build (the prefill attention has no AVX2 tiles: off with SPARSESPEC_AVX512=0 too)
+                # AVX-512 in this build (and allowed: SPARSESPEC_AVX512=0 keeps every kernel on its AVX2 tiles)
                 _state["built512"] = bool(lib.ss_set_attention_avx512(1)) and _avx512_allowed()
                 for key in _TILE_SWITCHES:
                     _switch_tiles(lib, key, True)
@@ -682,9 +682,9 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
 
 
 def prefill_attention_supported(head_dim: int) -> bool:
-    """Whether ``prefill_attention`` runs here: a build with AVX-512 (it has no AVX2 tiles) and
-    ``head_dim % 16 == 0``."""
-    return available() and _state.get("built512", False) and head_dim % 16 == 0
+    """Whether ``prefill_attention`` runs here: our kernels load and ``head_dim % 16 == 0`` (it
+    runs the AVX-512 tiles where the attention's are on, else the AVX2 ones: the same bits)."""
+    return available() and head_dim % 16 == 0
 
 
 @_profiled("prefill_attention")
@@ -711,7 +711,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     Hkv = k_cache.shape[1]
     lib = library()
     if lib is None or not prefill_attention_supported(D):
-        raise RuntimeError(f"prefill_attention needs our kernels built with AVX-512 and head_dim % 16 == 0 "
+        raise RuntimeError(f"prefill_attention needs our kernels and head_dim % 16 == 0 "
                            f"(head_dim {D}; kernels: {unavailable_reason() or attention_isa()})")
     if not q.is_contiguous():
         q = q.contiguous()
@@ -727,7 +727,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                                   torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"ss_prefill_attention returned {rc} "
-                           f"({'no AVX-512 build' if rc == -1 else 'out of memory for its scratch'})")
+                           f"({'head_dim % 16 != 0' if rc == -1 else 'out of memory for its scratch'})")
     return out
 
 

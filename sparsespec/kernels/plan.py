@@ -24,7 +24,7 @@ A ``KernelPlan`` names, for one model on one device:
 * ``fused``: RMSNorm, RoPE and SiLU-and-multiply through our kernels (one call each instead of
   four to eight PyTorch ops);
 * ``prefill_attention``: a prefill chunk's causal attention (hundreds of queries per row): ``"ss"``
-  (ours: flash attention in GEMM tiles, ``cpu.prefill_attention``; AVX-512 builds) or ``"torch"``
+  (ours: flash attention in GEMM tiles, ``cpu.prefill_attention``; AVX-512 or AVX2 tiles) or ``"torch"``
   (PyTorch's fused CPU flash attention, ``sparsespec.kernels.reference.chunk_attention_cpu``; SDPA elsewhere);
 * ``threads``: the torch threads it was measured with.
 
@@ -130,7 +130,7 @@ class KernelPlan:
     #: with ``attention_tiles="avx512-kt"``: whether that path fetches each block's value rows into
     #: L2 during its scores (measured by the trial; without those tiles it means nothing)
     attention_kt_vprefetch: bool = True
-    #: a prefill chunk's attention: "ss" (ours, where built with AVX-512) or "torch"
+    #: a prefill chunk's attention: "ss" (ours) or "torch"
     prefill_attention: str = "torch"
     #: with the AVX-512 attention tiles: how many keys ahead the decode / verify P.V fetches value
     #: rows (``cpu.PV_PREFETCH_KEYS`` or 0, measured by the trial; without those tiles it means nothing)
@@ -267,8 +267,8 @@ def torch_plan(note: str = "", source: str = "default", device: str = "cpu") -> 
 
 
 def ours_plan(source: str = "default", note: str = "") -> KernelPlan:
-    """Our kernels wherever they run (decode widths; the prefill attention where built with
-    AVX-512), MKL for prefill chunks' linears."""
+    """Our kernels wherever they run (decode widths and the prefill attention), MKL for prefill
+    chunks' linears."""
     return KernelPlan(((128, "ss"), (None, "mkl")), "ss", True, torch.get_num_threads(), source, note=note,
                       prefill_attention=_prefill_default())
 
@@ -328,7 +328,7 @@ def apply_tiles(plan: KernelPlan) -> KernelPlan:
 
     ``SPARSESPEC_PREFILL_ATTENTION=ss|torch`` sets the prefill chunks' attention (``ss`` where our
     kernels cannot run it is an error); a plan's ``ss`` becomes ``torch`` where ours cannot run
-    (no AVX-512 build, ``SPARSESPEC_AVX512=0``, PyTorch's attention).
+    (no kernels, a head size that is not a multiple of 16, PyTorch's attention).
 
     Raises:
         ValueError: ``SPARSESPEC_ATTENTION_KT`` is not a non-negative integer;
@@ -344,10 +344,10 @@ def apply_tiles(plan: KernelPlan) -> KernelPlan:
             raise ValueError(f"{_PREFILL_ENV} must be ss or torch, got {env!r}")
         if env == "ss" and not (plan.attention == "ss" and cpu.prefill_attention_supported(16)):
             raise ValueError(f"{_PREFILL_ENV}=ss: our prefill attention does not run here "
-                             f"(it needs our kernels, built with AVX-512)")
+                             f"(it needs our kernels and attention, and head_dim % 16 == 0)")
         prefill = env
     elif prefill == "ss" and not (plan.attention == "ss" and cpu.prefill_attention_supported(16)):
-        prefill = "torch"  # e.g. a cached plan read with SPARSESPEC_AVX512=0: say what runs
+        prefill = "torch"  # e.g. a cached plan read with SPARSESPEC_KERNELS=torch: say what runs
     if prefill != plan.prefill_attention or env:  # the user's choice is the provenance, even where it is the default
         plan = dataclasses.replace(plan, prefill_attention=prefill, **(
             {"source": "env", "note": (plan.note + "; " if plan.note else "") + f"{_PREFILL_ENV}={env}"} if env else {}))

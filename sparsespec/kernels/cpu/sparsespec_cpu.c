@@ -51,7 +51,7 @@
 #error "sparsespec_cpu.c needs AVX2 and FMA (the loader falls back to torch without them)"
 #endif
 
-SS_API int ss_abi_version(void) { return 17; }
+SS_API int ss_abi_version(void) { return 18; }
 
 
 /* ------------------------------------------------------------------ vector helpers (AVX2) */
@@ -1518,13 +1518,34 @@ SS_API void ss_attention(int64_t B, int64_t Hkv, int64_t G, int64_t T, int64_t D
  * Measured on the AMD EPYC of benchmarks/RESULTS.md (2 threads, a 512-query chunk after 7.7K keys,
  * SmolLM2's heads): 445 GFLOP/s, 2.3x PyTorch's flash attention (an earlier version with the keys
  * in lanes and a per-row softmax spent a third of its time in the softmax's horizontal reductions:
- * 330). AVX-512 builds only (elsewhere ss_prefill_attention returns -1 and the model runs PyTorch's
- * flash attention). */
-#if SS_HAVE512
+ * 330). Where the library has no AVX-512 (or ss_set_attention_avx512 switched its tiles off) the
+ * same algorithm runs in AVX2 tiles, 8 rows per vector (pf8_*: scores of 4 keys x 24 rows, P.V in
+ * 6-row x 16-column tiles), with the same operations per element in the same order: the same bits
+ * as the AVX-512 tiles. On the AMD EPYC without AVX-512 (Zen 3) of benchmarks/RESULTS.md, the same
+ * chunk: 127 GFLOP/s on 2 threads against PyTorch's 101 (1 thread: 66 against 59); there the scores
+ * run at ~85 GFLOP/s a core, P.V at ~81 and the softmax takes a sixth of the time. */
 #define PF_NK 32
 #ifndef PF_ROWS
 #define PF_ROWS 192  /* query rows per item (G x positions): the Q, O and P rows stay in L2 */
 #endif
+
+typedef struct {
+    int64_t B, Hkv, G, T, D;
+    const float *q, *k, *v;
+    int64_t k_sb, k_sh, v_sb, v_sh;
+    const int64_t *starts;
+    float scale;
+    float *out;
+    int64_t o_sb, o_st;
+} pf_t;
+
+/* floats of one thread's scratch for items of up to R rows */
+SS_INLINE int64_t pf_scratch_floats(int64_t R, int64_t D) {
+    const int64_t R16 = (R + 15) / 16 * 16;
+    return D * R16 + PF_NK * R16 + R * D + 4 * R16 + 8 * D + 64;
+}
+
+#if SS_HAVE512
 
 #define PS_ACC(u) __m512 c##u##0 = _mm512_setzero_ps(), c##u##1 = c##u##0, c##u##2 = c##u##0;
 #define PS_FMA(u)                                                                     \
@@ -1564,22 +1585,6 @@ SS_INLINE void pf_scores(const int NR, const float *qT, const float *k, const in
             default: pv512_tile_g(MR_, 1, nk, Pr, 1, ld, vd, D, NULL, Or, D, al, 0, NULL, 0, 0); break; \
         }                                                                             \
         break;
-
-typedef struct {
-    int64_t B, Hkv, G, T, D;
-    const float *q, *k, *v;
-    int64_t k_sb, k_sh, v_sb, v_sh;
-    const int64_t *starts;
-    float scale;
-    float *out;
-    int64_t o_sb, o_st;
-} pf_t;
-
-/* floats of one thread's scratch for items of up to R rows */
-SS_INLINE int64_t pf_scratch_floats(int64_t R, int64_t D) {
-    const int64_t R16 = (R + 15) / 16 * 16;
-    return D * R16 + PF_NK * R16 + R * D + 4 * R16 + 8 * D + 64;
-}
 
 /* item: rows of KV head kv of batch row b at positions [t0, t1); the scores and probabilities
  * with the rows in lanes (ST[j, r]): the softmax's max, exp and sums then run down the keys in
@@ -1685,20 +1690,186 @@ static void pf_item(const pf_t *a, int64_t b, int64_t kv, int64_t t0, int64_t t1
 }
 #endif
 
+/* The AVX2 tiles (module comment above). Transposed scores of 4 keys (rows D apart from k) x NR
+ * (1..3) vectors of 8 query rows into ST[u * ld + r] (32-byte aligned): 12 accumulators,
+ * broadcast(k[u, d]) x qT[d], the AVX-512 tile's chain per score */
+#define P8_ACC(u) __m256 e##u##0 = _mm256_setzero_ps(), e##u##1 = e##u##0, e##u##2 = e##u##0;
+#define P8_FMA(u)                                                                     \
+    {                                                                                 \
+        const __m256 x = _mm256_broadcast_ss(k + (u) * D + d);                        \
+        e##u##0 = _mm256_fmadd_ps(x, q0, e##u##0);                                    \
+        if (NR > 1) e##u##1 = _mm256_fmadd_ps(x, q1, e##u##1);                        \
+        if (NR > 2) e##u##2 = _mm256_fmadd_ps(x, q2, e##u##2);                        \
+    }
+#define P8_OUT(u)                                                                     \
+    {                                                                                 \
+        _mm256_store_ps(ST + (u) * ld, e##u##0);                                      \
+        if (NR > 1) _mm256_store_ps(ST + (u) * ld + 8, e##u##1);                      \
+        if (NR > 2) _mm256_store_ps(ST + (u) * ld + 16, e##u##2);                     \
+    }
+SS_INLINE void pf8_scores(const int NR, const float *qT, const float *k, const int64_t D, float *ST, int64_t ld) {
+    P8_ACC(0) P8_ACC(1) P8_ACC(2) P8_ACC(3)
+    for (int64_t d = 0; d < D; ++d) {
+        __m256 q0 = _mm256_load_ps(qT + d * ld);
+        __m256 q1 = NR > 1 ? _mm256_load_ps(qT + d * ld + 8) : q0;
+        __m256 q2 = NR > 2 ? _mm256_load_ps(qT + d * ld + 16) : q0;
+        /* in registers: GCC otherwise folds each load into all four FMAs (16 loads per 12 FMAs, 1.2x slower) */
+        __asm__("" : "+x"(q0), "+x"(q1), "+x"(q2));
+        P8_FMA(0) P8_FMA(1) P8_FMA(2) P8_FMA(3)
+    }
+    P8_OUT(0) P8_OUT(1) P8_OUT(2) P8_OUT(3)
+}
+
+/* o = alpha * o + P.V for MR (1..6) rows x NV (1..2) vectors of 8 columns over kn keys (p of row
+ * i, key j at P[j * ld + i]; value rows ldv apart): the AVX-512 tile's chain per element */
+#define P8V_ACC(i)                                                                    \
+    __m256 c##i##0 = _mm256_setzero_ps(), c##i##1 = c##i##0;                          \
+    if (MR > i) {                                                                     \
+        const __m256 al = _mm256_broadcast_ss(alpha + (i));                           \
+        c##i##0 = _mm256_mul_ps(al, _mm256_loadu_ps(out + (i) * ldo));                \
+        if (NV > 1) c##i##1 = _mm256_mul_ps(al, _mm256_loadu_ps(out + (i) * ldo + 8)); \
+    }
+#define P8V_ROW(i)                                                                    \
+    if (MR > i) {                                                                     \
+        const __m256 pb = _mm256_broadcast_ss(P + j * ld + (i));                      \
+        c##i##0 = _mm256_fmadd_ps(pb, v0, c##i##0);                                   \
+        if (NV > 1) c##i##1 = _mm256_fmadd_ps(pb, v1, c##i##1);                       \
+    }
+#define P8V_OUT(i)                                                                    \
+    if (MR > i) {                                                                     \
+        _mm256_storeu_ps(out + (i) * ldo, c##i##0);                                   \
+        if (NV > 1) _mm256_storeu_ps(out + (i) * ldo + 8, c##i##1);                   \
+    }
+SS_INLINE void pf8_pv(const int MR, const int NV, int64_t kn, const float *P, int64_t ld, const float *v, int64_t ldv,
+                      float *out, int64_t ldo, const float *alpha) {
+    P8V_ACC(0) P8V_ACC(1) P8V_ACC(2) P8V_ACC(3) P8V_ACC(4) P8V_ACC(5)
+    for (int64_t j = 0; j < kn; ++j) {
+        const __m256 v0 = _mm256_loadu_ps(v + j * ldv);
+        const __m256 v1 = NV > 1 ? _mm256_loadu_ps(v + j * ldv + 8) : v0;
+        P8V_ROW(0) P8V_ROW(1) P8V_ROW(2) P8V_ROW(3) P8V_ROW(4) P8V_ROW(5)
+    }
+    P8V_OUT(0) P8V_OUT(1) P8V_OUT(2) P8V_OUT(3) P8V_OUT(4) P8V_OUT(5)
+}
+#define P8V_CASE(MR_)                                                                 \
+    case MR_:                                                                         \
+        if (NV == 2) pf8_pv(MR_, 2, nk, Pr, ld, vd, D, Or, D, al);                    \
+        else pf8_pv(MR_, 1, nk, Pr, ld, vd, D, Or, D, al);                            \
+        break;
+
+/* pf_item_d in AVX2 tiles (ld = R rounded up to 16 as there, so the scratch is laid out the same) */
+SS_INLINE void pf8_item_d(const pf_t *a, int64_t b, int64_t kv, int64_t t0, int64_t t1, float *scratch,
+                          const int64_t D) {
+    const int64_t G = a->G, T = a->T, R = G * (t1 - t0), start = a->starts[b], n = start + t1;
+    const int64_t ld = (R + 15) / 16 * 16, nv8 = ld / 8;
+    float *qT = scratch;                 /* [D, ld]: the scaled queries transposed */
+    float *ST = qT + D * ld;             /* [PF_NK, ld]: scores, then probabilities */
+    float *m = ST + PF_NK * ld, *l = m + ld, *alpha = l + ld;
+    int32_t *lim = (int32_t *)(alpha + ld);  /* [ld]: each row's last visible key */
+    float *O = alpha + 2 * ld;           /* [R, D] */
+    float *kbuf = O + R * D;             /* [4, D]: a partial group of keys */
+    for (int64_t r = 0; r < ld; ++r) {
+        const int64_t t = t0 + r / G, g = r % G;
+        const float *src = a->q + (((b * a->Hkv + kv) * G + g) * T + t) * D;
+        for (int64_t d = 0; d < D; ++d) qT[d * ld + r] = r < R ? src[d] * a->scale : 0.0f;
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+        lim[r] = r < R ? (int32_t)(start + t) : INT32_MAX;
+    }
+    memset(O, 0, (size_t)(R * D) * sizeof(float));
+    const float *kb = a->k + b * a->k_sb + kv * a->k_sh, *vb = a->v + b * a->v_sb + kv * a->v_sh;
+    const __m256 ninf = _mm256_set1_ps(-INFINITY), zero = _mm256_setzero_ps();
+    for (int64_t j0 = 0; j0 < n; j0 += PF_NK) {
+        const int nk = (int)(n - j0 < PF_NK ? n - j0 : PF_NK);
+        const int64_t tmin = j0 - start;
+        const int64_t ra = tmin > t0 ? (tmin - t0) * G : 0, va = ra / 8;
+        /* 1. scores, 4 keys x 24 rows per tile, the block's keys for one 24-row slice of qT at a
+         *    time (both stay in L1); a partial group repeats key j0 (masked below) */
+        const int nu = (nk + 3) / 4 * 4, full = nk / 4 * 4;
+        if (nk % 4)
+            for (int w = 0; w < 4; ++w)
+                memcpy(kbuf + w * D, kb + (j0 + (full + w < nk ? full + w : 0)) * D, (size_t)D * sizeof(float));
+        for (int64_t v = va; v < nv8; v += 3) {
+            const int NR = (int)(nv8 - v < 3 ? nv8 - v : 3);
+            for (int u = 0; u < nu; u += 4) {
+                const float *kp = u + 4 > nk ? kbuf : kb + (j0 + u) * D;
+                float *st = ST + u * ld + v * 8;
+                if (NR == 3) pf8_scores(3, qT + v * 8, kp, D, st, ld);
+                else if (NR == 2) pf8_scores(2, qT + v * 8, kp, D, st, ld);
+                else pf8_scores(1, qT + v * 8, kp, D, st, ld);
+            }
+        }
+        /* 2. online softmax, 8 rows per vector (pf_item_d's operations) */
+        const int masked = j0 + PF_NK - 1 > start + t0;
+        for (int64_t v = va; v < nv8; ++v) {
+            const int64_t r = v * 8;
+            const __m256i lv = _mm256_loadu_si256((const __m256i *)(lim + r));
+            __m256 mb = ninf;
+            for (int j = 0; j < PF_NK; ++j) {
+                __m256 s = _mm256_load_ps(ST + j * ld + r);
+                if (masked) {
+                    const __m256i hid = _mm256_cmpgt_epi32(_mm256_set1_epi32((int32_t)(j0 + j)), lv);
+                    s = _mm256_blendv_ps(s, ninf, _mm256_castsi256_ps(hid));
+                    _mm256_store_ps(ST + j * ld + r, s);
+                }
+                mb = _mm256_max_ps(mb, s);
+            }
+            const __m256 mo = _mm256_load_ps(m + r), mn = _mm256_max_ps(mo, mb);
+            const __m256 ms = _mm256_blendv_ps(mn, zero, _mm256_cmp_ps(mn, ninf, _CMP_EQ_OQ));
+            const __m256 al = exp8(_mm256_sub_ps(mo, ms));
+            __m256 sum0 = zero, sum1 = zero;
+            for (int j = 0; j < PF_NK; j += 2) {
+                const __m256 p0 = exp8(_mm256_sub_ps(_mm256_load_ps(ST + j * ld + r), ms));
+                const __m256 p1 = exp8(_mm256_sub_ps(_mm256_load_ps(ST + (j + 1) * ld + r), ms));
+                _mm256_store_ps(ST + j * ld + r, p0);
+                _mm256_store_ps(ST + (j + 1) * ld + r, p1);
+                sum0 = _mm256_add_ps(sum0, p0);
+                sum1 = _mm256_add_ps(sum1, p1);
+            }
+            _mm256_store_ps(l + r, _mm256_fmadd_ps(_mm256_load_ps(l + r), al, _mm256_add_ps(sum0, sum1)));
+            _mm256_store_ps(m + r, mn);
+            _mm256_store_ps(alpha + r, al);
+        }
+        /* 3. o = alpha * o + P.V */
+        const float *vblk = vb + j0 * D;
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+            const int NV = D - d0 >= 16 ? 2 : 1;
+            for (int64_t r = ra; r < R; r += 6) {
+                const int MR = (int)(R - r < 6 ? R - r : 6);
+                const float *Pr = ST + r, *vd = vblk + d0, *al = alpha + r;
+                float *Or = O + r * D + d0;
+                switch (MR) { P8V_CASE(6) P8V_CASE(5) P8V_CASE(4) P8V_CASE(3) P8V_CASE(2) P8V_CASE(1) }
+            }
+        }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+        const int64_t t = t0 + r / G, g = r % G;
+        float *o = a->out + b * a->o_sb + t * a->o_st + (kv * G + g) * D;
+        const __m256 inv = _mm256_set1_ps(1.0f / l[r]);
+        for (int64_t d = 0; d < D; d += 8)
+            _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(O + r * D + d), inv));
+    }
+}
+
+static void pf8_item(const pf_t *a, int64_t b, int64_t kv, int64_t t0, int64_t t1, float *scratch) {
+    if (a->D == 64) pf8_item_d(a, b, kv, t0, t1, scratch, 64);
+    else pf8_item_d(a, b, kv, t0, t1, scratch, a->D);
+}
+
 /* Causal attention of a prefill chunk (module comment above): q [B, H_kv * G, T, D] contiguous,
  * the chunk's keys and values already in the cache at starts[b] .. starts[b] + T - 1, out as
- * ss_attention's. Returns 0; -1 where this build has no AVX-512 or D % 16 != 0 (nothing
- * written); -2 when a thread could not allocate its scratch (the output is incomplete). */
+ * ss_attention's. Returns 0; -1 where D % 16 != 0 (nothing written); -2 when a thread could not
+ * allocate its scratch (the output is incomplete). */
 SS_API int ss_prefill_attention(int64_t B, int64_t Hkv, int64_t G, int64_t T, int64_t D, const float *q,
                                 const float *k, int64_t k_sb, int64_t k_sh, const float *v, int64_t v_sb,
                                 int64_t v_sh, const int64_t *starts, float scale, float *out, int64_t o_sb,
                                 int64_t o_st, int nthreads) {
-#if SS_HAVE512
     if (D % 16 != 0 || D <= 0) return -1;
     pf_t a = {B, Hkv, G, T, D, q, k, v, k_sb, k_sh, v_sb, v_sh, starts, scale, out, o_sb, o_st};
     const int64_t tq = G >= PF_ROWS ? 1 : PF_ROWS / G, nq = (T + tq - 1) / tq, items = B * Hkv * nq;
     const int64_t floats = pf_scratch_floats(G * tq, D);
+    const int wide = SS_HAVE512 && ss_att512;  /* the AVX-512 tiles (the same bits as the AVX2 ones) */
     int failed = 0;
+    (void)wide;
 #pragma omp parallel num_threads(ss_threads(nthreads))
     {
         float *scratch = aligned_alloc(64, (size_t)((floats * 4 + 63) / 64 * 64));
@@ -1709,16 +1880,18 @@ SS_API int ss_prefill_attention(int64_t B, int64_t Hkv, int64_t G, int64_t T, in
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < items; ++i) {
             const int64_t p = i / nq, c = i % nq, t0 = c * tq, t1 = t0 + tq < T ? t0 + tq : T;
-            if (scratch) pf_item(&a, p / Hkv, p % Hkv, t0, t1, scratch);
+            if (!scratch) continue;
+#if SS_HAVE512
+            if (wide) {
+                pf_item(&a, p / Hkv, p % Hkv, t0, t1, scratch);
+                continue;
+            }
+#endif
+            pf8_item(&a, p / Hkv, p % Hkv, t0, t1, scratch);
         }
         free(scratch);
     }
     return failed ? -2 : 0;
-#else
-    (void)B; (void)Hkv; (void)G; (void)T; (void)D; (void)q; (void)k; (void)k_sb; (void)k_sh; (void)v; (void)v_sb;
-    (void)v_sh; (void)starts; (void)scale; (void)out; (void)o_sb; (void)o_st; (void)nthreads;
-    return -1;
-#endif
 }
 
 /* Sparse draft attention: each row attends to its first n_valid[b] indexed cache positions plus
