@@ -1522,8 +1522,9 @@ SS_API void ss_attention(int64_t B, int64_t Hkv, int64_t G, int64_t T, int64_t D
  * same algorithm runs in AVX2 tiles, 8 rows per vector (pf8_*: scores of 4 keys x 24 rows, P.V in
  * 6-row x 16-column tiles), with the same operations per element in the same order: the same bits
  * as the AVX-512 tiles. On the AMD EPYC without AVX-512 (Zen 3) of benchmarks/RESULTS.md, the same
- * chunk: 127 GFLOP/s on 2 threads against PyTorch's 101 (1 thread: 66 against 59); there the scores
- * run at ~85 GFLOP/s a core, P.V at ~81 and the softmax takes a sixth of the time. */
+ * chunk: 127 GFLOP/s on 2 threads against PyTorch's 101 (1 thread: 66 against 59, of a measured FMA
+ * peak of 93 a core); there the scores run at ~85 GFLOP/s a core, P.V at ~81 and the softmax takes a
+ * sixth of the time. */
 #define PF_NK 32
 #ifndef PF_ROWS
 #define PF_ROWS 192  /* query rows per item (G x positions): the Q, O and P rows stay in L2 */
