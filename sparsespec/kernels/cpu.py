@@ -212,8 +212,6 @@ def library() -> ctypes.CDLL | None:
                     fn.argtypes, fn.restype = args, res
                 if lib.ss_abi_version() != ABI_VERSION:
                     raise RuntimeError(f"{path}: ABI {lib.ss_abi_version()} != {ABI_VERSION}")
-                # AVX-512 in this build (and allowed: SPARSESPEC_AVX512=0 keeps every kernel on its AVX2 tiles)
-                _state["built512"] = bool(lib.ss_set_attention_avx512(1)) and _avx512_allowed()
                 for key in _TILE_SWITCHES:
                     _switch_tiles(lib, key, True)
                 _state["attention_kt"] = int(lib.ss_set_attention_kt(0))  # the plan's trial switches it on

@@ -1868,9 +1868,10 @@ SS_API int ss_prefill_attention(int64_t B, int64_t Hkv, int64_t G, int64_t T, in
     pf_t a = {B, Hkv, G, T, D, q, k, v, k_sb, k_sh, v_sb, v_sh, starts, scale, out, o_sb, o_st};
     const int64_t tq = G >= PF_ROWS ? 1 : PF_ROWS / G, nq = (T + tq - 1) / tq, items = B * Hkv * nq;
     const int64_t floats = pf_scratch_floats(G * tq, D);
-    const int wide = SS_HAVE512 && ss_att512;  /* the AVX-512 tiles (the same bits as the AVX2 ones) */
+#if SS_HAVE512
+    const int wide = ss_att512;  /* the AVX-512 tiles (the same bits as the AVX2 ones) */
+#endif
     int failed = 0;
-    (void)wide;
 #pragma omp parallel num_threads(ss_threads(nthreads))
     {
         float *scratch = aligned_alloc(64, (size_t)((floats * 4 + 63) / 64 * 64));
