@@ -1546,6 +1546,61 @@ SS_INLINE int64_t pf_scratch_floats(int64_t R, int64_t D) {
     return D * R16 + PF_NK * R16 + R * D + 4 * R16 + 8 * D + 64;
 }
 
+/* One item's scratch (rows of KV head kv of batch row b at positions [t0, t1); ld = R rounded up
+ * to 16, for either tile width) and its start: the scaled queries transposed, m = -inf, l = 0,
+ * each row's last visible key (padding rows: never masked, never output), O = 0 */
+typedef struct {
+    int64_t R, ld, start, n;
+    float *qT;    /* [D, ld]: the scaled queries transposed (64-byte aligned) */
+    float *ST;    /* [PF_NK, ld]: scores, then probabilities */
+    float *m, *l, *alpha;
+    int32_t *lim; /* [ld]: each row's last visible key */
+    float *O;     /* [R, D] */
+    float *kbuf;  /* [8, D]: a partial group of keys */
+    const float *kb, *vb;
+} pf_item_t;
+
+SS_INLINE pf_item_t pf_item_start(const pf_t *a, int64_t b, int64_t kv, int64_t t0, int64_t t1, float *scratch,
+                                  const int64_t D) {
+    const int64_t G = a->G, T = a->T;
+    pf_item_t it;
+    it.R = G * (t1 - t0);
+    it.ld = (it.R + 15) / 16 * 16;
+    it.start = a->starts[b];
+    it.n = it.start + t1;
+    it.qT = scratch;
+    it.ST = it.qT + D * it.ld;
+    it.m = it.ST + PF_NK * it.ld;
+    it.l = it.m + it.ld;
+    it.alpha = it.l + it.ld;
+    it.lim = (int32_t *)(it.alpha + it.ld);
+    it.O = it.alpha + 2 * it.ld;
+    it.kbuf = it.O + it.R * D;
+    for (int64_t r = 0; r < it.ld; ++r) {
+        const int64_t t = t0 + r / G, g = r % G;
+        const float *src = a->q + (((b * a->Hkv + kv) * G + g) * T + t) * D;
+        for (int64_t d = 0; d < D; ++d) it.qT[d * it.ld + r] = r < it.R ? src[d] * a->scale : 0.0f;
+        it.m[r] = -INFINITY;
+        it.l[r] = 0.0f;
+        it.lim[r] = r < it.R ? (int32_t)(it.start + t) : INT32_MAX;
+    }
+    memset(it.O, 0, (size_t)(it.R * D) * sizeof(float));
+    it.kb = a->k + b * a->k_sb + kv * a->k_sh;
+    it.vb = a->v + b * a->v_sb + kv * a->v_sh;
+    return it;
+}
+
+/* the item's output rows: O / l (8 lanes at a time: the same products at either tile width) */
+SS_INLINE void pf_item_finish(const pf_t *a, const pf_item_t *it, int64_t b, int64_t kv, int64_t t0, const int64_t D) {
+    for (int64_t r = 0; r < it->R; ++r) {
+        const int64_t t = t0 + r / a->G, g = r % a->G;
+        float *o = a->out + b * a->o_sb + t * a->o_st + (kv * a->G + g) * D;
+        const __m256 inv = _mm256_set1_ps(1.0f / it->l[r]);
+        for (int64_t d = 0; d < D; d += 8)
+            _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(it->O + r * D + d), inv));
+    }
+}
+
 #if SS_HAVE512
 
 #define PS_ACC(u) __m512 c##u##0 = _mm512_setzero_ps(), c##u##1 = c##u##0, c##u##2 = c##u##0;
@@ -1592,24 +1647,11 @@ SS_INLINE void pf_scores(const int NR, const float *qT, const float *k, const in
  * vertical operations, 16 rows at a time */
 SS_INLINE void pf_item_d(const pf_t *a, int64_t b, int64_t kv, int64_t t0, int64_t t1, float *scratch,
                          const int64_t D) {
-    const int64_t G = a->G, T = a->T, R = G * (t1 - t0), start = a->starts[b], n = start + t1;
-    const int64_t ld = (R + 15) / 16 * 16, nv16 = ld / 16;
-    float *qT = scratch;                 /* [D, ld]: the scaled queries transposed (64-byte aligned) */
-    float *ST = qT + D * ld;             /* [PF_NK, ld]: scores, then probabilities */
-    float *m = ST + PF_NK * ld, *l = m + ld, *alpha = l + ld;
-    int32_t *lim = (int32_t *)(alpha + ld);  /* [ld]: each row's last visible key */
-    float *O = alpha + 2 * ld;           /* [R, D] */
-    float *kbuf = O + R * D;             /* [8, D]: a partial group of keys */
-    for (int64_t r = 0; r < ld; ++r) {
-        const int64_t t = t0 + r / G, g = r % G;
-        const float *src = a->q + (((b * a->Hkv + kv) * G + g) * T + t) * D;
-        for (int64_t d = 0; d < D; ++d) qT[d * ld + r] = r < R ? src[d] * a->scale : 0.0f;
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
-        lim[r] = r < R ? (int32_t)(start + t) : INT32_MAX;  /* padding rows: never masked, never output */
-    }
-    memset(O, 0, (size_t)(R * D) * sizeof(float));
-    const float *kb = a->k + b * a->k_sb + kv * a->k_sh, *vb = a->v + b * a->v_sb + kv * a->v_sh;
+    const pf_item_t it = pf_item_start(a, b, kv, t0, t1, scratch, D);
+    const int64_t G = a->G, R = it.R, start = it.start, n = it.n, ld = it.ld, nv16 = ld / 16;
+    float *qT = it.qT, *ST = it.ST, *m = it.m, *l = it.l, *alpha = it.alpha, *O = it.O, *kbuf = it.kbuf;
+    const int32_t *lim = it.lim;
+    const float *kb = it.kb, *vb = it.vb;
     for (int64_t j0 = 0; j0 < n; j0 += PF_NK) {
         const int nk = (int)(n - j0 < PF_NK ? n - j0 : PF_NK);
         /* rows of positions before the block see none of it: the active rows are [ra, R) */
@@ -1676,13 +1718,7 @@ SS_INLINE void pf_item_d(const pf_t *a, int64_t b, int64_t kv, int64_t t0, int64
             }
         }
     }
-    for (int64_t r = 0; r < R; ++r) {
-        const int64_t t = t0 + r / G, g = r % G;
-        float *o = a->out + b * a->o_sb + t * a->o_st + (kv * G + g) * D;
-        const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
-        for (int64_t d = 0; d < D; d += 16)
-            _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(O + r * D + d), inv));
-    }
+    pf_item_finish(a, &it, b, kv, t0, D);
 }
 
 static void pf_item(const pf_t *a, int64_t b, int64_t kv, int64_t t0, int64_t t1, float *scratch) {
@@ -1757,27 +1793,14 @@ SS_INLINE void pf8_pv(const int MR, const int NV, int64_t kn, const float *P, in
         else pf8_pv(MR_, 1, nk, Pr, ld, vd, D, Or, D, al);                            \
         break;
 
-/* pf_item_d in AVX2 tiles (ld = R rounded up to 16 as there, so the scratch is laid out the same) */
+/* pf_item_d in AVX2 tiles (the same item layout, pf_item_start, and output, pf_item_finish) */
 SS_INLINE void pf8_item_d(const pf_t *a, int64_t b, int64_t kv, int64_t t0, int64_t t1, float *scratch,
                           const int64_t D) {
-    const int64_t G = a->G, T = a->T, R = G * (t1 - t0), start = a->starts[b], n = start + t1;
-    const int64_t ld = (R + 15) / 16 * 16, nv8 = ld / 8;
-    float *qT = scratch;                 /* [D, ld]: the scaled queries transposed */
-    float *ST = qT + D * ld;             /* [PF_NK, ld]: scores, then probabilities */
-    float *m = ST + PF_NK * ld, *l = m + ld, *alpha = l + ld;
-    int32_t *lim = (int32_t *)(alpha + ld);  /* [ld]: each row's last visible key */
-    float *O = alpha + 2 * ld;           /* [R, D] */
-    float *kbuf = O + R * D;             /* [4, D]: a partial group of keys */
-    for (int64_t r = 0; r < ld; ++r) {
-        const int64_t t = t0 + r / G, g = r % G;
-        const float *src = a->q + (((b * a->Hkv + kv) * G + g) * T + t) * D;
-        for (int64_t d = 0; d < D; ++d) qT[d * ld + r] = r < R ? src[d] * a->scale : 0.0f;
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
-        lim[r] = r < R ? (int32_t)(start + t) : INT32_MAX;
-    }
-    memset(O, 0, (size_t)(R * D) * sizeof(float));
-    const float *kb = a->k + b * a->k_sb + kv * a->k_sh, *vb = a->v + b * a->v_sb + kv * a->v_sh;
+    const pf_item_t it = pf_item_start(a, b, kv, t0, t1, scratch, D);
+    const int64_t G = a->G, R = it.R, start = it.start, n = it.n, ld = it.ld, nv8 = ld / 8;
+    float *qT = it.qT, *ST = it.ST, *m = it.m, *l = it.l, *alpha = it.alpha, *O = it.O, *kbuf = it.kbuf;
+    const int32_t *lim = it.lim;
+    const float *kb = it.kb, *vb = it.vb;
     const __m256 ninf = _mm256_set1_ps(-INFINITY), zero = _mm256_setzero_ps();
     for (int64_t j0 = 0; j0 < n; j0 += PF_NK) {
         const int nk = (int)(n - j0 < PF_NK ? n - j0 : PF_NK);
@@ -1842,17 +1865,11 @@ SS_INLINE void pf8_item_d(const pf_t *a, int64_t b, int64_t kv, int64_t t0, int6
             }
         }
     }
-    for (int64_t r = 0; r < R; ++r) {
-        const int64_t t = t0 + r / G, g = r % G;
-        float *o = a->out + b * a->o_sb + t * a->o_st + (kv * G + g) * D;
-        const __m256 inv = _mm256_set1_ps(1.0f / l[r]);
-        for (int64_t d = 0; d < D; d += 8)
-            _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(O + r * D + d), inv));
-    }
+    pf_item_finish(a, &it, b, kv, t0, D);
 }
 
 static void pf8_item(const pf_t *a, int64_t b, int64_t kv, int64_t t0, int64_t t1, float *scratch) {
-    if (a->D == 64) pf8_item_d(a, b, kv, t0, t1, scratch, 64);
+    if (a->D == 64) pf8_item_d(a, b, kv, t0, t1, scratch, 64);  /* D = 64 a constant: the d-loops unrolled */
     else pf8_item_d(a, b, kv, t0, t1, scratch, a->D);
 }
 
