@@ -14,10 +14,12 @@ import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 #: Additive raw keys of a request's stats (pooling sums them).
 SUM_KEYS = (
@@ -39,6 +41,8 @@ class Clock:
 
     def __call__(self) -> float:
         if self.cuda:
+            import torch  # (here: the store's readers import this module without torch)
+
             torch.cuda.synchronize()
         return time.perf_counter()
 
@@ -133,6 +137,8 @@ class RunStats:
         decode_s = max(0.0, self.total_s - self.ttft_s)
         gaps = np.diff(np.asarray(self.emit_times)) if len(self.emit_times) > 1 else np.zeros(0)
         if device.type == "cuda":
+            import torch
+
             peak = int(torch.cuda.max_memory_allocated(device))
         else:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # process peak RSS
