@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from sparsespec.kernels import cpu
 from sparsespec.kernels.plan import (LINEAR_RANGES, TIE_MARGIN, KernelPlan, apply_tiles, choose, kt_rows_from_trial,
                                     FETCH_TRIAL_KEY, FETCH_TRIAL_REPS, decode_kprefetch_from_trial,
-                                    kt_variant_from_trial, next_kprefetch_from_trial, ours_plan,
+                                    kt_variant_from_trial, linear_fetch_widths, linear_wide_prefetch_from_trial,
+                                    next_kprefetch_from_trial, ours_plan,
                                     verify_kprefetch_from_trial,
                                     pv_prefetch_from_trial, range_worst, tune_plan)
 from sparsespec.kernels.reference import sparse_attention_ref, verify_attention_ref
@@ -64,6 +65,91 @@ def test_linear_results_do_not_depend_on_the_threads():
         assert torch.equal(cpu.linear_packed(x, wp, 200), one)
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_wide_linear_fetch_distance_is_a_speed_choice_only():
+    """The first row tile's fetch distance with two or more row tiles (``set_linear_wide_prefetch``)
+    changes no bit at any width, on either tiles, at the panel ends too (odd N, the last panel's
+    fetches run past the weight); the setter clamps to [0, ``LINEAR_PREFETCH_MAX``]."""
+    g = _gen(5)
+    K, N = 96, 200
+    w, b = torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+    wp = cpu.pack_weight(w)
+    tiles = ["avx2"] + (["avx512"] if cpu.set_linear_avx512(True) == "avx512" else [])
+    try:
+        for isa in tiles:
+            cpu.set_linear_avx512(isa == "avx512")
+            for M in (1, 2, 3, 6, 7, 9, 12, 13, 25, 30):
+                x = torch.randn(M, K, generator=g)
+                ref = F.linear(x.double(), w.double(), b.double()).float()
+                outs = []
+                for rows in (0, 1, cpu.LINEAR_WIDE_PREFETCH_ROWS, cpu.LINEAR_WIDE_PREFETCH_FAR,
+                             cpu.LINEAR_PREFETCH_MAX):
+                    assert cpu.set_linear_wide_prefetch(rows) == rows == cpu.linear_wide_prefetch()
+                    outs.append(cpu.linear_packed(x, wp, N, b))
+                assert all(torch.equal(o, outs[0]) for o in outs), (isa, M)
+                torch.testing.assert_close(outs[0], ref, rtol=1e-5, atol=1e-4)
+        assert cpu.set_linear_wide_prefetch(-5) == 0
+        assert cpu.set_linear_wide_prefetch(cpu.LINEAR_PREFETCH_MAX + 1) == cpu.LINEAR_PREFETCH_MAX
+    finally:
+        cpu.set_linear_avx512(True)
+        cpu.set_linear_wide_prefetch(cpu.LINEAR_WIDE_PREFETCH_ROWS)
+
+
+def test_the_linear_fetch_trial_times_both_distances_and_decides_by_paired_ratios(monkeypatch):
+    """The trial runs every weight at the two two-tile widths of the tiles in use, near and far
+    fetch in every round, each call under its own setting; the decision reads the geometric mean of
+    the per-round ratio medians, not the medians of the seconds."""
+    from sparsespec.kernels import plan as plan_mod
+
+    assert linear_fetch_widths(6) == (8, 12) and linear_fetch_widths(12) == (14, 24)  # two tiles each
+    model = random_transformer("tiny")
+    seen, real = [], cpu.linear_packed
+
+    def spy(x, *args, **kwargs):
+        seen.append((x.shape[0], cpu.linear_wide_prefetch()))
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(cpu, "linear_packed", spy)
+    out = plan_mod._linear_fetch_trial(model, reps=2)
+    widths = linear_fetch_widths(cpu.LINEAR_TILE_ROWS[cpu.linear_isa()])
+    assert set(out) == {f"M{m}:{v}" for m in widths for v in ("near", "far", "far/near")} - \
+        {f"M{m}:near/near" for m in widths}
+    weights = len(plan_mod._weights(model))
+    for m in widths:  # warm-up + 2 rounds, every weight, each distance
+        for rows in (cpu.LINEAR_WIDE_PREFETCH_ROWS, cpu.LINEAR_WIDE_PREFETCH_FAR):
+            assert seen.count((m, rows)) == 3 * weights
+    assert len(seen) == 12 * weights and cpu.linear_wide_prefetch() == cpu.LINEAR_WIDE_PREFETCH_ROWS
+    rounds = {"M8:near": [1.0, 2.0, 4.0], "M8:far": [0.9, 2.2, 3.0], "M12:near": [1.0, 1.0, 1.0],
+              "M12:far": [1.0, 1.02, 1.01]}
+    monkeypatch.setattr(plan_mod, "_interleaved", lambda fns, reps: {n: rounds[n] for n in fns})
+    monkeypatch.setattr(plan_mod, "linear_fetch_widths", lambda rows: (8, 12))
+    out = plan_mod._linear_fetch_trial(model)
+    assert out["M8:far/near"] == pytest.approx(0.9) and out["M8:far"] == 2.2 > out["M8:near"]  # ratio, not seconds
+    assert out["M12:far/near"] == pytest.approx(1.01)
+    assert linear_wide_prefetch_from_trial(out) == cpu.LINEAR_WIDE_PREFETCH_FAR  # 0.9 x 1.01 < 1
+    assert linear_wide_prefetch_from_trial({**out, "M12:far/near": 1.2}) == cpu.LINEAR_WIDE_PREFETCH_ROWS
+    assert linear_wide_prefetch_from_trial({}) == cpu.LINEAR_WIDE_PREFETCH_ROWS  # not timed
+
+
+def test_the_wide_linear_fetch_follows_the_plan_and_the_environment(monkeypatch):
+    for bad in (-1, cpu.LINEAR_PREFETCH_MAX + 1, True, 16.0, None):
+        with pytest.raises(ValueError, match="linear_wide_prefetch"):
+            KernelPlan(((None, "ss"),), linear_wide_prefetch=bad)
+    far = KernelPlan(((None, "ss"),), linear_tiles="avx2", linear_wide_prefetch=128)
+    assert "linear ss (avx2, wide rows fetch 128 ahead)" in far.summary()
+    assert far.describe()["linear_wide_prefetch"] == 128
+    near = dataclasses.replace(far, linear_wide_prefetch=cpu.LINEAR_WIDE_PREFETCH_ROWS)
+    assert "linear ss (avx2)," in near.summary() and near.describe()["linear_wide_prefetch"] == 16
+    mkl = KernelPlan(((None, "mkl"),), linear_wide_prefetch=128)  # no packed linear: moot
+    assert mkl.describe()["linear_wide_prefetch"] is None and "fetch" not in mkl.summary()
+    try:
+        _assert_plan_then_env_apply(monkeypatch, "linear_wide_prefetch", cpu.linear_wide_prefetch,
+                                    cpu.LINEAR_WIDE_PREFETCH_FAR, "SPARSESPEC_LINEAR_WIDE_PREFETCH", 64,
+                                    ("-1", "far", str(cpu.LINEAR_PREFETCH_MAX + 1)),
+                                    "SPARSESPEC_LINEAR_WIDE_PREFETCH=.*weight rows ahead")
+    finally:
+        cpu.set_linear_wide_prefetch(cpu.LINEAR_WIDE_PREFETCH_ROWS)
 
 
 def test_accumulate_needs_out():
@@ -639,6 +725,11 @@ def test_tune_measures_caches_and_reads_back(tmp_path, monkeypatch):
         assert "ss-nk-off/ss" in att[FETCH_TRIAL_KEY]
         assert plan.attention_next_kprefetch == (next_kprefetch_from_trial(att) if want != "avx2" else True)
         assert cpu.attention_next_kprefetch() == plan.attention_next_kprefetch
+    # the packed linear's wide fetch, timed in a trial of its own at the tiles' two-tile widths
+    assert plan.linear_wide_prefetch == linear_wide_prefetch_from_trial(plan.timings["linear_fetch"])
+    assert cpu.linear_wide_prefetch() == plan.linear_wide_prefetch
+    assert {k for k in plan.timings["linear_fetch"] if k.endswith("/near")} == {
+        f"M{m}:far/near" for m in linear_fetch_widths(cpu.LINEAR_TILE_ROWS[cpu.linear_isa()])}
     if plan.attention == "ss":  # the far key fetch, timed in the decode fetch trial on and off
         assert plan.attention_decode_kprefetch == decode_kprefetch_from_trial(att) == cpu.attention_decode_kprefetch()
     else:
@@ -657,6 +748,7 @@ def test_tune_measures_caches_and_reads_back(tmp_path, monkeypatch):
     assert again.attention_pv_prefetch == plan.attention_pv_prefetch
     assert again.attention_decode_kprefetch == plan.attention_decode_kprefetch
     assert again.attention_next_kprefetch == plan.attention_next_kprefetch
+    assert again.linear_wide_prefetch == plan.linear_wide_prefetch
     files[0].write_text("{not json")  # a corrupt entry is measured again, not an error
     assert tune_plan(model, reps=1).source == "measured"
 

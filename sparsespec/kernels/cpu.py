@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu") / "sparsespec_cpu.c"
-ABI_VERSION = 18
+ABI_VERSION = 19
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
 #: keys per attention chunk in the C kernels (SS_CHUNK)
 CHUNK = 256
@@ -65,6 +65,16 @@ DECODE_KPREFETCH_KEYS = 32
 #: chunk's keys, the library's start and what the plan's fetch trial tries against 0 (a k = 2 verify,
 #: timed at that width; a k = 8 verify measured slower with it on that CPU, twenty-seventh session)
 VERIFY_KPREFETCH_T = 3
+#: how many rows of a weight panel the packed linear's first row tile fetches ahead where the rows
+#: take two or more tiles (a verify's widths), the library's start; the plan's trial tries
+#: ``LINEAR_WIDE_PREFETCH_FAR`` against it (128 took 0.89-0.92x of the time of SmolLM2's linears at
+#: M = 7-10 and 0.97x at 12 on the AMD EPYC without AVX-512 of benchmarks/RESULTS.md, thirty-sixth
+#: session; up to 6 % slower in one tile, which keeps ``LINEAR_WIDE_PREFETCH_ROWS`` whatever the setting)
+LINEAR_WIDE_PREFETCH_ROWS, LINEAR_WIDE_PREFETCH_FAR = 16, 128
+#: the most rows ahead ``set_linear_wide_prefetch`` takes (the library clamps to it)
+LINEAR_PREFETCH_MAX = 1024
+#: rows of one packed linear row tile per ``linear_isa()`` (SS_P5_MR, and the AVX2 tiles' 6)
+LINEAR_TILE_ROWS = {"avx2": 6, "avx512": 12}
 _ENV = "SPARSESPEC_CPU_KERNELS"
 #: ``0`` keeps the attention and the packed linear on their AVX2 tiles where the library was built
 #: with AVX-512
@@ -188,6 +198,7 @@ _SIGNATURES = {
     "ss_set_attention_decode_kprefetch": ([_INT], _INT),
     "ss_set_attention_next_kprefetch": ([_INT], _INT),
     "ss_set_attention_verify_kprefetch": ([_INT], _INT),
+    "ss_set_linear_wide_prefetch": ([_INT], _INT),
     "ss_sparse_attention": ([_I64] * 5 + [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR,
                                           _PTR, _I64, _I64, _I64, _F32, _PTR, _I64, _I64, _PTR, _I64, _INT], None),
 }
@@ -220,6 +231,7 @@ def library() -> ctypes.CDLL | None:
                 _state["decode_kprefetch"] = int(lib.ss_set_attention_decode_kprefetch(DECODE_KPREFETCH_KEYS))
                 _state["next_kprefetch"] = bool(lib.ss_set_attention_next_kprefetch(1))
                 _state["verify_kprefetch"] = int(lib.ss_set_attention_verify_kprefetch(VERIFY_KPREFETCH_T))
+                _state["linear_wide_prefetch"] = int(lib.ss_set_linear_wide_prefetch(LINEAR_WIDE_PREFETCH_ROWS))
                 _state["path"] = str(path)
             except (RuntimeError, OSError, AttributeError) as e:
                 lib, reason = None, str(e)
@@ -307,8 +319,9 @@ def _set_switch(key: str, setter: str, on: bool) -> bool | None:
 
 
 def _set_distance(key: str, setter: str, keys_ahead: int) -> int | None:
-    """Call the library's fetch ``setter`` (a distance in keys, or a verify width; it clamps to [0,
-    CHUNK]) and record what it set under ``key``; None when the kernels are unavailable."""
+    """Call the library's fetch ``setter`` (a distance in keys or rows, or a verify width; it clamps
+    to [0, CHUNK], the linear's rows to [0, LINEAR_PREFETCH_MAX]) and record what it set under
+    ``key``; None when the kernels are unavailable."""
     lib = library()
     if lib is None:
         return None
@@ -385,6 +398,21 @@ def attention_kt_rows() -> int:
     """The fewest query rows per KV head that run the keys-in-lanes score tiles now (0: none)."""
     library()
     return int(_state.get("attention_kt") or 0) if _state.get("attention_isa") == "avx512" else 0
+
+
+def set_linear_wide_prefetch(rows: int) -> int | None:
+    """How many rows of a weight panel ``linear_packed``'s first row tile fetches ahead where the M
+    rows take two or more row tiles (M > 6 on the AVX2 tiles, M > 12 on the AVX-512 one; one tile
+    keeps ``LINEAR_WIDE_PREFETCH_ROWS``), capped at ``LINEAR_PREFETCH_MAX``: a speed choice (the
+    same results) that the kernel plan's trial measures at load (``LINEAR_WIDE_PREFETCH_ROWS`` or
+    ``LINEAR_WIDE_PREFETCH_FAR``). Returns the setting (None: no kernels)."""
+    return _set_distance("linear_wide_prefetch", "ss_set_linear_wide_prefetch", rows)
+
+
+def linear_wide_prefetch() -> int:
+    """The packed linear's fetch distance in rows with two or more row tiles (``set_linear_wide_prefetch``)."""
+    library()
+    return int(_state.get("linear_wide_prefetch", LINEAR_WIDE_PREFETCH_ROWS))
 
 
 def set_linear_avx512(on: bool) -> str | None:

@@ -19,7 +19,9 @@ A ``KernelPlan`` names, for one model on one device:
   path's) fetches the next chunk's keys into L2 and ``attention_verify_kprefetch``: the widest
   verify (query positions) in the row-pair score tiles that does too (0: none), and with any of them
   ``attention_decode_kprefetch``: how many keys ahead a one-token forward's scores fetch keys into
-  L2 (0: none); all give bitwise the same results, so this is a speed choice only (``""``: not
+  L2 (0: none); for our packed linear, ``linear_wide_prefetch``: how many rows of a weight panel its
+  first row tile fetches ahead where the rows take two or more tiles (a verify's widths); all give
+  bitwise the same results, so this is a speed choice only (``""``: not
   applicable);
 * ``fused``: RMSNorm, RoPE and SiLU-and-multiply through our kernels (one call each instead of
   four to eight PyTorch ops);
@@ -49,6 +51,7 @@ the keys-in-lanes score tiles from N query rows per KV head (0: never) whatever 
 ``SPARSESPEC_ATTENTION_DECODE_KPREFETCH=N`` a one-token forward's far key fetch (keys; 0: none);
 ``SPARSESPEC_ATTENTION_NEXT_KPREFETCH=1|0`` whether a decode (or keys-in-lanes) P.V fetches the next keys;
 ``SPARSESPEC_ATTENTION_VERIFY_KPREFETCH=N`` the widest row-pair verify (query positions) whose P.V does too (0: none);
+``SPARSESPEC_LINEAR_WIDE_PREFETCH=N`` the packed linear's fetch distance in rows with two or more row tiles;
 ``SPARSESPEC_PREFILL_ATTENTION=ss|torch`` picks the prefill chunks' attention.
 The chosen plan goes into every run's provenance and every bench row (``KernelPlan.describe``).
 """
@@ -93,7 +96,8 @@ _KERNELS_ENV, _LINEAR_ENV, _KT_ENV = "SPARSESPEC_KERNELS", "SPARSESPEC_LINEAR", 
 _PREFILL_ENV, _PV_ENV = "SPARSESPEC_PREFILL_ATTENTION", "SPARSESPEC_ATTENTION_PV_PREFETCH"
 _DK_ENV = "SPARSESPEC_ATTENTION_DECODE_KPREFETCH"
 _NK_ENV, _VK_ENV = "SPARSESPEC_ATTENTION_NEXT_KPREFETCH", "SPARSESPEC_ATTENTION_VERIFY_KPREFETCH"
-TUNE_VERSION = 19
+_LW_ENV = "SPARSESPEC_LINEAR_WIDE_PREFETCH"
+TUNE_VERSION = 20
 #: the prefill trial's chunk: ``PREFILL_TRIAL_T`` queries after ``PREFILL_TRIAL_START`` keys (a chunk
 #: of the engine's 512 inside a 2K prompt), over ``PREFILL_TRIAL_LAYERS`` layers' caches
 PREFILL_TRIAL_T, PREFILL_TRIAL_START, PREFILL_TRIAL_LAYERS = 512, 1536, 4
@@ -146,6 +150,10 @@ class KernelPlan:
     #: the row-pair score tiles whose P.V fetches the next chunk's keys too (``cpu.VERIFY_KPREFETCH_T``
     #: or 0, measured by the fetch trial at that width)
     attention_verify_kprefetch: int = cpu.VERIFY_KPREFETCH_T
+    #: with our packed linear: how many rows of a weight panel the first row tile fetches ahead where
+    #: the rows take two or more tiles (``cpu.LINEAR_WIDE_PREFETCH_ROWS`` or ``..._FAR``, measured by
+    #: the linear fetch trial, ``_linear_fetch_trial``)
+    linear_wide_prefetch: int = cpu.LINEAR_WIDE_PREFETCH_ROWS
 
     def __post_init__(self) -> None:
         uppers = [u for u, _ in self.linear]
@@ -167,6 +175,9 @@ class KernelPlan:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= cpu.CHUNK:
                 raise ValueError(f"{name} must be an integer in [0, {cpu.CHUNK}], got {v!r}")
+        v = self.linear_wide_prefetch
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= cpu.LINEAR_PREFETCH_MAX:
+            raise ValueError(f"linear_wide_prefetch must be an integer in [0, {cpu.LINEAR_PREFETCH_MAX}], got {v!r}")
         if not isinstance(self.attention_next_kprefetch, bool):
             raise ValueError(f"attention_next_kprefetch must be a bool, got {self.attention_next_kprefetch!r}")
         if (self.attention_kt_rows > 0) != (self.attention_tiles == "avx512-kt") or self.attention_kt_rows < 0:
@@ -204,7 +215,9 @@ class KernelPlan:
                 "attention_next_kprefetch": self.attention_next_kprefetch if self._pv_tiles else None,
                 "attention_verify_kprefetch": self.attention_verify_kprefetch if self._pv_tiles else None,
                 "attention_decode_kprefetch": self.attention_decode_kprefetch if self.attention == "ss" else None,
-                "linear_tiles": self.linear_tiles or None, "prefill_attention": self.prefill_attention,
+                "linear_tiles": self.linear_tiles or None,
+                "linear_wide_prefetch": self.linear_wide_prefetch if self.uses_panels else None,
+                "prefill_attention": self.prefill_attention,
                 "fused": self.fused, "threads": self.threads,
                 "source": self.source, "tune_s": round(self.tune_s, 3), "batch_invariant": self.batch_invariant,
                 "cpu": cpu.cpu_model(), "isa": cpu.isa_summary(),
@@ -220,7 +233,10 @@ class KernelPlan:
     def summary(self) -> str:
         """One line: e.g. ``linear ss<=8 mkl>8, attention ss, fused (measured, 4.2 s)``."""
         lin = " ".join(f"{be}{'' if u is None else '<=' + str(u)}" for u, be in self.linear)
-        lin += f" ({self.linear_tiles})" if self.linear_tiles and self.uses_panels else ""
+        if self.uses_panels:
+            far = self.linear_wide_prefetch != cpu.LINEAR_WIDE_PREFETCH_ROWS
+            notes = [self.linear_tiles] + ([f"wide rows fetch {self.linear_wide_prefetch} ahead"] if far else [])
+            lin += f" ({', '.join(n for n in notes if n)})" if any(notes) else ""
         kt = f" from {self.attention_kt_rows} rows" if self.attention_kt_rows else ""
         kt += "" if self.attention_kt_vprefetch or not self.attention_kt_rows else ", values fetched late"
         kt += ", P.V fetches nothing ahead" if self._pv_tiles and not self.attention_pv_prefetch else ""
@@ -378,28 +394,32 @@ def apply_tiles(plan: KernelPlan) -> KernelPlan:
         dk = _env_keys(_DK_ENV, "a one-token forward fetches keys into L2", plan.attention_decode_kprefetch)
         cpu.set_attention_decode_kprefetch(dk)
         att = (cpu.set_attention_avx512(want != "avx2") or "") if want else ""
+    lw = plan.linear_wide_prefetch
     if plan.uses_panels:
         want = plan.linear_tiles or cpu.linear_isa() or ""
         lin = (cpu.set_linear_avx512(want == "avx512") or "") if want else ""
+        lw = _env_keys(_LW_ENV, "the packed linear's first row tile fetches (with two tiles or more)", lw,
+                       expect="how many weight rows ahead", upper=cpu.LINEAR_PREFETCH_MAX)
+        lw = cpu.set_linear_wide_prefetch(lw) if cpu.available() else lw
     kt_rows = cpu.attention_kt_rows() if att == "avx512-kt" else 0
     vpf = cpu.attention_kt_vprefetch() if kt_rows else plan.attention_kt_vprefetch  # without kt tiles: moot
     pv = cpu.attention_pv_prefetch() if att.startswith("avx512") else plan.attention_pv_prefetch  # likewise
     nk = cpu.attention_next_kprefetch() if att.startswith("avx512") else plan.attention_next_kprefetch
     vk = cpu.attention_verify_kprefetch() if att.startswith("avx512") else plan.attention_verify_kprefetch
     dk = cpu.attention_decode_kprefetch() if plan.attention == "ss" else plan.attention_decode_kprefetch
-    if (att, lin, kt_rows, vpf, pv, dk, nk, vk) == (
+    if (att, lin, kt_rows, vpf, pv, dk, nk, vk, lw) == (
             plan.attention_tiles, plan.linear_tiles, plan.attention_kt_rows, plan.attention_kt_vprefetch,
             plan.attention_pv_prefetch, plan.attention_decode_kprefetch, plan.attention_next_kprefetch,
-            plan.attention_verify_kprefetch):
+            plan.attention_verify_kprefetch, plan.linear_wide_prefetch):
         return plan
     return dataclasses.replace(plan, attention_tiles=att, linear_tiles=lin, attention_kt_rows=kt_rows,
                                attention_kt_vprefetch=vpf, attention_pv_prefetch=pv, attention_decode_kprefetch=dk,
-                               attention_next_kprefetch=nk, attention_verify_kprefetch=vk)
+                               attention_next_kprefetch=nk, attention_verify_kprefetch=vk, linear_wide_prefetch=lw)
 
 
-def _env_keys(name: str, what: str, default: int, expect: str = "how many keys ahead") -> int:
-    """A fetch distance in keys (or, as ``expect`` says, a verify width) from the environment
-    variable ``name`` (digits, at most ``cpu.CHUNK``), else ``default``.
+def _env_keys(name: str, what: str, default: int, expect: str = "how many keys ahead", upper: int = cpu.CHUNK) -> int:
+    """A fetch distance in keys (or, as ``expect`` says, a verify width or weight rows) from the
+    environment variable ``name`` (digits, at most ``upper``), else ``default``.
 
     Raises:
         ValueError: the variable is set to anything else.
@@ -407,8 +427,8 @@ def _env_keys(name: str, what: str, default: int, expect: str = "how many keys a
     env = os.environ.get(name, "").strip()
     if not env:
         return default
-    if not env.isdigit() or int(env) > cpu.CHUNK:
-        raise ValueError(f"{name}={env!r}: expected {expect} {what}, 0 to {cpu.CHUNK} (0: none)")
+    if not env.isdigit() or int(env) > upper:
+        raise ValueError(f"{name}={env!r}: expected {expect} {what}, 0 to {upper} (0: none)")
     return int(env)
 
 
@@ -519,6 +539,52 @@ FETCH_TRIAL_BATCH, FETCH_TRIAL_REPS = 4, 9
 FETCH_TRIAL_VERIFY_T = cpu.VERIFY_KPREFETCH_T
 #: the attention trial's entry holding the fetch trial (not a width: no ``T``)
 FETCH_TRIAL_KEY = "fetch"
+
+
+def linear_fetch_widths(tile_rows: int) -> tuple[int, int]:
+    """The linear fetch trial's widths for a packed linear tile of ``tile_rows`` rows: two of the
+    widths that take two row tiles (6-row AVX2 tiles: M = 8, a batch-8 decode, and 12, a batch-4
+    k = 2 verify; the far fetch measured 0.89x and 0.97x of the time there on the AMD EPYC without
+    AVX-512, and 0.96-1.02x from 16 rows up, where the tiles are bound by their arithmetic)."""
+    return tile_rows + 2, 2 * tile_rows
+
+
+def _linear_fetch_trial(model, reps: int = FETCH_TRIAL_REPS) -> dict[str, float]:
+    """Every packed linear of ``model`` (its own weights, streamed from memory as in a step) at the
+    ``linear_fetch_widths`` of the tiles in use, with the first row tile fetching
+    ``cpu.LINEAR_WIDE_PREFETCH_ROWS`` rows of a panel ahead (``M<m>:near``) and
+    ``cpu.LINEAR_WIDE_PREFETCH_FAR`` (``M<m>:far``), ``reps`` rounds of all four, the order reversed
+    every other round. Returns each variant's median seconds and under ``M<m>:far/near`` the median
+    of its per-round time ratios (a drift between rounds cancels). Leaves the setting at
+    ``cpu.LINEAR_WIDE_PREFETCH_ROWS``."""
+    weights = [(cpu.pack_weight(w), w.shape[0], w.shape[1], b) for w, b in _weights(model)]
+    fns: dict[str, Callable[[], Any]] = {}
+    for m in linear_fetch_widths(cpu.LINEAR_TILE_ROWS.get(cpu.linear_isa() or "avx2", 6)):
+        xs = {k: torch.randn(m, k, dtype=model.dtype) for k in {k for _, _, k, _ in weights}}
+
+        def run(xs=xs) -> None:
+            for wp, n, k, b in weights:
+                cpu.linear_packed(xs[k], wp, n, b)
+        fns[f"M{m}:near"] = run
+        fns[f"M{m}:far"] = _with_setting(run, cpu.set_linear_wide_prefetch, cpu.LINEAR_WIDE_PREFETCH_FAR,
+                                         cpu.LINEAR_WIDE_PREFETCH_ROWS)
+    cpu.set_linear_wide_prefetch(cpu.LINEAR_WIDE_PREFETCH_ROWS)
+    with torch.inference_mode():
+        times = _interleaved(fns, reps)
+    out = {name: statistics.median(ts) for name, ts in times.items()}
+    for name in fns:
+        if name.endswith(":far"):
+            near = times[name.replace(":far", ":near")]
+            out[f"{name}/near"] = statistics.median(t / b for t, b in zip(times[name], near))
+    return out
+
+
+def linear_wide_prefetch_from_trial(fetch: Mapping[str, float]) -> int:
+    """``cpu.LINEAR_WIDE_PREFETCH_FAR`` where the linear fetch trial (``_linear_fetch_trial``'s
+    result) measured the far fetch faster, by the geometric mean of its widths' median time ratios
+    (``M<m>:far/near``); else ``cpu.LINEAR_WIDE_PREFETCH_ROWS`` (also where it was not timed)."""
+    ratios = [r for name, r in fetch.items() if name.endswith(":far/near")]
+    return cpu.LINEAR_WIDE_PREFETCH_FAR if ratios and math.prod(ratios) < 1.0 else cpu.LINEAR_WIDE_PREFETCH_ROWS
 
 
 def _attention_trial(model, reps: int, context: int = 2048, k: int = 8) -> dict[str, dict[str, float]]:
@@ -822,7 +888,9 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
                                                                       cpu.DECODE_KPREFETCH_KEYS)),
                               attention_next_kprefetch=bool(data.get("attention_next_kprefetch", True)),
                               attention_verify_kprefetch=int(data.get("attention_verify_kprefetch",
-                                                                      cpu.VERIFY_KPREFETCH_T)))
+                                                                      cpu.VERIFY_KPREFETCH_T)),
+                              linear_wide_prefetch=int(data.get("linear_wide_prefetch",
+                                                                cpu.LINEAR_WIDE_PREFETCH_ROWS)))
         except (OSError, ValueError, KeyError, TypeError):
             pass  # a corrupt cache entry: measure again
     if progress:
@@ -840,6 +908,9 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
         lin_all, lin = lin, {m: {be: t for be, t in v.items() if be != "ss-avx2"} for m, v in lin.items()}
         if linear_tiles == "avx2":
             lin = {m: {**v, "ss": lin_all[m]["ss-avx2"]} for m, v in lin.items()}
+    lin_fetch = _linear_fetch_trial(model)  # on the tiles chosen above
+    lw = linear_wide_prefetch_from_trial(lin_fetch)
+    cpu.set_linear_wide_prefetch(lw)  # before the whole forwards below
     att = _attention_trial(model, reps)
     choice = []
     for upper, widths in LINEAR_RANGES:
@@ -889,7 +960,8 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
             ranges.append((upper, be))
     if linear_tiles:
         lin = lin_all
-    timings = {"linear": {str(m): v for m, v in lin.items()}, "attention": att, "forward": fwd, "prefill": pre,
+    timings = {"linear": {str(m): v for m, v in lin.items()}, "linear_fetch": lin_fetch, "attention": att,
+               "forward": fwd, "prefill": pre,
                "read_bytes_per_s": _read_bandwidth()}
     tune_s = time.perf_counter() - t0
     plan = KernelPlan(tuple(ranges), attention, True, threads, "measured", tune_s, timings,
@@ -898,7 +970,7 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
                       attention_kt_rows=kt_rows if attention == "ss" else 0,
                       attention_kt_vprefetch=kt_vprefetch if attention == "ss" and kt_rows else True,
                       prefill_attention=prefill, attention_pv_prefetch=pv, attention_decode_kprefetch=dk,
-                      attention_next_kprefetch=nk, attention_verify_kprefetch=vk)
+                      attention_next_kprefetch=nk, attention_verify_kprefetch=vk, linear_wide_prefetch=lw)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -910,6 +982,7 @@ def tune_plan(model, reps: int = 3, *, progress: Callable[[str], None] | None = 
                                    "attention_decode_kprefetch": plan.attention_decode_kprefetch,
                                    "attention_next_kprefetch": plan.attention_next_kprefetch,
                                    "attention_verify_kprefetch": plan.attention_verify_kprefetch,
+                                   "linear_wide_prefetch": plan.linear_wide_prefetch,
                                    "prefill_attention": plan.prefill_attention,
                                    "fused": plan.fused, "tune_s": tune_s, "timings": timings,
                                    "cpu": cpu.cpu_model(), "isa": cpu.isa_summary(), "threads": threads,

@@ -51,7 +51,7 @@
 #error "sparsespec_cpu.c needs AVX2 and FMA (the loader falls back to torch without them)"
 #endif
 
-SS_API int ss_abi_version(void) { return 18; }
+SS_API int ss_abi_version(void) { return 19; }
 
 
 /* ------------------------------------------------------------------ vector helpers (AVX2) */
@@ -183,6 +183,18 @@ SS_API void ss_linear(int64_t M, int64_t N, int64_t K, const float *x, int64_t l
 #ifndef SS_PF_DIST
 #define SS_PF_DIST 16  /* rows of a panel prefetched ahead of the first row tile */
 #endif
+/* The same distance where the rows take two or more row tiles (a verify's widths): a speed choice
+ * (the same results) measured at load by the kernel plan's trial (ss_set_linear_wide_prefetch). On
+ * the AMD EPYC without AVX-512 of benchmarks/RESULTS.md 128 rows made SmolLM2's linears 1.16-1.19x
+ * faster at M = 9 and was 3-6 % slower in one tile (M = 1-4), hence a distance of its own. */
+static int64_t ss_lin_pf_wide = SS_PF_DIST;
+
+/* Set how many rows of a panel the first of two or more row tiles fetches ahead (at most 1024);
+ * returns the setting. Call between kernels only. */
+SS_API int ss_set_linear_wide_prefetch(int rows) {
+    ss_lin_pf_wide = rows < 0 ? 0 : rows > 1024 ? 1024 : rows;
+    return (int)ss_lin_pf_wide;
+}
 
 /* one row of 16 outputs (accumulators passed by value: an escaping address would keep them in memory) */
 SS_INLINE void pk_store_row(__m256 c0, __m256 c1, float *yr, const float *bias, int acc, int ncols) {
@@ -309,7 +321,7 @@ static void pk_rows(int64_t M, int64_t K, const float *x, int64_t ldx, const flo
     int64_t m = 0;
     for (int64_t t = 0; t < tiles; ++t) {
         const int mr = (int)((M - m) / (tiles - t) + ((M - m) % (tiles - t) ? 1 : 0));
-        const float *pfw = t == 0 ? wp + SS_PF_DIST * SS_NB : wp + K * SS_NB;
+        const float *pfw = t == 0 ? wp + (tiles > 1 ? ss_lin_pf_wide : SS_PF_DIST) * SS_NB : wp + K * SS_NB;
         pk_tile_n(mr, K, x + m * ldx, ldx, wp, y + m * ldy, ldy, bias, acc, ncols, pfw);
         m += mr;
     }
@@ -400,16 +412,16 @@ SS_INLINE void pk512_tile_n(int mr, int np, int64_t K, const float *x, int64_t l
 }
 
 /* rows 0 .. M-1 against np (1, 2) panels in balanced tiles of at most 12 rows: the first tile
- * streams the panels (prefetching SS_PF_DIST rows ahead), later ones reuse them from cache and
- * prefetch the next panels (nxt, NULL at the end) */
+ * streams the panels (prefetching SS_PF_DIST rows ahead, ss_lin_pf_wide with two tiles or more),
+ * later ones reuse them from cache and prefetch the next panels (nxt, NULL at the end) */
 static void pk512_rows(int64_t M, int64_t K, const float *x, int64_t ldx, const float *wp, int64_t panel, int np,
                        float *y, int64_t ldy, const float *bias, int acc, int nc0, int nc1, const float *nxt) {
-    const int64_t tiles = (M + SS_P5_MR - 1) / SS_P5_MR;
+    const int64_t tiles = (M + SS_P5_MR - 1) / SS_P5_MR, ahead = (tiles > 1 ? ss_lin_pf_wide : SS_PF_DIST) * SS_NB;
     int64_t m = 0;
     for (int64_t t = 0; t < tiles; ++t) {
         const int mr = (int)((M - m) / (tiles - t) + ((M - m) % (tiles - t) ? 1 : 0));
-        const float *pfw = t == 0 ? wp + SS_PF_DIST * SS_NB : (nxt ? nxt : wp);
-        const float *pfw2 = np > 1 ? (t == 0 ? wp + panel + SS_PF_DIST * SS_NB : (nxt ? nxt + panel : NULL)) : NULL;
+        const float *pfw = t == 0 ? wp + ahead : (nxt ? nxt : wp);
+        const float *pfw2 = np > 1 ? (t == 0 ? wp + panel + ahead : (nxt ? nxt + panel : NULL)) : NULL;
         pk512_tile_n(mr, np, K, x + m * ldx, ldx, wp, panel, y + m * ldy, ldy, bias, acc, nc0, nc1, pfw, pfw2);
         m += mr;
     }
