@@ -23,8 +23,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ReadProbe", "geometry", "geometry_roofline", "kv_bytes", "machine_desc", "max_speedup", "measure_machine",
-           "roofline", "roofline_speedup", "step_flops", "time_call", "weight_bytes", "x_roofline"]
+__all__ = ["ReadProbe", "gemm_call", "geometry", "geometry_roofline", "kv_bytes", "machine_desc", "max_speedup",
+           "measure_machine", "roofline", "roofline_speedup", "step_flops", "time_call", "weight_bytes", "x_roofline"]
 
 
 # --------------------------------------------------------------------------- probes
@@ -55,19 +55,25 @@ def time_call(fn: Callable[[], Any], device: Any, reps: int, warmup: int,
 
 
 class ReadProbe:
-    """The memory read bandwidth beside timed work: each call times one ``x.sum()`` over a
-    float32 buffer of ``nbytes`` (256 MiB: far larger than any CPU cache, ~3 ms at 80 GB/s) and
-    keeps the rate (bytes/s) under the call's ``tag`` in ``samples``.
+    """The memory read bandwidth (and the GEMM rate) beside timed work: each call times one
+    ``x.sum()`` over a float32 buffer of ``nbytes`` (256 MiB: far larger than any CPU cache, ~3 ms
+    at 80 GB/s) and keeps the rate (bytes/s) under the call's ``tag`` in ``samples``; with ``gemm``
+    (``gemm_call``'s ``(call, flops)``: the product ``measure_machine`` found fastest), it also
+    times one product and keeps its rate (FLOP/s) under the tag in ``gemm_samples``.
 
     Why: a shared host's bandwidth drops for seconds at a time (on the 2-core AMD EPYC of
     benchmarks/RESULTS.md, from 80-85 to 48-55 GB/s in every buffer at once, the model's own
     weights included, for seconds to minutes), and a step timed then looks 1.4x slower against a
     roofline at the run's best rate. Sampled between the reps of the step it judges (one tag per
     step), ``median(tag)`` is the rate that step ran at, and ``spread(tag)`` (max / min) says
-    whether the host moved meanwhile.
+    whether the host moved meanwhile. The same holds for its arithmetic: on that host the GEMM rate
+    moved between 104 and 162 GFLOP/s within minutes, and a compute-bound step (a verify at batch 4
+    x 8K) timed in a slow minute looked 1.5x further from its roofline; ``gemm_median(tag)`` is the
+    rate it ran at.
     """
 
-    def __init__(self, device: Any = "cpu", nbytes: int = 256 << 20) -> None:
+    def __init__(self, device: Any = "cpu", nbytes: int = 256 << 20,
+                 gemm: tuple[Callable[[], Any], float] | None = None) -> None:
         import torch
 
         if nbytes < 4:
@@ -75,33 +81,74 @@ class ReadProbe:
         self.device = device
         self.nbytes = nbytes // 4 * 4
         self._x = torch.ones(self.nbytes // 4, dtype=torch.float32, device=device)
+        self._gemm = gemm
         self.samples: dict[str, list[float]] = {}
+        self.gemm_samples: dict[str, list[float]] = {}
 
     def __call__(self, tag: str = "") -> float:
+        """Sample (the read, then the product where given) under ``tag``; returns the read's rate."""
         _sync(self.device)
         t0 = time.perf_counter()
         self._x.sum()
         _sync(self.device)
         rate = self.nbytes / max(time.perf_counter() - t0, 1e-9)
         self.samples.setdefault(tag, []).append(rate)
+        if self._gemm is not None:
+            call, flops = self._gemm
+            t0 = time.perf_counter()
+            call()
+            _sync(self.device)
+            self.gemm_samples.setdefault(tag, []).append(flops / max(time.perf_counter() - t0, 1e-9))
         return rate
 
     def tagged(self, tag: str) -> Callable[[], float]:
         """A call that samples under ``tag`` (``time_call``'s ``between``)."""
         return lambda: self(tag)
 
-    def _of(self, tag: str | None) -> list[float]:
-        return [x for v in self.samples.values() for x in v] if tag is None else self.samples.get(tag, [])
+    @staticmethod
+    def _of(samples: dict[str, list[float]], tag: str | None) -> list[float]:
+        return [x for v in samples.values() for x in v] if tag is None else samples.get(tag, [])
 
     def median(self, tag: str | None = None) -> float | None:
-        """Median of ``tag``'s samples (bytes/s; every sample for None); None before the first."""
-        xs = self._of(tag)
+        """Median of ``tag``'s read samples (bytes/s; every sample for None); None before the first."""
+        xs = self._of(self.samples, tag)
         return statistics.median(xs) if xs else None
 
     def spread(self, tag: str | None = None) -> float | None:
-        """max / min of ``tag``'s samples (every sample for None); None before the first."""
-        xs = self._of(tag)
+        """max / min of ``tag``'s read samples (every sample for None); None before the first."""
+        xs = self._of(self.samples, tag)
         return max(xs) / min(xs) if xs else None
+
+    def gemm_median(self, tag: str | None = None) -> float | None:
+        """Median of ``tag``'s GEMM samples (FLOP/s; every sample for None); None without any."""
+        xs = self._of(self.gemm_samples, tag)
+        return statistics.median(xs) if xs else None
+
+    def gemm_spread(self, tag: str | None = None) -> float | None:
+        """max / min of ``tag``'s GEMM samples (every sample for None); None without any."""
+        xs = self._of(self.gemm_samples, tag)
+        return max(xs) / min(xs) if xs else None
+
+
+def gemm_call(device: str, dtype: Any, backend: str = "torch",
+              n: int | None = None) -> tuple[Callable[[], Any], float]:
+    """One square product of ``n`` (default: ``measure_machine``'s size here) in ``dtype`` by the
+    GEMM ``backend`` (a name of ``measure_machine``'s ``gemm_rates``; ``"torch"`` where that one
+    does not run here) and its FLOPs: a ``ReadProbe``'s ``gemm``."""
+    import torch
+
+    cuda = torch.device(device).type == "cuda"
+    n = n or (8192 if cuda else _cpu_gemm_n(dtype))
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    with torch.inference_mode():
+        fns = _gemm_backends(a, b, a @ b, cuda)
+    fn = fns.get(backend, fns["torch"])
+
+    def call() -> Any:
+        with torch.inference_mode():
+            return fn()
+    return call, 2.0 * n**3
 
 
 def measure_machine(device: str, dtype: Any, reps: int = 7) -> dict[str, Any]:

@@ -129,7 +129,9 @@ def test_rooflines_are_recomputed_at_the_best_rates_of_the_run():
     tiny = random_transformer("tiny")
     samples = [{"read_bytes_per_s": 2e9, "gemm_flops_per_s": 5e11, "gemm_backend": "torch"},
                {"read_bytes_per_s": 1e9, "gemm_flops_per_s": 9e11, "gemm_backend": "ss"}]
-    assert bench.best_rates(samples) == {"read_bytes_per_s": 2e9, "gemm_flops_per_s": 9e11, "gemm_backend": "ss"}
+    assert bench.best_rates(samples) == {"read_bytes_per_s": 2e9, "gemm_flops_per_s": 9e11, "gemm_backend": "ss",
+                                         "gemm_n": None}
+    assert bench.best_rates([samples[0], {**samples[1], "gemm_n": 1024}])["gemm_n"] == 1024  # the fastest's size
     row = {"batch_size": 2, "prompt_len": 1000, "k": 3, "n_index": 128, "prefill_s": 0.5, "ar_step_s": 0.01,
            "verify_importance_s": 0.03, "draft_step_s": 0.004, "draft_step_int8_s": 0.003, "gamma": 0.004 / 0.03,
            "_draft_int8_roofline_weight_bytes": 1000}
@@ -154,6 +156,16 @@ def test_rooflines_are_recomputed_at_the_best_rates_of_the_run():
     assert beside["ar_step_x_roofline_beside"] < beside["ar_step_x_roofline"]  # a memory-bound step here
     for name in ("verify", "draft_step"):
         assert beside[f"{name}_x_roofline_beside"] == pytest.approx(best[f"{name}_x_roofline"])
+    # and the GEMM rate sampled beside them: the verify in a slow minute of the host's arithmetic
+    # (compute-bound at 1 MFLOP/s) against the floor at that rate, the others at the run's
+    reads = {f"{n}_read_beside_bytes_per_s": 2e9 for n in ("ar_step", "verify", "draft_step")}
+    slow_gemm = bench.add_rooflines({**row, **reads, "verify_gemm_beside_flops_per_s": 1e6,
+                                     "ar_step_gemm_beside_flops_per_s": None}, tiny, bench.best_rates(samples))
+    at_slow_gemm = bench.add_rooflines(dict(row), tiny, {**bench.best_rates(samples), "gemm_flops_per_s": 1e6})
+    assert slow_gemm["verify_x_roofline_beside"] == pytest.approx(at_slow_gemm["verify_x_roofline"])
+    assert slow_gemm["verify_x_roofline_beside"] < 0.1 * slow_gemm["verify_x_roofline"]
+    for name in ("ar_step", "draft_step"):
+        assert slow_gemm[f"{name}_x_roofline_beside"] == pytest.approx(best[f"{name}_x_roofline"])
 
 
 def test_the_read_probe_samples_between_reps_and_outside_the_timing():
@@ -175,6 +187,22 @@ def test_the_read_probe_samples_between_reps_and_outside_the_timing():
     assert probe.median("c") is None and probe.spread("c") is None
     with pytest.raises(ValueError, match="nbytes"):
         rl.ReadProbe("cpu", nbytes=2)
+    assert probe.gemm_median() is None and probe.gemm_spread("a") is None  # no GEMM given: none sampled
+
+
+def test_the_probe_samples_the_gemm_beside_the_read():
+    products = []
+    probe = rl.ReadProbe("cpu", nbytes=1 << 20, gemm=(lambda: products.append(1), 2e6))
+    for tag in ("a", "a", "b"):
+        probe(tag)
+    assert len(products) == 3 and {t: len(v) for t, v in probe.gemm_samples.items()} == {"a": 2, "b": 1}
+    assert all(r > 0 for v in probe.gemm_samples.values() for r in v) and len(probe.samples["a"]) == 2
+    probe.gemm_samples = {"a": [1e9, 3e9], "b": [4e9]}
+    assert probe.gemm_median("a") == 2e9 and probe.gemm_spread("a") == 3.0 and probe.gemm_median() == 3e9
+    call, flops = rl.gemm_call("cpu", torch.float32, "no-such-backend", n=64)  # unknown here: torch's product
+    assert flops == 2 * 64**3 and tuple(call().shape) == (64, 64)
+    call, _ = rl.gemm_call("cpu", torch.float32, "torch", n=32)
+    assert tuple(call().shape) == (32, 32)
 
 
 def test_markdown_has_the_physics_and_reference_columns():
@@ -298,9 +326,11 @@ def test_random_weights_measure_every_step_and_store_them_without_an_e2e_run(tmp
         assert r["ar_step_x_roofline"] == pytest.approx(r["ar_step_s"] / r["ar_step_roofline_s"])
         # the bandwidth read between the judged steps' reps (1 rep each: 3 samples), and the steps against it
         assert r["read_beside_bytes_per_s"] > 0 and r["read_beside_spread"] >= 1.0
+        assert r["gemm_beside_flops_per_s"] > 0 and r["gemm_beside_spread"] >= 1.0  # and the GEMM rate
         for name in ("ar_step", "verify", "draft_step"):
             assert r[f"{name}_read_beside_bytes_per_s"] > 0 and r[f"{name}_x_roofline_beside"] > 0, name
-    assert "read beside the steps GB/s" in printed
+            assert r[f"{name}_gemm_beside_flops_per_s"] > 0, name
+    assert "read beside the steps GB/s" in printed and "GEMM beside the steps GFLOP/s" in printed
     assert steps[0]["prefill_s"] > 0 and steps[1]["prefill_s"] is None
     for r in result["rows"]:  # every row says where it ran and with which kernels
         assert r["cpu"] and "read_bytes_per_s" in r and "gemm_flops_per_s" in r and r["kernels"].startswith("linear ")

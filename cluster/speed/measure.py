@@ -16,11 +16,12 @@ hold ``L - --gen-tokens`` tokens), it measures, after warm-up:
   read once + the KV the step must read (context for AR and verify, index + drafts for the draft
   step), and the compute floor ``flops / GEMM throughput``; each step is reported as a multiple
   of ``max`` of the two (``x_roofline``) and of the memory term alone (``x_mem``); the AR,
-  verify and draft steps also against the floor at the bandwidth sampled between their own reps
-  (``{step}_read_beside_bytes_per_s``, ``{step}_x_roofline_beside``; ``read_beside_bytes_per_s``
-  and ``read_beside_spread``: the median and max / min of the cell's samples): a shared host's
-  bandwidth drops for seconds at a time, and a step timed in such a drop is slow against the
-  run's best rate by the host's doing, not ours;
+  verify and draft steps also against the floor at the bandwidth and the GEMM rate (the run's
+  fastest GEMM) sampled between their own reps (``{step}_read_beside_bytes_per_s``,
+  ``{step}_gemm_beside_flops_per_s``, ``{step}_x_roofline_beside``; ``read_beside_bytes_per_s``,
+  ``gemm_beside_flops_per_s`` and their ``_spread``: the median and max / min of the cell's
+  samples): a shared host's bandwidth and arithmetic drop for seconds at a time, and a step timed
+  in such a drop is slow against the run's best rates by the host's doing, not ours;
 * end to end (unless ``--steps-only``; needs a real model with a tokenizer, so never with
   ``--random-weights``): a sweep (``cluster.sweep.run.run_sweep``) of the ``speed`` benchmark
   (``evals.benchmarks.speed``: consecutive windows of a public-domain book, ``ignore_eos``, so
@@ -68,6 +69,7 @@ from typing import Any
 
 from sparsespec.roofline import (  # noqa: F401 - re-exported for ``from cluster.speed.measure import ...``
     ReadProbe,
+    gemm_call,
     _sync,
     kv_bytes,
     machine_desc,
@@ -357,8 +359,10 @@ def bench_steps(model, prompts: list[list[int]], cfg: BenchConfig, machine: dict
 
     parts = decompose_step(model, cache, B, K + 1, P, reps, warm)  # the verify's linears / attention alone
     parts_ar = decompose_step(model, cache, B, 1, P, reps, warm)
-    # the read bandwidth between the reps of the three steps judged against their roofline
-    probe = ReadProbe(dev, (1 << 30) if torch.device(dev).type == "cuda" else (256 << 20))
+    # the read bandwidth and the GEMM rate (the run's fastest GEMM) between the reps of the three
+    # steps judged against their roofline
+    probe = ReadProbe(dev, (1 << 30) if torch.device(dev).type == "cuda" else (256 << 20),
+                      gemm=gemm_call(dev, model.dtype, machine.get("gemm_backend", "torch"), machine.get("gemm_n")))
     t = {
         "ar_step_s": time_call(ar_step, dev, reps, warm, between=probe.tagged("ar_step")),
         "verify_s": time_call(verify_plain, dev, reps, warm),
@@ -378,7 +382,10 @@ def bench_steps(model, prompts: list[list[int]], cfg: BenchConfig, machine: dict
                            "ar_linears_s": parts_ar["linears_s"], "ar_attention_s": parts_ar["attention_s"],
                            "verify_linears_s": parts["linears_s"], "verify_attention_s": parts["attention_s"],
                            "read_beside_bytes_per_s": probe.median(), "read_beside_spread": probe.spread(),
+                           "gemm_beside_flops_per_s": probe.gemm_median(), "gemm_beside_spread": probe.gemm_spread(),
                            **{f"{n}_read_beside_bytes_per_s": probe.median(n)
+                              for n in ("ar_step", "verify", "draft_step")},
+                           **{f"{n}_gemm_beside_flops_per_s": probe.gemm_median(n)
                               for n in ("ar_step", "verify", "draft_step")}}
     del probe
     out["ar_rest_s"] = t["ar_step_s"] - parts_ar["linears_s"] - parts_ar["attention_s"]
@@ -423,12 +430,15 @@ def add_rooflines(out: dict[str, Any], model, machine: Mapping[str, float]) -> d
         out[f"{name}_bytes"] = r["bytes"]
         out[f"{name}_x_roofline"] = x_roofline(out[key], r["roofline_s"])
         out[f"{name}_x_mem"] = x_roofline(out[key], r["mem_s"])
-    # the same three steps against the floor at the bandwidth sampled between their own reps
-    # (``{step}_read_beside_bytes_per_s``): what is left is ours, not a slow minute of the host's
+    # the same three steps against the floor at the bandwidth and the GEMM rate sampled between their
+    # own reps (``{step}_read_beside_bytes_per_s``, ``{step}_gemm_beside_flops_per_s``; a row without
+    # the latter: the run's GEMM rate): what is left is ours, not a slow minute of the host's
     for name, key, T, keys in (("ar_step", "ar_step_s", 1, P), ("verify", "verify_importance_s", K + 1, P),
                                ("draft_step", "draft_step_s", 1, n_index + K / 2)):
         beside = out.get(f"{name}_read_beside_bytes_per_s")
-        floor = roofline(model, {**machine, "read_bytes_per_s": beside}, B, T, keys)["roofline_s"] if beside else None
+        rates = {**machine, "read_bytes_per_s": beside,
+                 "gemm_flops_per_s": out.get(f"{name}_gemm_beside_flops_per_s") or machine["gemm_flops_per_s"]}
+        floor = roofline(model, rates, B, T, keys)["roofline_s"] if beside else None
         out[f"{name}_x_roofline_beside"] = x_roofline(out[key], floor) if floor else None
     if out.get("prefill_s") is not None:
         r = roofline(model, machine, 1, P, P, attn_keys=P / 2, logit_tokens=1)  # logits for the last position only
@@ -609,10 +619,11 @@ def _check_window(cfg: BenchConfig, window: int) -> None:
 
 def best_rates(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The best read bandwidth and the best GEMM rate among ``measure_machine`` samples (with the
-    GEMM backend that ran it)."""
+    GEMM backend that ran it, and its product's size)."""
     fastest = max(samples, key=lambda m: m["gemm_flops_per_s"])
     return {"read_bytes_per_s": max(m["read_bytes_per_s"] for m in samples),
-            "gemm_flops_per_s": fastest["gemm_flops_per_s"], "gemm_backend": fastest.get("gemm_backend", "torch")}
+            "gemm_flops_per_s": fastest["gemm_flops_per_s"], "gemm_backend": fastest.get("gemm_backend", "torch"),
+            "gemm_n": fastest.get("gemm_n")}
 
 
 def measure_steps(cfg: BenchConfig, *, progress: Callable[[str], None] = log.info) -> dict[str, Any]:
@@ -652,9 +663,11 @@ def measure_steps(cfg: BenchConfig, *, progress: Callable[[str], None] = log.inf
             rows.append(steps)
             progress(f"ctx {L} B {B}: AR {steps['ar_step_s'] * 1e3:.1f} ms ({steps['ar_step_x_roofline']:.2f}x roofline "
                      f"at the rates so far, {_f(steps['ar_step_x_roofline_beside'], '.2f')}x at the "
-                     f"{_f((steps['ar_step_read_beside_bytes_per_s'] or 0) / 1e9, '.1f')} GB/s "
-                     "read beside its reps), "
-                     f"verify {steps['verify_importance_s'] * 1e3:.1f} ms, draft {steps['draft_step_s'] * 1e3:.1f} ms, "
+                     f"{_f((steps['ar_step_read_beside_bytes_per_s'] or 0) / 1e9, '.1f')} GB/s read beside its reps), "
+                     f"verify {steps['verify_importance_s'] * 1e3:.1f} ms ({steps['verify_x_roofline']:.2f}x, "
+                     f"{_f(steps['verify_x_roofline_beside'], '.2f')}x at the "
+                     f"{_f((steps['verify_gemm_beside_flops_per_s'] or 0) / 1e9, '.0f')} GFLOP/s beside its reps), "
+                     f"draft {steps['draft_step_s'] * 1e3:.1f} ms, "
                      f"gamma {steps['gamma']:.3f} (roofline {steps['gamma_roofline']:.3f})")
             if torch.device(cfg.device).type == "cuda":
                 torch.cuda.empty_cache()
@@ -949,8 +962,8 @@ def markdown(result: dict[str, Any]) -> str:
         "| verify K+1 ms | +importance (x roof) | verify linears / attention / rest ms | index update ms (of verify) "
         "| rebuild ms | gather ms | draft ms (x roof) | int8 draft ms (x roof) | gamma / roofline "
         "| int8 gamma / roofline | max S roofline / steps | read beside the steps GB/s (max / min) "
-        "| x roof at that read: AR / verify / draft |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| GEMM beside the steps GFLOP/s (max / min) | x roof at the rates beside: AR / verify / draft |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         if r["kind"] != "steps":
@@ -971,6 +984,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {_f(r.get('roofline_max_speedup'), '.2f')} / {_f(r.get('step_max_speedup'), '.2f')} "
             f"| {_f(r.get('read_beside_bytes_per_s') and r['read_beside_bytes_per_s'] / 1e9, '.1f')} "
             f"({_f(r.get('read_beside_spread'), '.2f')}) "
+            f"| {_f(r.get('gemm_beside_flops_per_s') and r['gemm_beside_flops_per_s'] / 1e9, '.0f')} "
+            f"({_f(r.get('gemm_beside_spread'), '.2f')}) "
             f"| {' / '.join(_f(r.get(f'{n}_x_roofline_beside'), '.2f') for n in ('ar_step', 'verify', 'draft_step'))} |"
         )
     peers = [r for r in result["rows"] if r["kind"] == "peer"]
