@@ -106,28 +106,30 @@ class ReadProbe:
         return lambda: self(tag)
 
     @staticmethod
-    def _of(samples: dict[str, list[float]], tag: str | None) -> list[float]:
-        return [x for v in samples.values() for x in v] if tag is None else samples.get(tag, [])
+    def _median(samples: dict[str, list[float]], tag: str | None) -> float | None:
+        xs = [x for v in samples.values() for x in v] if tag is None else samples.get(tag, [])
+        return statistics.median(xs) if xs else None
+
+    @staticmethod
+    def _spread(samples: dict[str, list[float]], tag: str | None) -> float | None:
+        xs = [x for v in samples.values() for x in v] if tag is None else samples.get(tag, [])
+        return max(xs) / min(xs) if xs else None
 
     def median(self, tag: str | None = None) -> float | None:
         """Median of ``tag``'s read samples (bytes/s; every sample for None); None before the first."""
-        xs = self._of(self.samples, tag)
-        return statistics.median(xs) if xs else None
+        return self._median(self.samples, tag)
 
     def spread(self, tag: str | None = None) -> float | None:
         """max / min of ``tag``'s read samples (every sample for None); None before the first."""
-        xs = self._of(self.samples, tag)
-        return max(xs) / min(xs) if xs else None
+        return self._spread(self.samples, tag)
 
     def gemm_median(self, tag: str | None = None) -> float | None:
         """Median of ``tag``'s GEMM samples (FLOP/s; every sample for None); None without any."""
-        xs = self._of(self.gemm_samples, tag)
-        return statistics.median(xs) if xs else None
+        return self._median(self.gemm_samples, tag)
 
     def gemm_spread(self, tag: str | None = None) -> float | None:
         """max / min of ``tag``'s GEMM samples (every sample for None); None without any."""
-        xs = self._of(self.gemm_samples, tag)
-        return max(xs) / min(xs) if xs else None
+        return self._spread(self.gemm_samples, tag)
 
 
 def gemm_call(device: str, dtype: Any, backend: str = "torch",
