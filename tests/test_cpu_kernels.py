@@ -132,6 +132,65 @@ def test_the_linear_fetch_trial_times_both_distances_and_decides_by_paired_ratio
     assert linear_wide_prefetch_from_trial({}) == cpu.LINEAR_WIDE_PREFETCH_ROWS  # not timed
 
 
+def test_the_trials_time_a_large_models_first_layers_and_copy_only_those(monkeypatch):
+    """A large model's linear trials run its first whole layers (every layer has one shape) and
+    copy only the weights they run: a fresh tune of Qwen2.5-Coder-1.5B packed all its 7 GB for the
+    fetch trial and twice for the linear trial (85 s, 19.7 GiB of a 23 GiB machine)."""
+    from sparsespec.kernels import plan as plan_mod
+
+    model = random_transformer("tiny")
+    weights = plan_mod._weights(model)
+    per_layer = [sum(w.numel() for w, _ in weights[i : i + 4]) for i in range(0, len(weights) - 1, 4)]
+    assert len(per_layer) == model.cfg.num_layers >= 2 and len(weights) == 4 * len(per_layer) + 1
+    assert plan_mod._first_layers(weights, lambda n: n >= 1) == weights[:4]
+    assert plan_mod._first_layers(weights, lambda n: n >= per_layer[0] + 1) == weights[:8]
+    assert plan_mod._first_layers(weights, lambda n: n > sum(per_layer)) == weights  # the LM head too
+
+    packed = []
+    real_pack = cpu.pack_weight
+    monkeypatch.setattr(cpu, "pack_weight", lambda w: packed.append(id(w)) or real_pack(w))
+    monkeypatch.setattr(plan_mod, "LINEAR_FETCH_TRIAL_BYTES", 4 * per_layer[0])  # one layer's panels
+    seen = []
+    real_linear = cpu.linear_packed
+    monkeypatch.setattr(cpu, "linear_packed",
+                        lambda x, wp, n, b=None: seen.append(wp.shape) or real_linear(x, wp, n, b))
+    plan_mod._linear_fetch_trial(model, reps=1)
+    first = {id(w) for w, _ in weights[:4]}
+    assert set(packed) == first and len(packed) == 4
+    assert len(seen) == 8 * 4 and set(seen) == {real_pack(w).shape for w, _ in weights[:4]}
+
+    # the linear trial: a width so wide that ~1 GFLOP is one layer -> that layer's copies only
+    packed.clear()
+    monkeypatch.setattr(plan_mod, "TRIAL_ROWS", (1, int(1e9 / (2 * per_layer[0])) + 1))
+    res = plan_mod._linear_trial(model, ["ss", "mkl"], 1)
+    assert set(res) == set(plan_mod.TRIAL_ROWS)
+    assert len(packed) == len(weights) and set(packed) == {id(w) for w, _ in weights}  # M = 1: every weight
+    packed.clear()
+    monkeypatch.setattr(plan_mod, "TRIAL_ROWS", (int(1e9 / (2 * per_layer[0])) + 1,))
+    plan_mod._linear_trial(model, ["ss", "mkl"], 1)
+    assert set(packed) == first and len(packed) == 4
+
+
+def test_the_forward_trial_copies_nothing_where_only_prefill_goes_to_a_library(monkeypatch):
+    """Only the decode and verify ranges are confirmed in whole forwards; where the linear trial gave
+    a library the prefill range only, nothing is timed and no copy of the weights is made."""
+    from sparsespec.kernels.plan import _confirm_in_forward
+
+    model = random_transformer("tiny")
+    calls = []
+    monkeypatch.setattr(model, "prepack_", lambda *a, **k: calls.append("prepack"))
+    choice = [(1, "ss"), (8, "ss"), (16, "ss"), (32, "ss"), (64, "ss"), (128, "ss"), (None, "onednn")]
+
+    def timer(fns, reps):
+        calls.append("timed")
+        return {k: 1.0 for k in fns}
+
+    assert _confirm_in_forward(model, choice, 1, 2, timer=timer) == (choice, {})
+    assert calls == []
+    out, timings = _confirm_in_forward(model, [(1, "ss"), (8, "mkl"), (None, "ss")], 1, 2, timer=timer)
+    assert calls[0] == "prepack" and "timed" in calls and set(timings) == {"4", "8"}
+
+
 def test_the_wide_linear_fetch_follows_the_plan_and_the_environment(monkeypatch):
     for bad in (-1, cpu.LINEAR_PREFETCH_MAX + 1, True, 16.0, None):
         with pytest.raises(ValueError, match="linear_wide_prefetch"):

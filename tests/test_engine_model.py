@@ -71,6 +71,49 @@ def test_llama3_rope_scaling_matches_transformers():
     torch.testing.assert_close(ours, ref.float(), rtol=1e-5, atol=1e-9)
 
 
+def test_a_checkpoint_in_two_files_loads_every_tensor_exactly(tmp_path):
+    """``from_folder`` reads each tensor from whichever file holds it (q/k/v and gate/up fused,
+    bf16 converted); a mis-shaped one is an error naming it."""
+    import json
+
+    from safetensors.torch import save_file
+
+    L, E, I, V, H, Hkv = 2, 8, 16, 16, 2, 1
+    D = E // H
+    cfg = {"model_type": "llama", "vocab_size": V, "hidden_size": E, "intermediate_size": I, "num_hidden_layers": L,
+           "num_attention_heads": H, "num_key_value_heads": Hkv, "max_position_embeddings": 64,
+           "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(0)
+    r = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    t = {"model.embed_tokens.weight": r(V, E), "model.norm.weight": r(E), "lm_head.weight": r(V, E)}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        t |= {p + "input_layernorm.weight": r(E), p + "post_attention_layernorm.weight": r(E),
+              p + "self_attn.q_proj.weight": r(H * D, E), p + "self_attn.k_proj.weight": r(Hkv * D, E),
+              p + "self_attn.v_proj.weight": r(Hkv * D, E), p + "self_attn.o_proj.weight": r(E, H * D),
+              p + "mlp.gate_proj.weight": r(I, E), p + "mlp.up_proj.weight": r(I, E),
+              p + "mlp.down_proj.weight": r(E, I).bfloat16()}
+    names = sorted(t)
+    save_file({n: t[n] for n in names[::2]}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({n: t[n] for n in names[1::2]}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    m = Transformer.from_folder(tmp_path)
+    assert torch.equal(m.embed, t["model.embed_tokens.weight"]) and torch.equal(m.lm_head, t["lm_head.weight"])
+    assert torch.equal(m.norm, t["model.norm.weight"])
+    for i, layer in enumerate(m.layers):
+        p = f"model.layers.{i}."
+        assert torch.equal(layer.wqkv, torch.cat([t[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]))
+        assert torch.equal(layer.w_gate_up, torch.cat([t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]]))
+        assert torch.equal(layer.wo, t[p + "self_attn.o_proj.weight"])
+        assert torch.equal(layer.ln_mlp, t[p + "post_attention_layernorm.weight"])
+        assert layer.w_down.dtype == torch.float32 and torch.equal(layer.w_down, t[p + "mlp.down_proj.weight"].float())
+    t["model.layers.1.mlp.up_proj.weight"] = r(I + 1, E)
+    for k, part in enumerate((names[::2], names[1::2])):
+        save_file({n: t[n] for n in part}, str(tmp_path / f"model-0000{k + 1}-of-00002.safetensors"))
+    with pytest.raises(ValueError, match=r"model.layers.1.gate_up has shape \(33, 8\), expected \(32, 8\)"):
+        Transformer.from_folder(tmp_path)
+
+
 def test_missing_tensor_is_a_clear_error(tmp_path):
     import json
 

@@ -465,6 +465,18 @@ def _weights(model) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     return [(w, b) for w, b in out if not isinstance(w, Int8Weight)]
 
 
+def _first_layers(weights: list[tuple[torch.Tensor, torch.Tensor | None]], enough: Callable[[int], bool]):
+    """``_weights``' list cut after the first whole layer (its four projections) at which
+    ``enough(numel so far)`` holds; every weight (the LM head too) where no prefix of layers is
+    enough. The trials time this share of a large model: the layers all have one shape."""
+    acc = 0
+    for i in range(0, len(weights) - 1, 4):
+        acc += sum(w.numel() for w, _ in weights[i : i + 4])
+        if enough(acc):
+            return weights[: i + 4]
+    return weights
+
+
 def _interleaved(fns: Mapping[str, Callable[[], Any]], reps: int) -> dict[str, list[float]]:
     """Seconds of each function per round after a warm-up round, ``reps`` rounds, the order
     reversed every other round (neither order favoured)."""
@@ -488,22 +500,20 @@ def _best_of(fns: Mapping[str, Callable[[], Any]], reps: int) -> dict[str, float
 def _linear_trial(model, backends: list[str], reps: int) -> dict[int, dict[str, float]]:
     weights = _weights(model)
     total = sum(w.numel() for w, _ in weights)
+    # decode widths (memory-bound): every weight, so they come from memory as in a step; wide rows
+    # (compute-bound, cache residency does not matter), and every width of a model of more than
+    # ~1 G parameters: whole layers up to ~1 GFLOP
+    sels = {m: weights if 2 * m * total <= 2e9 else _first_layers(weights, lambda n, m=m: 2 * m * n >= 1e9)
+            for m in TRIAL_ROWS}
+    used = max(sels.values(), key=len)  # each selection is a prefix of ``weights``
+    # the copies of the weights some width runs, only (Qwen2.5-Coder-1.5B: 2 of its 7 GB, twice)
     packed = {}
     if "onednn" in backends:
-        packed = {id(w): w.detach().contiguous().to_mkldnn() for w, _ in weights}
-    panels = {id(w): cpu.pack_weight(w) for w, _ in weights} if "ss" in backends else {}
+        packed = {id(w): w.detach().contiguous().to_mkldnn() for w, _ in used}
+    panels = {id(w): cpu.pack_weight(w) for w, _ in used} if "ss" in backends else {}
     res: dict[int, dict[str, float]] = {}
     for m in TRIAL_ROWS:
-        # decode widths (memory-bound): every weight, so they come from memory as in a step; wide
-        # rows (compute-bound, cache residency does not matter): whole layers up to ~1 GFLOP
-        sel = weights
-        if 2 * m * total > 2e9:
-            sel, acc = [], 0
-            for i in range(0, len(weights) - 1, 4):  # a layer's four projections at a time
-                sel += weights[i : i + 4]
-                acc += sum(w.numel() for w, _ in weights[i : i + 4])
-                if 2 * m * acc >= 1e9:
-                    break
+        sel = sels[m]
         xs = {k: torch.randn(m, k, dtype=model.dtype) for k in {w.shape[1] for w, _ in sel}}
 
         def run(be: str, sel=sel, xs=xs):
@@ -535,6 +545,10 @@ KT_TRIAL_T = (1, 3, 5, 9, 17)
 #: stream from memory, and its interleaved reps (its choices move the time by a few percent, where a
 #: best of three at batch 1 flipped from run to run on the AMD EPYC of benchmarks/RESULTS.md)
 FETCH_TRIAL_BATCH, FETCH_TRIAL_REPS = 4, 9
+#: the linear fetch trial streams whole layers of at least this many bytes (every weight of a
+#: smaller model: SmolLM2-135M's 538 MB); far more than a last-level cache, so they come from memory
+#: as in a step, and a bounded time for a large model (Qwen2.5-Coder-1.5B: 3 of its 28 layers)
+LINEAR_FETCH_TRIAL_BYTES = 512 << 20
 #: the fetch trial's verify width (k = 2: the k ``k="auto"`` picks most where it drafts)
 FETCH_TRIAL_VERIFY_T = cpu.VERIFY_KPREFETCH_T
 #: the attention trial's entry holding the fetch trial (not a width: no ``T``)
@@ -550,14 +564,16 @@ def linear_fetch_widths(tile_rows: int) -> tuple[int, int]:
 
 
 def _linear_fetch_trial(model, reps: int = FETCH_TRIAL_REPS) -> dict[str, float]:
-    """Every packed linear of ``model`` (its own weights, streamed from memory as in a step) at the
+    """The packed linears of ``model`` (its own weights: every one, or its first whole layers of at
+    least ``LINEAR_FETCH_TRIAL_BYTES``; streamed from memory as in a step) at the
     ``linear_fetch_widths`` of the tiles in use, with the first row tile fetching
     ``cpu.LINEAR_WIDE_PREFETCH_ROWS`` rows of a panel ahead (``M<m>:near``) and
     ``cpu.LINEAR_WIDE_PREFETCH_FAR`` (``M<m>:far``), ``reps`` rounds of all four, the order reversed
     every other round. Returns each variant's median seconds and under ``M<m>:far/near`` the median
     of its per-round time ratios (a drift between rounds cancels). Leaves the setting at
     ``cpu.LINEAR_WIDE_PREFETCH_ROWS``."""
-    weights = [(cpu.pack_weight(w), w.shape[0], w.shape[1], b) for w, b in _weights(model)]
+    sel = _first_layers(_weights(model), lambda n: 4 * n >= LINEAR_FETCH_TRIAL_BYTES)  # fp32 panels
+    weights = [(cpu.pack_weight(w), w.shape[0], w.shape[1], b) for w, b in sel]
     fns: dict[str, Callable[[], Any]] = {}
     for m in linear_fetch_widths(cpu.LINEAR_TILE_ROWS.get(cpu.linear_isa() or "avx2", 6)):
         xs = {k: torch.randn(m, k, dtype=model.dtype) for k in {k for _, _, k, _ in weights}}
@@ -830,6 +846,8 @@ def _confirm_in_forward(model, choice: list[tuple[int | None, str]], threads: in
     than ``TIE_MARGIN``. Returns the choice and the timings
     (``{"<width>": {"ss"|"<library>": s}}``). Leaves the model's plan as it found it. ``timer``:
     ``_best_of`` (a test passes a fake one)."""
+    if all(be == "ss" or upper is None or upper > FORWARD_TRIAL_UPTO for upper, be in choice):
+        return list(choice), {}  # nothing to confirm: no copies of the weights (a 1.5B model's 14 GB)
     saved = model.kernel_plan
     trial = KernelPlan(tuple(choice), "ss", True, threads, "trial")
     packs = KernelPlan(((1, "ss"), (None, "onednn" if trial.uses_onednn else "mkl")), "ss", True, threads, "trial")
