@@ -149,7 +149,7 @@ def test_the_trials_time_a_large_models_first_layers_and_copy_only_those(monkeyp
     packed = []
     real_pack = cpu.pack_weight
     monkeypatch.setattr(cpu, "pack_weight", lambda w: packed.append(id(w)) or real_pack(w))
-    monkeypatch.setattr(plan_mod, "LINEAR_FETCH_TRIAL_BYTES", 4 * per_layer[0])  # one layer's panels
+    monkeypatch.setattr(plan_mod, "TRIAL_STREAM_BYTES", 4 * per_layer[0])  # one layer's panels
     seen = []
     real_linear = cpu.linear_packed
     monkeypatch.setattr(cpu, "linear_packed",
@@ -167,6 +167,12 @@ def test_the_trials_time_a_large_models_first_layers_and_copy_only_those(monkeyp
     assert len(packed) == len(weights) and set(packed) == {id(w) for w, _ in weights}  # M = 1: every weight
     packed.clear()
     monkeypatch.setattr(plan_mod, "TRIAL_ROWS", (int(1e9 / (2 * per_layer[0])) + 1,))
+    plan_mod._linear_trial(model, ["ss", "mkl"], 1)
+    assert set(packed) == first and len(packed) == 4
+    # a memory-bound width of a large model: ~1 GFLOP would be every layer; the byte cap is one
+    packed.clear()
+    total = sum(w.numel() for w, _ in weights)
+    monkeypatch.setattr(plan_mod, "TRIAL_ROWS", (int(1e9 / total) + 1,))
     plan_mod._linear_trial(model, ["ss", "mkl"], 1)
     assert set(packed) == first and len(packed) == 4
 

@@ -87,6 +87,11 @@ LINEAR_BACKENDS = ("ss", "onednn", "mkl")
 LINEAR_RANGES: tuple[tuple[int | None, tuple[int, ...]], ...] = (
     (1, (1,)), (8, (4, 8)), (16, (12, 16)), (32, (24, 32)), (64, (36, 64)), (128, (96, 128)), (None, (256, 512)))
 TRIAL_ROWS = tuple(m for _, ms in LINEAR_RANGES for m in ms)
+#: the linear trials stream whole layers of at most about this many bytes of fp32 panels at the
+#: memory-bound widths (every weight of a smaller model: SmolLM2-135M's 538 MB): far more than a
+#: last-level cache, so they come from memory as in a step, in a bounded time for a large model
+#: (Qwen2.5-Coder-1.5B: 3 of its 28 layers)
+TRIAL_STREAM_BYTES = 512 << 20
 RANGE_UPPER = tuple(u for u, _ in LINEAR_RANGES)
 #: the forwards of ``_confirm_in_forward``: verifies of k + 1 tokens per row over this many keys, for
 #: the ranges up to ``FORWARD_TRIAL_UPTO`` rows (decode and verify widths; in a prefill chunk the
@@ -502,8 +507,9 @@ def _linear_trial(model, backends: list[str], reps: int) -> dict[int, dict[str, 
     total = sum(w.numel() for w, _ in weights)
     # decode widths (memory-bound): every weight, so they come from memory as in a step; wide rows
     # (compute-bound, cache residency does not matter), and every width of a model of more than
-    # ~1 G parameters: whole layers up to ~1 GFLOP
-    sels = {m: weights if 2 * m * total <= 2e9 else _first_layers(weights, lambda n, m=m: 2 * m * n >= 1e9)
+    # ~1 G parameters: whole layers up to ~1 GFLOP or TRIAL_STREAM_BYTES, whichever comes first
+    sels = {m: weights if 2 * m * total <= 2e9 else
+            _first_layers(weights, lambda n, m=m: 2 * m * n >= 1e9 or 4 * n >= TRIAL_STREAM_BYTES)
             for m in TRIAL_ROWS}
     used = max(sels.values(), key=len)  # each selection is a prefix of ``weights``
     # the copies of the weights some width runs, only (Qwen2.5-Coder-1.5B: 2 of its 7 GB, twice)
@@ -545,10 +551,6 @@ KT_TRIAL_T = (1, 3, 5, 9, 17)
 #: stream from memory, and its interleaved reps (its choices move the time by a few percent, where a
 #: best of three at batch 1 flipped from run to run on the AMD EPYC of benchmarks/RESULTS.md)
 FETCH_TRIAL_BATCH, FETCH_TRIAL_REPS = 4, 9
-#: the linear fetch trial streams whole layers of at least this many bytes (every weight of a
-#: smaller model: SmolLM2-135M's 538 MB); far more than a last-level cache, so they come from memory
-#: as in a step, and a bounded time for a large model (Qwen2.5-Coder-1.5B: 3 of its 28 layers)
-LINEAR_FETCH_TRIAL_BYTES = 512 << 20
 #: the fetch trial's verify width (k = 2: the k ``k="auto"`` picks most where it drafts)
 FETCH_TRIAL_VERIFY_T = cpu.VERIFY_KPREFETCH_T
 #: the attention trial's entry holding the fetch trial (not a width: no ``T``)
@@ -565,14 +567,14 @@ def linear_fetch_widths(tile_rows: int) -> tuple[int, int]:
 
 def _linear_fetch_trial(model, reps: int = FETCH_TRIAL_REPS) -> dict[str, float]:
     """The packed linears of ``model`` (its own weights: every one, or its first whole layers of at
-    least ``LINEAR_FETCH_TRIAL_BYTES``; streamed from memory as in a step) at the
+    least ``TRIAL_STREAM_BYTES``; streamed from memory as in a step) at the
     ``linear_fetch_widths`` of the tiles in use, with the first row tile fetching
     ``cpu.LINEAR_WIDE_PREFETCH_ROWS`` rows of a panel ahead (``M<m>:near``) and
     ``cpu.LINEAR_WIDE_PREFETCH_FAR`` (``M<m>:far``), ``reps`` rounds of all four, the order reversed
     every other round. Returns each variant's median seconds and under ``M<m>:far/near`` the median
     of its per-round time ratios (a drift between rounds cancels). Leaves the setting at
     ``cpu.LINEAR_WIDE_PREFETCH_ROWS``."""
-    sel = _first_layers(_weights(model), lambda n: 4 * n >= LINEAR_FETCH_TRIAL_BYTES)  # fp32 panels
+    sel = _first_layers(_weights(model), lambda n: 4 * n >= TRIAL_STREAM_BYTES)  # fp32 panels
     weights = [(cpu.pack_weight(w), w.shape[0], w.shape[1], b) for w, b in sel]
     fns: dict[str, Callable[[], Any]] = {}
     for m in linear_fetch_widths(cpu.LINEAR_TILE_ROWS.get(cpu.linear_isa() or "avx2", 6)):
