@@ -14,6 +14,7 @@ before ours (and the draft) load; the draft model is dropped from the drafter's 
 """
 import gc
 import json
+import textwrap
 
 import pytest
 import torch
@@ -31,8 +32,8 @@ QUESTION = "Write a Python function that returns the n-th Fibonacci number, iter
 def _provisioned(name):
     try:
         return resolve_model(name)
-    except ModelNotAvailableError as e:
-        pytest.skip(f"{name} is not provisioned (`make provision-pair`): {e}")
+    except ModelNotAvailableError as e:  # shortened: the message lists the 22 wheels twice
+        pytest.skip(f"{name} is not provisioned (`make provision-pair`): {textwrap.shorten(str(e), 160)}")
 
 
 @pytest.fixture(scope="module", autouse=True)
