@@ -87,7 +87,7 @@ LINEAR_BACKENDS = ("ss", "onednn", "mkl")
 LINEAR_RANGES: tuple[tuple[int | None, tuple[int, ...]], ...] = (
     (1, (1,)), (8, (4, 8)), (16, (12, 16)), (32, (24, 32)), (64, (36, 64)), (128, (96, 128)), (None, (256, 512)))
 TRIAL_ROWS = tuple(m for _, ms in LINEAR_RANGES for m in ms)
-#: the linear trials stream whole layers of at most about this many bytes of fp32 panels at the
+#: the linear trials stream the first whole layers that reach this many bytes of fp32 panels at the
 #: memory-bound widths (every weight of a smaller model: SmolLM2-135M's 538 MB): far more than a
 #: last-level cache, so they come from memory as in a step, in a bounded time for a large model
 #: (Qwen2.5-Coder-1.5B: 3 of its 28 layers)
