@@ -106,13 +106,17 @@ class ReadProbe:
         return lambda: self(tag)
 
     @staticmethod
-    def _median(samples: dict[str, list[float]], tag: str | None) -> float | None:
-        xs = [x for v in samples.values() for x in v] if tag is None else samples.get(tag, [])
+    def _of(samples: dict[str, list[float]], tag: str | None) -> list[float]:
+        return [x for v in samples.values() for x in v] if tag is None else samples.get(tag, [])
+
+    @classmethod
+    def _median(cls, samples: dict[str, list[float]], tag: str | None) -> float | None:
+        xs = cls._of(samples, tag)
         return statistics.median(xs) if xs else None
 
-    @staticmethod
-    def _spread(samples: dict[str, list[float]], tag: str | None) -> float | None:
-        xs = [x for v in samples.values() for x in v] if tag is None else samples.get(tag, [])
+    @classmethod
+    def _spread(cls, samples: dict[str, list[float]], tag: str | None) -> float | None:
+        xs = cls._of(samples, tag)
         return max(xs) / min(xs) if xs else None
 
     def median(self, tag: str | None = None) -> float | None:
